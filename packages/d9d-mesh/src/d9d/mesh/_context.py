@@ -1,0 +1,252 @@
+"""The distributed context of a job: device, process groups, ranks and mesh domains."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Generator, MutableMapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from d9d.mesh._domains import BATCH_DOMAIN, MeshDomain, domain_layout
+from d9d.mesh._parameters import MeshParameters
+from d9d.mesh._seeding import seed_everything
+
+DeviceType = Literal["cpu", "cuda"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class _RankLogger(logging.LoggerAdapter[logging.Logger]):
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        return f"[rank {self.extra['rank'] if self.extra else '?'}] {msg}", kwargs
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+class DistributedContext:
+    """Device, process groups and mesh domains of one process of a job.
+
+    Built once per process from ``MeshParameters``. Under ``torchrun`` it reads ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; without them it forms a world of one
+    process with a real process group, so the same model-provider code runs in both cases. If a
+    default process group already exists (tests, or a launcher that made it), it is used as is.
+
+    The device is chosen here and nowhere else: CUDA with NCCL when CUDA is available, else CPU
+    with gloo, unless ``device_type`` forces one.
+    """
+
+    def __init__(
+        self,
+        parameters: MeshParameters,
+        *,
+        device_type: DeviceType | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        """Validates the layout against the world, then starts (or joins) the process group.
+
+        Args:
+            parameters: Parallelism degrees; their product must equal the world size.
+            device_type: Force ``"cpu"`` or ``"cuda"``; auto-detected when None.
+            timeout: Timeout of every collective; a hung collective fails after it.
+
+        Raises:
+            ValueError: If the layout does not match the world size (before any group starts).
+        """
+        self._parameters = parameters
+        self._device_type: DeviceType = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self._device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' was requested but CUDA is not available")
+        self._backend = "nccl" if self._device_type == "cuda" else "gloo"
+        self._timeout = timeout
+        self._meshes: dict[MeshDomain, DeviceMesh] = {}
+
+        if dist.is_initialized():
+            world_size = dist.get_world_size()
+            parameters.check_world_size(world_size)
+            self._owns_process_group = False
+            self._rank = dist.get_rank()
+            self._local_rank = _env_int("LOCAL_RANK", self._rank)
+            self._local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        else:
+            world_size = _env_int("WORLD_SIZE", 1)
+            parameters.check_world_size(world_size)
+            self._rank = _env_int("RANK", 0)
+            self._local_rank = _env_int("LOCAL_RANK", 0)
+            self._local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+            self._owns_process_group = True
+            self._start_process_group(world_size)
+
+        if self._device_type == "cuda":
+            torch.cuda.set_device(self._local_rank)
+            self._device = torch.device("cuda", self._local_rank)
+        else:
+            self._device = torch.device("cpu")
+        self._world_size = world_size
+        self._logger = _RankLogger(logging.getLogger("d9d"), {"rank": self._rank})
+
+    def _start_process_group(self, world_size: int) -> None:
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(
+                backend=self._backend, timeout=self._timeout, rank=self._rank, world_size=world_size
+            )
+        else:
+            # A world of one without torchrun: an in-memory store needs no address or port.
+            dist.init_process_group(
+                backend=self._backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self._timeout
+            )
+
+    @property
+    def parameters(self) -> MeshParameters:
+        """The parallelism degrees this context was built from."""
+        return self._parameters
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self._device
+
+    @property
+    def device_type(self) -> DeviceType:
+        """``"cuda"`` or ``"cpu"``."""
+        return self._device_type
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend (``"nccl"`` or ``"gloo"``)."""
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of processes on this node."""
+        return self._local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this process's node."""
+        return self._rank // max(self._local_world_size, 1)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes in the job."""
+        return max(self._world_size // max(self._local_world_size, 1), 1)
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self._rank == 0
+
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """Logger of the ``d9d`` hierarchy whose messages carry this rank."""
+        return self._logger
+
+    @property
+    def timeout(self) -> timedelta:
+        """Current collective timeout."""
+        return self._timeout
+
+    def mesh_for(self, domain: MeshDomain) -> DeviceMesh:
+        """Returns the device mesh of ``domain``, building it on first use.
+
+        Every process must ask for a domain the first time in the same order, since building a
+        mesh creates process groups collectively.
+        """
+        mesh = self._meshes.get(domain)
+        if mesh is None:
+            layout = domain_layout(domain, self._parameters)
+            mesh = DeviceMesh(self._device_type, layout.ranks, mesh_dim_names=layout.dim_names)
+            self._meshes[domain] = mesh
+        return mesh
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This process's coordinate on the ``pp`` dim."""
+        return self._rank // self._parameters.ranks_per_stage
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's coordinate on the ``dp`` dim of the batch domain (its data shard)."""
+        coordinate = self.mesh_for(BATCH_DOMAIN).get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(f"rank {self._rank} is not part of the batch mesh")
+        return coordinate[1]
+
+    def barrier(self) -> None:
+        """Waits until every process reaches this point."""
+        dist.barrier()
+
+    @contextmanager
+    def main_process_first(self) -> Generator[None]:
+        """Runs the body on the main process first, then on the others (e.g. downloads)."""
+        if not self.is_main_process:
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if self.is_main_process:
+                dist.barrier()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Changes the timeout of the world group and of every domain's groups.
+
+        A collective that does not finish within ``timeout`` raises instead of hanging.
+        """
+        # torch has no public setter for a live group's timeout; this is the one it uses itself.
+        set_pg_timeout = cast(
+            Callable[[timedelta, ProcessGroup | None], None],
+            dist.distributed_c10d.__dict__["_set_pg_timeout"],
+        )
+        set_pg_timeout(timeout, None)
+        for mesh in self._meshes.values():
+            for group in mesh.get_all_groups():
+                set_pg_timeout(timeout, group)
+        self._timeout = timeout
+
+    def seed(self, seed: int) -> int:
+        """Seeds every generator; pipeline stages get distinct seeds, other ranks share one.
+
+        Ranks of one stage (data, tensor, context, expert parallel) draw the same numbers, so
+        parameters initialized as DTensors agree; stages differ so their layers do not repeat.
+
+        Returns:
+            The seed used on this rank.
+        """
+        stage_seed = seed + 1_000_003 * self.pipeline_rank
+        seed_everything(stage_seed)
+        return stage_seed
+
+    def close(self) -> None:
+        """Destroys the process group if this context created it."""
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._meshes.clear()

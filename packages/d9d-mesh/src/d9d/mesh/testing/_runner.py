@@ -1,0 +1,176 @@
+"""Runs a function on N CPU ranks with gloo, forked from the calling process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or hung; the message holds each failing rank's traceback."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RankOutcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    traceback: str = ""
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    collective_timeout: timedelta,
+    conn: Connection,
+) -> None:
+    outcome: _RankOutcome
+    try:
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+            }
+        )
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=collective_timeout
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        outcome = _RankOutcome(rank=rank, ok=True, value=value)
+    except BaseException:
+        outcome = _RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc())
+    try:
+        conn.send(outcome)
+    except Exception:
+        conn.send(_RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc()))
+    conn.close()
+    # Skip interpreter teardown (atexit handlers inherited from the parent, e.g. pytest's).
+    os._exit(0)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` CPU processes joined in a gloo group.
+
+    Workers are forked from this process, so a parent that has already imported torch starts a
+    4-rank world in about a second; ``fn`` and its arguments need not be picklable, but return
+    values must be. Inside ``fn``, ``torch.distributed`` is initialized and ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set as torchrun would, so a
+    ``DistributedContext`` can be built there.
+
+    Args:
+        fn: The function every rank runs.
+        *args: Positional arguments for ``fn``.
+        world_size: Number of ranks.
+        timeout_s: Wall-clock limit for the whole run; ranks still running then are killed.
+        collective_timeout_s: Timeout of each collective inside the workers.
+        **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+        ``fn``'s return value on each rank, in rank order.
+
+    Raises:
+        DistributedTestError: If any rank raised, exited abnormally or did not finish in time;
+            the message names every such rank with its traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="d9d-dist-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        pipes: list[Connection] = []
+        procs: list[BaseProcess] = []
+        for rank in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(
+                    rank,
+                    world_size,
+                    store_path,
+                    fn,
+                    args,
+                    kwargs,
+                    timedelta(seconds=collective_timeout_s),
+                    send,
+                ),
+                daemon=True,
+            )
+            proc.start()
+            send.close()
+            pipes.append(recv)
+            procs.append(proc)
+        outcomes = _collect(procs, pipes, timeout_s)
+    failures = [o for o in outcomes if not o.ok]
+    if failures:
+        report = "\n".join(f"--- rank {o.rank} ---\n{o.traceback}" for o in failures)
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
+    return [o.value for o in outcomes]
+
+
+def _collect(procs: list[BaseProcess], pipes: list[Connection], timeout_s: float) -> list[_RankOutcome]:
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[int, _RankOutcome] = {}
+    pending = set(range(len(procs)))
+    while pending and time.monotonic() < deadline:
+        for rank in sorted(pending):
+            pipe = pipes[rank]
+            if pipe.poll(0.01):
+                try:
+                    outcomes[rank] = pipe.recv()
+                except EOFError:
+                    procs[rank].join(timeout=5)
+                    outcomes[rank] = _RankOutcome(
+                        rank=rank,
+                        ok=False,
+                        traceback=f"exited with code {procs[rank].exitcode} before reporting",
+                    )
+                pending.discard(rank)
+            elif not procs[rank].is_alive() and not pipe.poll(0):
+                outcomes[rank] = _RankOutcome(
+                    rank=rank, ok=False, traceback=f"exited with code {procs[rank].exitcode} before reporting"
+                )
+                pending.discard(rank)
+    for rank in pending:
+        outcomes[rank] = _RankOutcome(
+            rank=rank,
+            ok=False,
+            traceback=f"did not finish within {timeout_s:.0f} s (hung or too slow); killed",
+        )
+    for rank in pending:
+        procs[rank].kill()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [outcomes[r] for r in range(len(procs))]

@@ -1,0 +1,54 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from d9d.mesh.testing import DistributedTestError, run_distributed
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def test_returns_each_ranks_value_in_rank_order() -> None:
+    assert run_distributed(_rank_and_sum, world_size=4) == [(r, 6.0) for r in range(4)]
+
+
+def test_four_ranks_start_fast() -> None:
+    start = time.monotonic()
+    run_distributed(_rank_and_sum, world_size=4)
+    assert time.monotonic() - start < 5.0
+
+
+def _fail_on_rank_two() -> None:
+    if dist.get_rank() == 2:
+        raise RuntimeError("boom on purpose")
+
+
+def test_failure_names_rank_and_traceback() -> None:
+    with pytest.raises(DistributedTestError, match=r"(?s)1 of 3 ranks failed.*rank 2.*boom on purpose"):
+        run_distributed(_fail_on_rank_two, world_size=3)
+
+
+def _hang_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(60)
+
+
+def test_hung_rank_is_killed_and_named() -> None:
+    with pytest.raises(DistributedTestError, match=r"rank 1 ---\ndid not finish within 2 s"):
+        run_distributed(_hang_on_rank_one, world_size=2, timeout_s=2.0)
+
+
+def _hard_exit() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+
+
+def test_crashed_rank_reports_exit_code() -> None:
+    with pytest.raises(DistributedTestError, match="exited with code 3"):
+        run_distributed(_hard_exit, world_size=2, timeout_s=20.0)

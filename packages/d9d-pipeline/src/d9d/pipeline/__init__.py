@@ -1,0 +1,3 @@
+"""d9d pipeline parallelism: schedules as programs, executors and a simulator."""
+
+__all__: list[str] = []
