@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -62,10 +63,12 @@ def _worker(
         outcome = _RankOutcome(rank=rank, ok=True, value=value)
     except BaseException:
         outcome = _RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc())
+    # Plain pickle copies tensors into the message; torch's multiprocessing pickler would share
+    # their memory with a process that is about to exit.
     try:
-        conn.send(outcome)
+        conn.send_bytes(pickle.dumps(outcome))
     except Exception:
-        conn.send(_RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(_RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc())))
     conn.close()
     # Skip interpreter teardown (atexit handlers inherited from the parent, e.g. pytest's).
     os._exit(0)
@@ -146,7 +149,7 @@ def _collect(procs: list[BaseProcess], pipes: list[Connection], timeout_s: float
             pipe = pipes[rank]
             if pipe.poll(0.01):
                 try:
-                    outcomes[rank] = pipe.recv()
+                    outcomes[rank] = pickle.loads(pipe.recv_bytes())
                 except EOFError:
                     procs[rank].join(timeout=5)
                     outcomes[rank] = _RankOutcome(
