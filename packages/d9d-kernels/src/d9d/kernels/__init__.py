@@ -1,3 +1,31 @@
-"""d9d kernels: fused Triton ops with PyTorch fallbacks, and layers built on them."""
+"""d9d-kernels: fused Triton ops with PyTorch reference implementations, and layers built on them.
 
-__all__: list[str] = []
+Every op dispatches automatically (Triton for CUDA tensors, PyTorch elsewhere) and takes a
+``backend`` argument to force one; ``import d9d.kernels`` works without Triton or a GPU.
+"""
+
+from d9d.kernels._backend import KernelBackend
+from d9d.kernels._grouped_mm import grouped_mm
+from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
+from d9d.kernels._moe import moe_permute, moe_unpermute
+from d9d.kernels._rms_norm import rms_norm
+from d9d.kernels._rope import RopeLayout, apply_rope
+from d9d.kernels._stochastic_adamw import StochasticAdamW
+from d9d.kernels._stochastic_rounding import adamw_step_stochastic_, copy_stochastic_
+from d9d.kernels._swiglu import swiglu
+
+__all__ = [
+    "CrossEntropyReduction",
+    "KernelBackend",
+    "RopeLayout",
+    "StochasticAdamW",
+    "adamw_step_stochastic_",
+    "apply_rope",
+    "copy_stochastic_",
+    "grouped_mm",
+    "linear_cross_entropy",
+    "moe_permute",
+    "moe_unpermute",
+    "rms_norm",
+    "swiglu",
+]

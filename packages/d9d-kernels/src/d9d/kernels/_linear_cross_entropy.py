@@ -1,0 +1,67 @@
+"""Fused linear + cross-entropy: the public op."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from d9d.kernels._backend import KernelBackend, use_triton
+from d9d.kernels._reference.linear_cross_entropy import linear_cross_entropy_reference
+
+CrossEntropyReduction = Literal["mean", "sum", "none"]
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: CrossEntropyReduction = "mean",
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> torch.Tensor:
+    """Cross-entropy of the language-model head ``hidden @ weight.T`` without materializing its logits.
+
+    The Triton path walks the tokens in chunks: each chunk's logits are computed by one matmul, turned
+    in place into the loss and the gradient of the logits by a Triton kernel, and multiplied back into
+    the gradients of ``hidden`` and ``weight``, so at most one chunk of logits lives at a time. With
+    "mean" / "sum" the gradients are computed during the forward (the upstream gradient is a scalar
+    that scales them in the backward, in place: do not backward through one result twice); with
+    "none" the backward recomputes the chunk logits. Logits have the inputs' dtype (as in eager
+    ``hidden @ weight.T``); the softmax is computed in fp32.
+
+    Args:
+        hidden: Final hidden states (N, H).
+        weight: Output embedding (V, H), same dtype as ``hidden``.
+        labels: Target ids (N,) int64; ``ignore_index`` marks tokens without a loss.
+        ignore_index: Label value that is excluded from the loss.
+        reduction: "none" for per-token losses (N,) fp32 with 0 at ignored tokens, "sum", or "mean"
+            over non-ignored tokens (0 when all are ignored).
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Returns:
+        The loss: fp32, a scalar or (N,).
+
+    Raises:
+        ValueError: Shapes, dtypes or ``reduction`` do not fit.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be (N, H) and weight "
+            f"{tuple(weight.shape)} must be (V, H) with the same H"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_cross_entropy: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
+    if tuple(labels.shape) != (hidden.shape[0],) or labels.dtype != torch.int64:
+        raise ValueError(
+            f"linear_cross_entropy: labels must be int64 of shape ({hidden.shape[0]},), got "
+            f"{labels.dtype} {tuple(labels.shape)}"
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
+    if use_triton(backend, "linear_cross_entropy", hidden, weight):
+        from d9d.kernels._triton.linear_cross_entropy_op import linear_cross_entropy_triton
+
+        return linear_cross_entropy_triton(hidden, weight, labels, ignore_index, reduction)
+    return linear_cross_entropy_reference(hidden, weight, labels, ignore_index, reduction)

@@ -1,0 +1,1 @@
+"""Plain PyTorch implementations of every op: the ground truth and the CPU path."""

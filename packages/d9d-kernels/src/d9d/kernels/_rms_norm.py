@@ -1,0 +1,48 @@
+"""RMSNorm: the public op."""
+
+from __future__ import annotations
+
+import torch
+
+from d9d.kernels._backend import KernelBackend, use_triton
+from d9d.kernels._reference.rms_norm import rms_norm_reference
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    zero_centered_weight: bool = False,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> torch.Tensor:
+    """Root-mean-square normalization over the last dim, scaled by a learned weight.
+
+    ``y = x / sqrt(mean(x**2) + eps) * w`` with ``w = weight``, or ``w = 1 + weight`` when
+    ``zero_centered_weight`` is set (weights initialized at zero, as in Gemma / Qwen3-Next). The
+    statistics and the product are computed in fp32; the result has ``x``'s dtype. Differentiable in
+    ``x`` and ``weight``.
+
+    Args:
+        x: Input of shape (..., hidden).
+        weight: Scale of shape (hidden,).
+        eps: Added to the mean square before the square root.
+        zero_centered_weight: Use ``1 + weight`` as the scale.
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Returns:
+        The normalized tensor, shaped and typed like ``x``.
+
+    Raises:
+        ValueError: ``weight`` is not 1-D of size ``x.shape[-1]``.
+    """
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight shape {tuple(weight.shape)} does not match the last dim of x "
+            f"{tuple(x.shape)}; expected ({x.shape[-1]},)"
+        )
+    if use_triton(backend, "rms_norm", x, weight):
+        from d9d.kernels._triton.rms_norm_op import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, zero_centered_weight)
+    return rms_norm_reference(x, weight, eps, zero_centered_weight)

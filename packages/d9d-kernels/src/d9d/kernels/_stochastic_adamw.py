@@ -1,0 +1,94 @@
+"""AdamW for bf16 parameters with stochastic rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from d9d.kernels._backend import KernelBackend
+from d9d.kernels._stochastic_rounding import adamw_step_stochastic_
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class StochasticAdamW(torch.optim.Optimizer):
+    """AdamW whose update of bf16 parameters (and bf16 moments) uses stochastic rounding.
+
+    Training directly in bf16 loses every update smaller than half a bf16 step when rounding to
+    nearest; stochastic rounding keeps them in expectation, which lets bf16 parameters train without
+    an fp32 master copy. One fused kernel per parameter on CUDA (``adamw_step_stochastic_``).
+
+    State per parameter: ``step`` (a CPU fp32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped
+    like the parameter, of ``state_dtype`` or the parameter's dtype). DTensor parameters are updated
+    through their local shards.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        state_dtype: torch.dtype | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+    ) -> None:
+        """Creates the optimizer.
+
+        Args:
+            params: Parameters or parameter groups.
+            lr: Learning rate.
+            betas: Decays of the first and second moments.
+            eps: Added to the bias-corrected root of the second moment.
+            weight_decay: Decoupled weight decay.
+            state_dtype: Dtype of the moments (bf16 or fp32); the parameter's dtype when None.
+            backend: Which implementation of the step runs.
+        """
+        if lr < 0.0:
+            raise ValueError(f"StochasticAdamW: lr={lr} must be >= 0")
+        if state_dtype not in (None, torch.bfloat16, torch.float32):
+            raise ValueError(f"StochasticAdamW: state_dtype={state_dtype} is not bf16, fp32 or None")
+        defaults: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self._state_dtype = state_dtype
+        self._backend = backend
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Performs one optimization step over every parameter that has a gradient."""
+        loss: float | None = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    dtype = self._state_dtype or param.dtype
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+                state["step"] += 1
+                adamw_step_stochastic_(
+                    _local(param),
+                    _local(param.grad),
+                    _local(state["exp_avg"]),
+                    _local(state["exp_avg_sq"]),
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(state["step"].item()),
+                    backend=self._backend,
+                )
+        return loss

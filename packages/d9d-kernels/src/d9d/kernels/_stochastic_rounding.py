@@ -1,0 +1,137 @@
+"""Stochastic rounding to bf16 and the fused AdamW step: the public ops."""
+
+from __future__ import annotations
+
+import torch
+
+from d9d.kernels._backend import KernelBackend, use_triton
+from d9d.kernels._reference.stochastic_rounding import (
+    adamw_step_reference,
+    stochastic_round_to_bf16_reference,
+)
+
+_SEED_BOUND = 2**31 - 1
+
+
+def _resolve_seed(seed: int | None) -> int:
+    # Drawn from torch's CPU default generator: reproducible under torch.manual_seed, no device sync.
+    return int(torch.randint(0, _SEED_BOUND, ())) if seed is None else seed % _SEED_BOUND
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def copy_stochastic_(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    *,
+    seed: int | None = None,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> torch.Tensor:
+    """Copies fp32 ``source`` into bf16 ``target`` with stochastic rounding, in place.
+
+    Each value becomes its upper bf16 neighbour with probability (x - lower) / (upper - lower) and
+    its lower one otherwise, so the copy is unbiased in expectation (plain rounding to nearest loses
+    updates smaller than half a bf16 step). NaN and infinity are copied unchanged.
+
+    Args:
+        target: bf16 destination.
+        source: fp32 values of the same shape.
+        seed: Seed of the random bits; drawn from torch's default CPU generator when None.
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        ValueError: Dtypes or shapes do not fit.
+    """
+    if target.dtype != torch.bfloat16 or source.dtype != torch.float32 or target.shape != source.shape:
+        raise ValueError(
+            f"copy_stochastic_: target must be bf16 and source fp32 of the same shape, got target "
+            f"{target.dtype} {tuple(target.shape)} and source {source.dtype} {tuple(source.shape)}"
+        )
+    resolved = _resolve_seed(seed)
+    if use_triton(backend, "copy_stochastic_", target, source) and target.is_contiguous():
+        from d9d.kernels._triton.stochastic_rounding_op import copy_stochastic_triton
+
+        copy_stochastic_triton(target, source.contiguous(), resolved)
+        return target
+    target.copy_(stochastic_round_to_bf16_reference(source, _generator(source.device, resolved)))
+    return target
+
+
+def adamw_step_stochastic_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    step: int,
+    seed: int | None = None,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> None:
+    """One fused AdamW step on one parameter, in place, with stochastic rounding of bf16 storage.
+
+    Reads the parameter, gradient and both moments once and writes the parameter and moments once
+    (the Triton path is a single kernel). Math in fp32 as in ``torch.optim.AdamW`` (no amsgrad);
+    whichever of ``param``, ``exp_avg``, ``exp_avg_sq`` are bf16 are written with stochastic
+    rounding, fp32 ones exactly.
+
+    Args:
+        param: Parameter (bf16 or fp32), updated in place.
+        grad: Its gradient, same shape (bf16 or fp32).
+        exp_avg: First moment (bf16 or fp32), updated in place.
+        exp_avg_sq: Second moment (bf16 or fp32), updated in place.
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the bias-corrected root of the second moment.
+        weight_decay: Decoupled weight decay (multiplies ``param`` by ``1 - lr * weight_decay``).
+        step: The step number, starting at 1, for bias correction.
+        seed: Seed of the rounding bits; drawn from torch's default CPU generator when None.
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Raises:
+        ValueError: Shapes or dtypes do not fit, or ``step`` < 1.
+    """
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape:
+            raise ValueError(
+                f"adamw_step_stochastic_: {name} shape {tuple(t.shape)} != param shape {tuple(param.shape)}"
+            )
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"adamw_step_stochastic_: {name} dtype {t.dtype} is not bf16 or fp32")
+    if step < 1:
+        raise ValueError(f"adamw_step_stochastic_: step={step} must be >= 1")
+    resolved = _resolve_seed(seed)
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if use_triton(backend, "adamw_step_stochastic_", *tensors) and all(t.is_contiguous() for t in tensors):
+        from d9d.kernels._triton.stochastic_rounding_op import adamw_step_stochastic_triton
+
+        adamw_step_stochastic_triton(
+            param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, resolved
+        )
+        return
+    adamw_step_reference(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        generator=_generator(param.device, resolved),
+    )

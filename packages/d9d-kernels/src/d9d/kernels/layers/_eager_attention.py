@@ -1,0 +1,56 @@
+"""Eager attention: the explicit-matrix reference every other backend is checked against."""
+
+from __future__ import annotations
+
+import torch
+
+from d9d.kernels.layers._attention_mask import build_attention_mask
+
+
+def check_attention_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """Validates the slot's shapes and returns the number of query heads per key head."""
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(
+            f"attention expects (batch, seq, heads, head_dim) tensors, got query {tuple(query.shape)}, "
+            f"key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}")
+    if query.shape[0] != key.shape[0] or query.shape[1] != key.shape[1] or query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} differ in batch, seq or head_dim"
+        )
+    q_heads, kv_heads = query.shape[2], key.shape[2]
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    return q_heads // kv_heads
+
+
+class EagerAttentionBackend:
+    """Materializes the score matrix in fp32; slow and memory-hungry, exact. Use as a reference."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.attend``."""
+        group = check_attention_shapes(query, key, value)
+        seq = query.shape[1]
+        q = query.transpose(1, 2).to(torch.float32)
+        k = key.transpose(1, 2).to(torch.float32).repeat_interleave(group, dim=1)
+        v = value.transpose(1, 2).to(torch.float32).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
+        mask = build_attention_mask(
+            seq, causal=causal, sliding_window=sliding_window, document_ids=document_ids, device=query.device
+        )
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probabilities = torch.softmax(scores, dim=-1)
+        output = torch.matmul(probabilities, v)
+        return output.transpose(1, 2).to(query.dtype)

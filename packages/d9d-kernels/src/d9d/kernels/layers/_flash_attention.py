@@ -1,0 +1,130 @@
+"""FlashAttention 2 and 4 backends (optional extras), with packed documents through varlen kernels."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from d9d.kernels.layers._eager_attention import check_attention_shapes
+from d9d.kernels.layers._positions import cu_seqlens_from_document_ids
+
+FLASH_ATTENTION_2_EXTRA = "backend-sdpa-flash-attention-2"
+FLASH_ATTENTION_4_EXTRA = "backend-sdpa-flash-attention-4"
+
+
+class AttentionBackendUnavailableError(ImportError):
+    """An attention backend was asked for whose optional extra is not installed."""
+
+
+def _load_functions(
+    module_name: str, backend: str, extra: str
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    try:
+        module = importlib.import_module(module_name)
+        dense: Callable[..., Any] = module.flash_attn_func
+        varlen: Callable[..., Any] = module.flash_attn_varlen_func
+    except (ImportError, AttributeError) as error:
+        raise AttentionBackendUnavailableError(
+            f"attention backend {backend!r} needs the optional extra {extra!r}: "
+            f"pip install 'd9d-kernels[{extra}]' ({error})"
+        ) from error
+    return dense, varlen
+
+
+def _first(result: Any) -> torch.Tensor:
+    """FlashAttention 4 returns ``(out, lse)``, FlashAttention 2 returns ``out``."""
+    if isinstance(result, tuple):
+        return cast(torch.Tensor, result[0])
+    return cast(torch.Tensor, result)
+
+
+class _FlashAttentionBackend:
+    """Shared dense/varlen dispatch; subclasses say how a window is spelt."""
+
+    _dense: Callable[..., Any]
+    _varlen: Callable[..., Any]
+
+    def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
+        raise NotImplementedError
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.attend``.
+
+        Packed documents go through the varlen kernel: every run of equal ids within a row is one
+        document (documents must be contiguous, as packing makes them).
+        """
+        check_attention_shapes(query, key, value)
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FlashAttention needs float16 or bfloat16 inputs, got {query.dtype}")
+        window = self._window(causal=causal, sliding_window=sliding_window)
+        if document_ids is None:
+            return _first(
+                self._dense(query, key, value, softmax_scale=softmax_scale, causal=causal, window_size=window)
+            )
+        batch, seq, q_heads, head_dim = query.shape
+        kv_heads = key.shape[2]
+        cu_seqlens, max_seqlen = cu_seqlens_from_document_ids(document_ids)
+        output = _first(
+            self._varlen(
+                query.reshape(batch * seq, q_heads, head_dim),
+                key.reshape(batch * seq, kv_heads, head_dim),
+                value.reshape(batch * seq, kv_heads, head_dim),
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_k=max_seqlen,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window,
+            )
+        )
+        return output.reshape(batch, seq, q_heads, head_dim)
+
+
+class FlashAttention2Backend(_FlashAttentionBackend):
+    """FlashAttention 2 (``flash_attn``; extra ``backend-sdpa-flash-attention-2``), Ampere and newer.
+
+    Raises:
+        AttentionBackendUnavailableError: At construction, when the extra is not installed.
+    """
+
+    def __init__(self) -> None:
+        self._dense, self._varlen = _load_functions(
+            "flash_attn", "flash_attention_2", FLASH_ATTENTION_2_EXTRA
+        )
+
+    def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
+        if sliding_window is None:
+            return (-1, -1)
+        return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+class FlashAttention4Backend(_FlashAttentionBackend):
+    """FlashAttention 4 (``flash_attn.cute``; extra ``backend-sdpa-flash-attention-4``), Hopper and Blackwell.
+
+    Raises:
+        AttentionBackendUnavailableError: At construction, when the extra is not installed.
+    """
+
+    def __init__(self) -> None:
+        self._dense, self._varlen = _load_functions(
+            "flash_attn.cute", "flash_attention_4", FLASH_ATTENTION_4_EXTRA
+        )
+
+    def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
+        if sliding_window is None:
+            return (None, None)
+        return (sliding_window - 1, 0 if causal else sliding_window - 1)

@@ -1,0 +1,69 @@
+"""SwiGLU experts of a MoE layer, stored as 3-d weights and run through ``grouped_mm``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.kernels import grouped_mm, swiglu
+from d9d.kernels.layers._init import init_normal_
+
+
+class GroupedSwiGLUExperts(nn.Module):
+    """``num_experts`` SwiGLU feed-forwards evaluated together on tokens grouped by expert.
+
+    Every parameter has the expert as its leading dim, so expert parallelism shards them
+    ``Shard(0)`` from outside; the forward reads the local expert count from the weights.
+
+    Parameters (``E`` experts, ``H`` hidden, ``I`` intermediate): ``gate_proj`` and ``up_proj`` of
+    shape ``(E, H, I)``, ``down_proj`` of shape ``(E, I, H)`` (input dim first, as ``grouped_mm``
+    takes them; Hugging Face's ``nn.Linear`` layout is the transpose).
+
+    Args:
+        num_experts: Number of experts.
+        hidden_size: Model width.
+        intermediate_size: Hidden width of every expert.
+        init_std: Standard deviation of the truncated-normal initialization.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.init_std = init_std
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Truncated-normal weights."""
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            init_normal_(weight, self.init_std)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Runs each expert on its contiguous group of rows.
+
+        Args:
+            tokens: ``(M, hidden_size)`` rows grouped by local expert.
+            tokens_per_expert: ``(E_local,)`` int64 group sizes summing to ``M``.
+
+        Returns:
+            ``(M, hidden_size)`` expert outputs in the same row order.
+        """
+        local_experts = self.gate_proj.shape[0]
+        if tokens_per_expert.shape != (local_experts,):
+            raise ValueError(
+                f"tokens_per_expert has shape {tuple(tokens_per_expert.shape)}, expected ({local_experts},) "
+                f"for the {local_experts} local experts"
+            )
+        gate = grouped_mm(tokens, self.gate_proj, tokens_per_expert)
+        up = grouped_mm(tokens, self.up_proj, tokens_per_expert)
+        return grouped_mm(swiglu(gate, up), self.down_proj, tokens_per_expert)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}"
+        )

@@ -1,0 +1,144 @@
+"""Grouped-query self-attention (MHA, GQA and MQA) with a pluggable attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.kernels.layers._attention_backend import AttentionBackend
+from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
+from d9d.kernels.layers._init import init_linear_
+from d9d.kernels.layers._rms_norm import RMSNorm
+from d9d.kernels.layers._rotary_applicator import RotaryApplicator
+from d9d.kernels.layers._rotary_embedding import RopeLayout
+
+
+class GroupedQueryAttention(nn.Module):
+    """Self-attention with ``num_heads`` query heads sharing ``num_kv_heads`` key/value heads.
+
+    ``num_kv_heads == num_heads`` is multi-head attention, ``num_kv_heads == 1`` multi-query. The
+    head counts used at forward come from the projections' local output sizes (``-1`` in a view over
+    a fixed ``head_dim``), so tensor parallelism can shard ``q_proj``/``k_proj``/``v_proj`` by
+    columns and ``o_proj`` by rows from outside and the layer runs on its local heads.
+
+    Args:
+        hidden_size: Model width.
+        num_heads: Query heads (global).
+        num_kv_heads: Key/value heads (global); must divide ``num_heads``.
+        head_dim: Per-head size; ``hidden_size // num_heads`` when None.
+        qk_norm: RMS-normalize every query and key head before RoPE (Qwen3, OLMo2-style per head).
+        norm_eps: Epsilon of the q/k norms.
+        bias: Biases on the q/k/v/o projections.
+        causal: Causal (decoder) attention.
+        sliding_window: Attend only to the last ``sliding_window`` tokens (None: unlimited).
+        softmax_scale: Score multiplier; ``head_dim ** -0.5`` when None.
+        rope_layout: Layout of the cos/sin tables passed to ``forward``.
+        attention_backend: A backend object, a backend name, or None for ``$D9D_ATTENTION_BACKEND``
+            or auto-detection. Stored as the public ``attention_backend`` attribute, which may be
+            replaced (context parallelism installs its own).
+        init_std: Standard deviation of the truncated-normal projection initialization.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        bias: bool = False,
+        causal: bool = True,
+        sliding_window: int | None = None,
+        softmax_scale: float | None = None,
+        rope_layout: RopeLayout = "half",
+        attention_backend: AttentionBackend | AttentionBackendName | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+            head_dim = hidden_size // num_heads
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window={sliding_window} must be positive")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.sliding_window = sliding_window
+        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+        self.init_std = init_std
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.rotary = RotaryApplicator(rope_layout)
+        if attention_backend is None or isinstance(attention_backend, str):
+            self.attention_backend: AttentionBackend = select_attention_backend(attention_backend)
+        else:
+            self.attention_backend = attention_backend
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Truncated-normal projections, zero biases, unit q/k norm scales."""
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            init_linear_(linear, self.init_std)
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attends every token to the allowed tokens of its row.
+
+        Args:
+            hidden_states: ``(batch, seq, hidden_size)``.
+            position_embeddings: ``(cos, sin)`` from ``RotaryEmbedding``, each ``(batch, seq, rotary_dim)``.
+            document_ids: ``(batch, seq)`` ids of packed documents; tokens attend only within their
+                document. Pair it with per-document positions for the rotary tables.
+
+        Returns:
+            ``(batch, seq, hidden_size)``.
+        """
+        batch, seq, _ = hidden_states.shape
+        head_shape = (batch, seq, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(head_shape)
+        key = self.k_proj(hidden_states).view(head_shape)
+        value = self.v_proj(hidden_states).view(head_shape)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = self.q_norm(query)
+            key = self.k_norm(key)
+        cos, sin = position_embeddings
+        query = self.rotary(query, cos, sin)
+        key = self.rotary(key, cos, sin)
+        attended = self.attention_backend.attend(
+            query,
+            key,
+            value,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            sliding_window=self.sliding_window,
+            document_ids=document_ids,
+        )
+        return self.o_proj(attended.reshape(batch, seq, -1))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"causal={self.causal}, sliding_window={self.sliding_window}, "
+            f"backend={type(self.attention_backend).__name__}"
+        )

@@ -1,0 +1,132 @@
+"""Mixture-of-experts feed-forward layer: route, dispatch, grouped experts, combine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.kernels.layers._auxiliary_loss import attach_auxiliary_loss
+from d9d.kernels.layers._grouped_experts import GroupedSwiGLUExperts
+from d9d.kernels.layers._load_balancing import load_balancing_loss
+from d9d.kernels.layers._moe_router import RouterScoreFunction, TopKRouter
+from d9d.kernels.layers._swiglu_feed_forward import SwiGLU
+from d9d.kernels.layers._token_dispatcher import LocalTokenDispatcher, TokenDispatcher
+
+
+class MoELayer(nn.Module):
+    """Top-k routed SwiGLU experts with an optional always-on shared expert.
+
+    Forward: ``router`` (fp32) -> ``dispatcher.dispatch`` -> ``experts`` -> ``dispatcher.combine``
+    (+ ``shared_expert``). The public attributes are the contract expert parallelism works on:
+    ``num_experts``, ``top_k``, ``router`` and ``shared_expert`` (replicated), ``experts`` (every
+    parameter leads with the expert dim) and ``dispatcher`` (replaceable; local by default).
+
+    Load-balancing loss: with ``load_balancing_loss_coefficient`` set, the Switch-Transformer loss
+    of every training forward is added to the backward pass (its gradient times the coefficient
+    flows into the router) without changing the output, and its detached value is kept in
+    ``last_load_balancing_loss`` for logging.
+
+    Auxiliary-loss-free balancing: with ``expert_bias=True`` the layer counts tokens per expert in
+    ``tokens_per_expert`` (summed over forwards) and ``update_expert_bias(rate)`` moves the router's
+    bias towards under-loaded experts and clears the counts; all-reduce the counts across
+    data-parallel ranks before calling it.
+
+    Args:
+        hidden_size: Model width.
+        num_experts: Number of routed experts (global).
+        top_k: Experts per token.
+        intermediate_size: Hidden width of every routed expert.
+        shared_expert_intermediate_size: Hidden width of the shared expert; None for none.
+        score_function: Router scores, ``"softmax"`` or ``"sigmoid"``.
+        renormalize: Renormalize the top-k weights to sum to one.
+        expert_bias: Keep a selection bias per expert (auxiliary-loss-free balancing).
+        load_balancing_loss_coefficient: Weight of the load-balancing loss; None disables it.
+        dispatcher: Token dispatcher; a ``LocalTokenDispatcher`` when None.
+        init_std: Standard deviation of the truncated-normal initialization.
+    """
+
+    tokens_per_expert: torch.Tensor
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        *,
+        shared_expert_intermediate_size: int | None = None,
+        score_function: RouterScoreFunction = "softmax",
+        renormalize: bool = True,
+        expert_bias: bool = False,
+        load_balancing_loss_coefficient: float | None = None,
+        dispatcher: TokenDispatcher | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            score_function=score_function,
+            renormalize=renormalize,
+            expert_bias=expert_bias,
+            init_std=init_std,
+        )
+        self.experts = GroupedSwiGLUExperts(num_experts, hidden_size, intermediate_size, init_std=init_std)
+        self.shared_expert = (
+            SwiGLU(hidden_size, shared_expert_intermediate_size, init_std=init_std)
+            if shared_expert_intermediate_size is not None
+            else None
+        )
+        self.dispatcher: TokenDispatcher = dispatcher if dispatcher is not None else LocalTokenDispatcher(num_experts)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.last_load_balancing_loss: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        """Resets router, experts, shared expert and the token counts."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_expert is not None:
+            self.shared_expert.reset_parameters()
+        with torch.no_grad():
+            self.tokens_per_expert.zero_()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
+        shape = hidden_states.shape
+        hidden = hidden_states.reshape(-1, shape[-1])
+        routing = self.router(hidden)
+        if self.router.expert_bias is not None:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(
+                    routing.expert_indices.reshape(-1), minlength=self.num_experts
+                ).to(self.tokens_per_expert.dtype)
+        tokens, tokens_per_local_expert = self.dispatcher.dispatch(
+            hidden, routing.expert_indices, routing.routing_weights.to(hidden.dtype)
+        )
+        output = self.dispatcher.combine(self.experts(tokens, tokens_per_local_expert))
+        if self.shared_expert is not None:
+            output = output + self.shared_expert(hidden)
+        if self.load_balancing_loss_coefficient is not None and self.training:
+            loss = load_balancing_loss(routing.scores, routing.expert_indices, self.num_experts)
+            self.last_load_balancing_loss = loss.detach()
+            output = attach_auxiliary_loss(output, loss, self.load_balancing_loss_coefficient)
+        return output.reshape(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float) -> None:
+        """Moves each expert's selection bias by ``rate`` towards the mean load, then clears the counts.
+
+        Raises:
+            RuntimeError: If the layer was built without ``expert_bias``.
+        """
+        bias = self.router.expert_bias
+        if bias is None:
+            raise RuntimeError("update_expert_bias needs a MoELayer built with expert_bias=True")
+        counts = self.tokens_per_expert
+        bias += rate * torch.sign(counts.mean() - counts)
+        counts.zero_()

@@ -1,0 +1,86 @@
+"""Positions and document ids of packed sequences (several documents concatenated in one row)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at the start of every document.
+
+    A document is a run of equal ids within a row; a row always starts a new document.
+
+    Args:
+        document_ids: ``(batch, seq)`` integer document ids.
+
+    Returns:
+        ``(batch, seq)`` int64 positions within each document.
+    """
+    if document_ids.ndim != 2:
+        raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
+    seq = document_ids.shape[1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids of packed rows whose positions restart at every document (Hugging Face packing).
+
+    A new document starts wherever a position is not the previous one plus one.
+
+    Args:
+        position_ids: ``(batch, seq)`` integer positions.
+
+    Returns:
+        ``(batch, seq)`` int64 document ids counting from 0 in every row.
+    """
+    if position_ids.ndim != 2:
+        raise ValueError(f"position_ids must be (batch, seq), got shape {tuple(position_ids.shape)}")
+    starts = torch.zeros_like(position_ids, dtype=torch.int64)
+    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1).to(torch.int64)
+    return starts.cumsum(dim=1)
+
+
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Document ids of one packed row given cumulative sequence lengths (FlashAttention's varlen form).
+
+    Args:
+        cu_seqlens: ``(num_documents + 1,)`` starting at 0 and ending at the row's length.
+
+    Returns:
+        ``(1, total)`` int64 document ids.
+    """
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-d with at least 2 entries, got shape {tuple(cu_seqlens.shape)}"
+        )
+    total = int(cu_seqlens[-1].item())
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), tokens, right=True).unsqueeze(0)
+
+
+def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative lengths of the documents of a batch flattened to one row, and the longest one.
+
+    Each run of equal ids within a row is one document; rows never share a document.
+
+    Args:
+        document_ids: ``(batch, seq)`` integer document ids.
+
+    Returns:
+        ``(cu_seqlens, max_seqlen)``: int32 ``(num_documents + 1,)`` offsets into the flattened
+        ``batch * seq`` tokens, and the longest document's length (a host sync).
+    """
+    if document_ids.ndim != 2:
+        raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
+    batch, seq = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_offsets = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    end = torch.tensor([batch * seq], device=document_ids.device, dtype=start_offsets.dtype)
+    cu_seqlens = torch.cat([start_offsets, end]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    return cu_seqlens, max_seqlen

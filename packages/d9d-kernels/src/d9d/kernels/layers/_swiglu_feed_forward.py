@@ -1,0 +1,42 @@
+"""SwiGLU feed-forward block: down(silu(gate(x)) * up(x))."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.kernels import swiglu
+from d9d.kernels.layers._init import init_linear_
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward with SiLU gate, as in Llama, Qwen and most current LLMs.
+
+    The three projections are plain ``nn.Linear`` modules named ``gate_proj``, ``up_proj`` and
+    ``down_proj`` so tensor parallelism can shard gate/up by columns and down by rows from outside.
+
+    Args:
+        hidden_size: Model width.
+        intermediate_size: Width of the gated hidden layer.
+        bias: Whether the projections have biases.
+        init_std: Standard deviation of the truncated-normal weight initialization.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, bias: bool = False, init_std: float = 0.02
+    ) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Truncated-normal weights, zero biases."""
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            init_linear_(linear, self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
