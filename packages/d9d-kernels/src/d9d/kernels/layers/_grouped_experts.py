@@ -26,7 +26,9 @@ class GroupedSwiGLUExperts(nn.Module):
         init_std: Standard deviation of the truncated-normal initialization.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from d9d.kernels import RopeLayout
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
 from d9d.kernels.layers._init import init_linear_
 from d9d.kernels.layers._rms_norm import RMSNorm
 from d9d.kernels.layers._rotary_applicator import RotaryApplicator
-from d9d.kernels.layers._rotary_embedding import RopeLayout
 
 
 class GroupedQueryAttention(nn.Module):

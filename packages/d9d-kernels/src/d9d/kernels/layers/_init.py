@@ -15,6 +15,7 @@ def init_normal_(tensor: torch.Tensor, std: float) -> None:
 def init_linear_(linear: nn.Linear, std: float) -> None:
     """Truncated-normal weight, zero bias."""
     init_normal_(linear.weight, std)
-    if linear.bias is not None:
+    bias: torch.Tensor | None = getattr(linear, "bias", None)  # None when built with bias=False
+    if bias is not None:
         with torch.no_grad():
-            linear.bias.zero_()
+            bias.zero_()

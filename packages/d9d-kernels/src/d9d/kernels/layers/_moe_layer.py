@@ -82,8 +82,12 @@ class MoELayer(nn.Module):
             if shared_expert_intermediate_size is not None
             else None
         )
-        self.dispatcher: TokenDispatcher = dispatcher if dispatcher is not None else LocalTokenDispatcher(num_experts)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.dispatcher: TokenDispatcher = (
+            dispatcher if dispatcher is not None else LocalTokenDispatcher(num_experts)
+        )
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False
+        )
         self.last_load_balancing_loss: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:

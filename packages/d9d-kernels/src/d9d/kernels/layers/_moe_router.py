@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 from d9d.kernels.layers._init import init_normal_
 
@@ -85,7 +85,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> RouterOutput:
         """Routes ``(tokens, hidden_size)`` tokens."""
-        logits = F.linear(hidden.to(torch.float32), self.weight.to(torch.float32))
+        logits = functional.linear(hidden.to(torch.float32), self.weight.to(torch.float32))
         match self.score_function:
             case "softmax":
                 scores = torch.softmax(logits, dim=-1)

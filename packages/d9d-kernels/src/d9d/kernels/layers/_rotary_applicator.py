@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from d9d.kernels import apply_rope
-from d9d.kernels.layers._rotary_embedding import RopeLayout
+from d9d.kernels import RopeLayout, apply_rope
 
 
 class RotaryApplicator(nn.Module):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
+from d9d.kernels import RopeLayout
 from d9d.kernels.layers._rope_scaling import NtkRopeScaling, RopeScaling, compute_rope_frequencies
-
-RopeLayout = Literal["half", "interleaved"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -107,4 +104,7 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, layout={self.layout}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
+            f"layout={self.layout}"
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from d9d.kernels.layers._attention_mask import build_attention_mask, needs_explicit_mask
 from d9d.kernels.layers._eager_attention import check_attention_shapes
@@ -41,11 +41,11 @@ class SdpaAttentionBackend:
                 document_ids=document_ids,
                 device=query.device,
             )
-            output = F.scaled_dot_product_attention(
+            output = functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=group > 1
             )
         else:
-            output = F.scaled_dot_product_attention(
+            output = functional.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=group > 1
             )
         return output.transpose(1, 2)
