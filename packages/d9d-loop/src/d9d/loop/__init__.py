@@ -1,3 +1,150 @@
-"""d9d training loop: typed contracts, configs, the trainer, checkpointing and export."""
+"""d9d-loop: the training job, from a validated config to a resumable run."""
 
-__all__: list[str] = []
+from d9d.loop._auto_data import AutoDataProvider, MapDataset, ShardedBatchSource
+from d9d.loop._auto_optimizer import AutoOptimizerProvider
+from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
+from d9d.loop._config_data import DataConfig
+from d9d.loop._config_lr import (
+    ConstantLRSchedulerConfig,
+    ConstantPhase,
+    CosinePhase,
+    ExponentialPhase,
+    LinearPhase,
+    LRPhaseConfig,
+    LRSchedulerConfig,
+    PiecewiseLRSchedulerConfig,
+    WarmupConfig,
+)
+from d9d.loop._config_optimizer import (
+    AdamConfig,
+    AdamWConfig,
+    OptimizerConfig,
+    SGDConfig,
+    StochasticAdamWConfig,
+)
+from d9d.loop._config_project import ProjectConfig, check_batch_layout
+from d9d.loop._config_trainer import (
+    CheckpointConfig,
+    GradientClippingConfig,
+    InitializationConfig,
+    JsonlTrackerConfig,
+    LoggingConfig,
+    NoTrackerConfig,
+    TimeoutConfig,
+    TrackerConfig,
+    TrainerConfig,
+)
+from d9d.loop._configurator import TaskProvider, TrainingConfigurator
+from d9d.loop._events import (
+    CheckpointSaved,
+    ConfigReady,
+    EventBus,
+    ForwardBackwardFinished,
+    ForwardBackwardStarted,
+    ModelReady,
+    OptimizerStepFinished,
+    OptimizerStepStarted,
+    StepFinished,
+    StepStarted,
+    TrainingFinished,
+)
+from d9d.loop._lr_schedule import AutoLRSchedulerProvider, PiecewiseSchedule
+from d9d.loop._model_provider import (
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ModelProvider,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+)
+from d9d.loop._providers import (
+    BatchSource,
+    DataProvider,
+    DataProviderContext,
+    LRSchedulerProvider,
+    LRSchedulerProviderContext,
+    OptimizerProvider,
+    OptimizerProviderContext,
+)
+from d9d.loop._task import (
+    BuildForwardInputsContext,
+    BuildForwardInputsResult,
+    ComputeLossContext,
+    ComputeLossResult,
+    TaskProviderContext,
+    TrainTask,
+)
+from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
+from d9d.loop._trainer import Trainer
+
+__all__ = [
+    "AdamConfig",
+    "AdamWConfig",
+    "AutoDataProvider",
+    "AutoLRSchedulerProvider",
+    "AutoOptimizerProvider",
+    "BatchSource",
+    "BuildForwardInputsContext",
+    "BuildForwardInputsResult",
+    "CheckpointConfig",
+    "CheckpointLocation",
+    "CheckpointSaved",
+    "Checkpointer",
+    "ComputeLossContext",
+    "ComputeLossResult",
+    "ConfigReady",
+    "ConstantLRSchedulerConfig",
+    "ConstantPhase",
+    "CosinePhase",
+    "DataConfig",
+    "DataProvider",
+    "DataProviderContext",
+    "EventBus",
+    "ExponentialPhase",
+    "ForwardBackwardFinished",
+    "ForwardBackwardStarted",
+    "GradientClippingConfig",
+    "InitializationConfig",
+    "InitializeModelStageContext",
+    "InitializeModelStageResult",
+    "JsonlTracker",
+    "JsonlTrackerConfig",
+    "LRPhaseConfig",
+    "LRSchedulerConfig",
+    "LRSchedulerProvider",
+    "LRSchedulerProviderContext",
+    "LinearPhase",
+    "LoggingConfig",
+    "MapDataset",
+    "ModelProvider",
+    "ModelReady",
+    "NoTracker",
+    "NoTrackerConfig",
+    "OptimizerConfig",
+    "OptimizerProvider",
+    "OptimizerProviderContext",
+    "OptimizerStepFinished",
+    "OptimizerStepStarted",
+    "ParallelizeModelStageContext",
+    "PiecewiseLRSchedulerConfig",
+    "PiecewiseSchedule",
+    "PrepareExportModelStageContext",
+    "PrepareExportModelStageResult",
+    "ProjectConfig",
+    "SGDConfig",
+    "ShardedBatchSource",
+    "StepFinished",
+    "StepStarted",
+    "StochasticAdamWConfig",
+    "TaskProvider",
+    "TaskProviderContext",
+    "TimeoutConfig",
+    "TrackerConfig",
+    "TrainTask",
+    "Trainer",
+    "TrainerConfig",
+    "TrainingConfigurator",
+    "TrainingFinished",
+    "WarmupConfig",
+    "check_batch_layout",
+]

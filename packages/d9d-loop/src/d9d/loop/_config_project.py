@@ -1,0 +1,59 @@
+"""The ready-made project config: mesh, trainer, data, optimizer, LR scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from d9d.loop._config_data import DataConfig
+from d9d.loop._config_lr import ConstantLRSchedulerConfig, LRSchedulerConfig
+from d9d.loop._config_optimizer import AdamWConfig, OptimizerConfig
+from d9d.loop._config_trainer import TrainerConfig
+from d9d.mesh import MeshParameters
+
+
+def check_batch_layout(mesh: MeshParameters, trainer: TrainerConfig) -> None:
+    """Raises if the global batch cannot be split over data-parallel ranks and microbatches."""
+    per_step = mesh.data_parallel * trainer.microbatch_size
+    if trainer.global_batch_size % per_step != 0:
+        raise ValueError(
+            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
+            f"data-parallel size ({mesh.data_parallel}) x trainer.microbatch_size "
+            f"({trainer.microbatch_size}) = {per_step}"
+        )
+
+
+class ProjectConfig(BaseModel):
+    """A whole job's configuration, validated completely at load.
+
+    Subclass it to add your own sections; unknown keys are errors at any depth.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mesh: MeshParameters = MeshParameters()
+    trainer: TrainerConfig
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
+    lr_scheduler: LRSchedulerConfig = Field(default_factory=ConstantLRSchedulerConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_layout(self) -> Self:
+        check_batch_layout(self.mesh, self.trainer)
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Self:
+        """Loads and validates a YAML file; errors name the file and the offending keys."""
+        path = Path(path)
+        try:
+            raw: Any = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read config {path}: {e}") from e
+        try:
+            return cls.model_validate(raw)
+        except ValueError as e:
+            raise ValueError(f"invalid config {path}:\n{e}") from e

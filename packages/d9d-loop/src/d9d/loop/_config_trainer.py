@@ -1,0 +1,136 @@
+"""Trainer configuration: run length, batching, checkpointing, logging, timeouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckpointConfig(_Strict):
+    """Periodic distributed checkpoints (PyTorch DCP) and automatic resume.
+
+    Attributes:
+        directory: Where checkpoints live, one sub-directory per saved step; None disables them.
+        every_steps: Save after every this many optimizer steps (and at the end of the run).
+        keep_last: Keep only this many complete checkpoints (older ones are deleted).
+        asynchronous: Write in the background (``dcp.async_save``); the checkpoint becomes visible
+            at the next step boundary once every rank has finished writing.
+        resume: Resume from the latest complete checkpoint in ``directory`` when one exists.
+    """
+
+    directory: Path | None = None
+    every_steps: int = Field(default=100, ge=1)
+    keep_last: int = Field(default=2, ge=1)
+    asynchronous: bool = False
+    resume: bool = True
+
+
+class NoTrackerConfig(_Strict):
+    """Log nowhere but the progress bar."""
+
+    name: Literal["none"] = "none"
+
+
+class JsonlTrackerConfig(_Strict):
+    """Append one JSON object per logged step to ``path`` (main rank only)."""
+
+    name: Literal["jsonl"] = "jsonl"
+    path: Path
+
+
+TrackerConfig = Annotated[NoTrackerConfig | JsonlTrackerConfig, Field(discriminator="name")]
+
+
+class LoggingConfig(_Strict):
+    """Progress bar and metrics tracking.
+
+    Attributes:
+        progress_bar: Show a progress bar on the main rank (quiet when not a terminal unless forced).
+        every_steps: Report metrics every this many steps.
+        tracker: Where metrics go besides the progress bar.
+    """
+
+    progress_bar: bool = True
+    every_steps: int = Field(default=1, ge=1)
+    tracker: TrackerConfig = NoTrackerConfig()
+
+
+class TimeoutConfig(_Strict):
+    """Timeouts that end a hung job with an error naming the step and rank.
+
+    Attributes:
+        collective_seconds: Timeout of every collective operation.
+        step_seconds: A step that takes longer ends the job (None: no step watchdog).
+        first_step_seconds: Allowance for the first step (compilation, warm-up).
+    """
+
+    collective_seconds: float = Field(default=600.0, gt=0)
+    step_seconds: float | None = Field(default=None, gt=0)
+    first_step_seconds: float = Field(default=1800.0, gt=0)
+
+
+class GradientClippingConfig(_Strict):
+    """Clip the global gradient norm (over all ranks and stages) to ``max_norm``; None = only measure."""
+
+    max_norm: float | None = Field(default=1.0, gt=0)
+    norm_type: float = Field(default=2.0, gt=0)
+
+
+class InitializationConfig(_Strict):
+    """How parameters get their first values when no source checkpoint is given.
+
+    Attributes:
+        layout_invariant: Run ``reset_parameters()`` on an unsharded CPU copy of each stage and
+            scatter the values into the parallelized parameters, so every mesh layout starts from
+            bit-identical weights (costs one stage's full size in host memory). When False,
+            ``reset_parameters()`` runs directly on the sharded parameters on the device.
+        source: A safetensors checkpoint (file or directory) loaded through the provider's state
+            mapper instead of ``reset_parameters()``.
+    """
+
+    layout_invariant: bool = True
+    source: Path | None = None
+
+
+class TrainerConfig(_Strict):
+    """What a training run does.
+
+    Attributes:
+        max_steps: Run length in optimizer steps (exactly one of ``max_steps`` and ``epochs``).
+        epochs: Run length in passes over the dataset.
+        global_batch_size: Samples per optimizer step over all data-parallel ranks.
+        microbatch_size: Samples per forward/backward on one rank; gradient accumulation steps are
+            ``global_batch_size / (data_parallel * microbatch_size)``.
+        seed: Seed of model initialization and every random generator.
+        pipeline_microbatches: Not used without pipeline parallelism.
+    """
+
+    max_steps: int | None = Field(default=None, ge=1)
+    epochs: int | None = Field(default=None, ge=1)
+    global_batch_size: int = Field(ge=1)
+    microbatch_size: int = Field(ge=1)
+    seed: int = 0
+    gradient_clipping: GradientClippingConfig = GradientClippingConfig()
+    gradient_bucket_size_mb: float = Field(default=25.0, gt=0)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    initialization: InitializationConfig = InitializationConfig()
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_run_length(self) -> TrainerConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("trainer needs exactly one of 'max_steps' and 'epochs'")
+        if self.global_batch_size % self.microbatch_size != 0:
+            raise ValueError(
+                f"trainer.global_batch_size={self.global_batch_size} is not divisible by "
+                f"trainer.microbatch_size={self.microbatch_size}"
+            )
+        return self

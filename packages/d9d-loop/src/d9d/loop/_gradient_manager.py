@@ -1,0 +1,81 @@
+"""Gradient accumulation, synchronization by placements, loss-weight scaling and clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from d9d.loop._config_trainer import GradientClippingConfig
+from d9d.parallel import GradientSynchronizer, clip_grad_norm
+
+
+class GradientManager:
+    """Owns what happens to gradients between the first backward and the optimizer step.
+
+    Microbatch backward passes accumulate ``loss_weight * loss``; reductions run only on the last
+    microbatch (overlapped with its backward by d9d-parallel's synchronizer) and average over the
+    data-parallel ranks. ``finish`` then rescales by ``data_parallel / global_weight`` so that the
+    gradient is that of ``sum(weight * loss) / sum(weight)`` over every microbatch of every rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: Sequence[nn.Module],
+        data_parallel_size: int,
+        bucket_size_mb: float,
+        clipping: GradientClippingConfig,
+        pp_group: ProcessGroup | None,
+    ) -> None:
+        self._stages = stages
+        self._dp = data_parallel_size
+        self._clipping = clipping
+        self._pp_group = pp_group
+        self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter of the local stages."""
+        return [p for stage in self._stages for p in stage.parameters()]
+
+    def begin_microbatch(self, *, is_last: bool) -> None:
+        """Call before each microbatch's backward."""
+        for synchronizer in self._synchronizers:
+            synchronizer.begin_microbatch(is_last)
+
+    def finish(self, global_weight: float) -> None:
+        """Waits for the reductions, then scales gradients by ``data_parallel / global_weight``."""
+        for synchronizer in self._synchronizers:
+            synchronizer.finish()
+        scale = self._dp / global_weight
+        if scale != 1.0:
+            with torch.no_grad():
+                grads = [p.grad for p in self.parameters() if p.grad is not None]
+                for grad in grads:
+                    grad.mul_(scale)
+
+    def clip(self) -> float:
+        """Clips the global gradient norm (when configured) and returns it."""
+        norm = clip_grad_norm(
+            self.parameters(),
+            self._clipping.max_norm,
+            norm_type=self._clipping.norm_type,
+            pp_group=self._pp_group,
+        )
+        return float(norm.item())
+
+    def close(self) -> None:
+        """Removes gradient hooks."""
+        for synchronizer in self._synchronizers:
+            synchronizer.close()
+
+
+def all_reduce_sum(values: list[float], group: ProcessGroup | None, device: torch.device) -> list[float]:
+    """Sums a few floats over ``group`` in one collective (float64 for exact counts)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return [float(v) for v in tensor.tolist()]

@@ -1,0 +1,91 @@
+"""The model provider contract: build, parallelize and export one pipeline stage of the model."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from torch import nn
+
+from d9d.mesh import DistributedContext
+from d9d.pipeline import PipelineStageInfo
+
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+@dataclass(kw_only=True, frozen=True)
+class InitializeModelStageContext:
+    """Input of ``ModelProvider.initialize_model_stage``.
+
+    Attributes:
+        dist_context: The job's distributed context.
+        stage: Which pipeline stage to build (stage 0 of 1 without pipeline parallelism).
+    """
+
+    dist_context: DistributedContext
+    stage: PipelineStageInfo
+
+
+@dataclass(kw_only=True, frozen=True)
+class InitializeModelStageResult(Generic[ModelT]):
+    """The stage's model (built on the meta device by the loop) and its load-time state mapper.
+
+    Attributes:
+        model: The stage module; its ``forward(inputs, shared)`` is called by the loop.
+        state_mapper: Maps a source checkpoint's tensors to the model's state (for loading).
+    """
+
+    model: ModelT
+    state_mapper: object | None = None
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelizeModelStageContext(Generic[ModelT]):
+    """Input of ``ModelProvider.parallelize_model_stage``."""
+
+    dist_context: DistributedContext
+    stage: PipelineStageInfo
+    model: ModelT
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrepareExportModelStageContext(Generic[ModelT]):
+    """Input of ``ModelProvider.prepare_export_model_stage``."""
+
+    dist_context: DistributedContext
+    stage: PipelineStageInfo
+    model: ModelT
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrepareExportModelStageResult:
+    """The state mapper that turns the model's state into the exported checkpoint's tensors."""
+
+    state_mapper: object
+
+
+class ModelProvider(ABC, Generic[ModelT]):
+    """Builds and distributes the model, one pipeline stage at a time.
+
+    The loop calls ``initialize_model_stage`` under ``torch.device("meta")``, then
+    ``parallelize_model_stage`` (which calls ``d9d.parallel.parallelize_*`` on submodules), then
+    materializes the stage on the device and initializes or loads it.
+    """
+
+    @abstractmethod
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult[ModelT]:
+        """Builds the layers of ``context.stage`` (no parameter values are needed: meta device)."""
+
+    @abstractmethod
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[ModelT]) -> None:
+        """Applies parallelism to ``context.model`` in place."""
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext[ModelT]
+    ) -> PrepareExportModelStageResult:
+        """Returns the export state mapper; required only for ``Trainer.export``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement prepare_export_model_stage, so the model cannot be exported"
+        )

@@ -1,0 +1,127 @@
+"""Builds each local model stage: meta construction, parallelization, materialization, init or load."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.loop._config_trainer import InitializationConfig
+from d9d.loop._model_provider import (
+    InitializeModelStageContext,
+    ModelProvider,
+    ModelT,
+    ParallelizeModelStageContext,
+)
+from d9d.mesh import DistributedContext
+from d9d.pipeline import PipelineStageInfo
+from d9d.state_mappers import load_module_state
+
+
+@dataclass(kw_only=True, frozen=True)
+class BuiltStage(Generic[ModelT]):
+    """One materialized, parallelized model stage."""
+
+    stage: PipelineStageInfo
+    model: ModelT
+
+
+def _reset(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise TypeError(
+            f"model stage {type(module).__name__} has no reset_parameters(); d9d initializes every "
+            f"stage by calling it (or set trainer.initialization.source to load weights)"
+        )
+    with torch.no_grad():
+        reset()
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+class ModelStageFactory(Generic[ModelT]):
+    """Turns a ``ModelProvider`` into ready model stages.
+
+    Order: build on ``meta`` -> ``parallelize_model_stage`` (parameters become DTensors) ->
+    ``to_empty`` on the device -> values from ``reset_parameters()`` (layout-invariant by default,
+    see ``InitializationConfig``) or from a source checkpoint through the provider's state mapper.
+    """
+
+    def __init__(
+        self,
+        *,
+        provider: ModelProvider[ModelT],
+        dist_context: DistributedContext,
+        config: InitializationConfig,
+        seed: int,
+    ) -> None:
+        self._provider = provider
+        self._dist = dist_context
+        self._config = config
+        self._seed = seed
+
+    def build(self, stage: PipelineStageInfo) -> BuiltStage[ModelT]:
+        """Builds, parallelizes and initializes one stage."""
+        with torch.device("meta"):
+            result = self._provider.initialize_model_stage(
+                InitializeModelStageContext(dist_context=self._dist, stage=stage)
+            )
+        model = result.model
+        shadow = copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
+        self._provider.parallelize_model_stage(
+            ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
+        )
+        model.to_empty(device=self._dist.device)
+        # Seed per stage: stages must not draw the same numbers, while every rank of one stage must.
+        torch.manual_seed(self._seed + 1_000_003 * stage.current_stage)
+        if self._config.source is not None:
+            if result.state_mapper is None:
+                raise ValueError(
+                    f"trainer.initialization.source is set but {type(self._provider).__name__}."
+                    f"initialize_model_stage returned no state_mapper"
+                )
+            load_module_state(self._config.source, model, result.state_mapper, show_progress=self._dist.is_main_process)
+        elif shadow is not None:
+            shadow.to_empty(device="cpu")
+            _reset(shadow)
+            _copy_full_into(model, shadow)
+        else:
+            _reset(model)
+        return BuiltStage(stage=stage, model=model)
+
+
+def _copy_full_into(target: nn.Module, full: nn.Module) -> None:
+    """Copies every parameter and buffer of an unsharded module into its parallelized twin."""
+    source: dict[str, torch.Tensor] = dict(_named_tensors(full))
+    with torch.no_grad():
+        for name, tensor in _named_tensors(target):
+            value = source.get(name)
+            if value is None:
+                raise KeyError(f"parallelized model has '{name}', which the unsharded model lacks")
+            _assign(tensor, value, name)
+
+
+def _assign(tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if isinstance(tensor, DTensor):
+        dtensor: Any = tensor
+        if tuple(dtensor.shape) != tuple(value.shape):
+            raise ValueError(f"'{name}': parallelized shape {tuple(dtensor.shape)} != full shape {tuple(value.shape)}")
+        local = distribute_tensor(
+            value.to(device=dtensor.device, dtype=dtensor.dtype),
+            dtensor.device_mesh,
+            dtensor.placements,
+            src_data_rank=None,  # every rank holds the full value: slice locally, no communication
+        ).to_local()
+        dtensor.to_local().copy_(local)
+    else:
+        if tuple(tensor.shape) != tuple(value.shape):
+            raise ValueError(f"'{name}': parallelized shape {tuple(tensor.shape)} != full shape {tuple(value.shape)}")
+        tensor.copy_(value)

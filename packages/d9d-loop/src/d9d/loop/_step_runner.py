@@ -1,0 +1,68 @@
+"""Forward and backward over one step's microbatches (without pipeline parallelism)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from d9d.loop._gradient_manager import GradientManager
+from d9d.loop._task import ComputeLossContext, TrainTask
+
+
+@dataclass(kw_only=True)
+class MicrobatchTotals:
+    """Sums over this rank's microbatches of a step."""
+
+    weighted_loss: float = 0.0
+    weight: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    microbatches: int = 0
+
+
+class StepRunner(Protocol):
+    """Runs forward and backward for every microbatch of a step on this rank."""
+
+    def run(self, *, inputs: list[Any], states: list[Any], shared: Any, step: int) -> MicrobatchTotals:
+        """Accumulates gradients of ``sum(weight * loss)`` and returns the local totals."""
+        ...
+
+
+def loss_weight_of(value: torch.Tensor | float | None) -> float:
+    """A microbatch's loss weight as a float (1 when the task gives none)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().item())
+    return float(value)
+
+
+class SequentialStepRunner:
+    """Microbatch after microbatch on one model stage: forward, loss, backward."""
+
+    def __init__(
+        self, *, model: nn.Module, task: TrainTask[Any, Any, Any, Any, Any], gradients: GradientManager
+    ) -> None:
+        self._model = model
+        self._task = task
+        self._gradients = gradients
+
+    def run(self, *, inputs: list[Any], states: list[Any], shared: Any, step: int) -> MicrobatchTotals:
+        totals = MicrobatchTotals()
+        for index, (microbatch_input, state) in enumerate(zip(inputs, states, strict=True)):
+            output = self._model(microbatch_input, shared)
+            result = self._task.compute_loss(
+                ComputeLossContext(pipeline_results=output, state=state, microbatch_index=index, step=step)
+            )
+            weight = loss_weight_of(result.loss_weight)
+            self._gradients.begin_microbatch(is_last=index == len(inputs) - 1)
+            (result.loss * weight).backward()
+            totals.weighted_loss += float(result.loss.detach().item()) * weight
+            totals.weight += weight
+            totals.microbatches += 1
+            for name, value in result.metrics.items():
+                totals.metric_sums[name] += float(value)
+        return totals

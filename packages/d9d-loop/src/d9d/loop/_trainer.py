@@ -1,0 +1,265 @@
+"""The training loop: one object that runs steps, checkpoints, resumes and exports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim.lr_scheduler import LRScheduler
+
+from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
+from d9d.loop._config_trainer import TrainerConfig
+from d9d.loop._events import (
+    CheckpointSaved,
+    EventBus,
+    ForwardBackwardFinished,
+    ForwardBackwardStarted,
+    OptimizerStepFinished,
+    OptimizerStepStarted,
+    StepFinished,
+    StepStarted,
+    TrainingFinished,
+)
+from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
+from d9d.loop._model_provider import ModelProvider, PrepareExportModelStageContext
+from d9d.loop._model_stage_factory import BuiltStage
+from d9d.loop._progress import ProgressBar
+from d9d.loop._providers import BatchSource
+from d9d.loop._step_runner import StepRunner
+from d9d.loop._step_watchdog import StepWatchdog
+from d9d.loop._task import BuildForwardInputsContext, TrainTask
+from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
+from d9d.loop._trackers import Tracker
+from d9d.mesh import DistributedContext, shard_tree
+from d9d.state_mappers import save_module_state
+
+
+@dataclass(kw_only=True)
+class TrainerParts:
+    """Everything a ``Trainer`` is made of; assembled by ``TrainingConfigurator``."""
+
+    dist_context: DistributedContext
+    config: TrainerConfig
+    provider: ModelProvider[Any]
+    stages: Sequence[BuiltStage[Any]]
+    task: TrainTask[Any, Any, Any, Any, Any]
+    batches: BatchSource[Any]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler
+    gradients: GradientManager
+    step_runner: StepRunner
+    checkpointer: Checkpointer | None
+    tracker: Tracker
+    events: EventBus
+    total_steps: int
+    microbatches_per_step: int
+    local_batch_size: int
+    dp_group: ProcessGroup | None
+    loss_group: ProcessGroup | None
+
+
+class Trainer:
+    """Runs a configured job: ``train()`` resumes from the latest checkpoint and trains to the end.
+
+    Per step: the task builds inputs from this rank's batch; the inputs are split into
+    microbatches; forward and backward run over them (with the pipeline schedule when pipeline
+    parallelism is on); loss weights are summed over ranks; gradients are synchronized by their
+    placements, rescaled and clipped; the optimizer and LR scheduler step; metrics are reported;
+    a checkpoint is saved when due.
+    """
+
+    def __init__(self, parts: TrainerParts) -> None:
+        self._p = parts
+        self._step = 0
+        self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
+
+    @property
+    def dist_context(self) -> DistributedContext:
+        """The job's distributed context."""
+        return self._p.dist_context
+
+    @property
+    def events(self) -> EventBus:
+        """Subscribe here to the run's typed events."""
+        return self._p.events
+
+    @property
+    def model_stages(self) -> list[nn.Module]:
+        """The model stages held by this rank."""
+        return [s.model for s in self._p.stages]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over all local stages."""
+        return self._p.optimizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed so far."""
+        return self._step
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run."""
+        return self._p.total_steps
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        p = self._p
+        return {
+            "model": ModelState(self.model_stages),
+            "optimizer": OptimizerState(self.model_stages, p.optimizer),
+            "trainer": ObjectState(self._trainer_state, self._load_trainer_state),
+            f"rng_rank{p.dist_context.rank}": RandomState(),
+        }
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self._step,
+            "data": self._p.batches.state_dict(),
+            "lr_scheduler": scheduler_state(self._p.lr_scheduler),
+            "task": self._p.task.state_dict(),
+            "tracker": self._p.tracker.state_dict(),
+        }
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        self._step = int(state["step"])
+        self._p.batches.load_state_dict(state["data"])
+        scheduler = self._p.lr_scheduler
+        scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
+        self._p.task.load_state_dict(state["task"])
+        self._p.tracker.load_state_dict(state["tracker"])
+
+    def resume(self) -> CheckpointLocation | None:
+        """Loads the latest complete checkpoint if checkpointing and resume are on."""
+        checkpointer = self._p.checkpointer
+        if checkpointer is None or not self._p.config.checkpoint.resume:
+            return None
+        location = checkpointer.latest()
+        if location is None:
+            return None
+        checkpointer.load(location, self._checkpoint_state())
+        if self._p.dist_context.is_main_process:
+            self._p.tracker.on_resume(self._step)
+        self._p.dist_context.logger.info("resumed from %s at step %d", location.path, self._step)
+        return location
+
+    def train(self) -> None:
+        """Trains until the configured number of steps, resuming first when possible."""
+        p = self._p
+        self.resume()
+        bar = ProgressBar(
+            total=p.total_steps,
+            initial=self._step,
+            enabled=p.config.logging.progress_bar and p.dist_context.is_main_process,
+        )
+        timeouts = p.config.timeouts
+        first = True
+        try:
+            while self._step < p.total_steps:
+                self._watchdog.arm(self._step, timeouts.first_step_seconds if first else timeouts.step_seconds)
+                metrics = self._train_step()
+                self._watchdog.disarm()
+                first = False
+                bar.update(metrics)
+                self._maybe_checkpoint(final=self._step == p.total_steps)
+            if p.checkpointer is not None:
+                p.checkpointer.finalize(self._on_checkpoint_visible)
+            p.events.publish(TrainingFinished(steps=self._step))
+        finally:
+            self._watchdog.disarm()
+            bar.close()
+            p.tracker.close()
+
+    def _maybe_checkpoint(self, *, final: bool) -> None:
+        p = self._p
+        if p.checkpointer is None:
+            return
+        if final or self._step % p.config.checkpoint.every_steps == 0:
+            p.checkpointer.save(self._step, self._checkpoint_state(), self._on_checkpoint_visible)
+        else:
+            p.checkpointer.finalize(self._on_checkpoint_visible)
+
+    def _on_checkpoint_visible(self, location: CheckpointLocation) -> None:
+        self._p.events.publish(CheckpointSaved(step=location.step, path=location.path))
+
+    def _train_step(self) -> dict[str, float]:
+        p = self._p
+        step = self._step
+        started = time.perf_counter()
+        p.events.publish(StepStarted(step=step))
+        batch = p.batches.next_batch()
+        built = p.task.build_forward_inputs(BuildForwardInputsContext(batch=batch, step=step))
+        inputs = shard_tree(built.input, num_shards=p.microbatches_per_step)
+        states = shard_tree(built.state, num_shards=p.microbatches_per_step)
+
+        p.events.publish(ForwardBackwardStarted(step=step))
+        totals = p.step_runner.run(inputs=inputs, states=states, shared=built.shared, step=step)
+        metric_names = sorted(totals.metric_sums)
+        reduced = all_reduce_sum(
+            [
+                totals.weighted_loss,
+                totals.weight,
+                float(totals.microbatches),
+                float(built.num_tokens or 0),
+                *(totals.metric_sums[n] for n in metric_names),
+            ],
+            p.loss_group,
+            p.dist_context.device,
+        )
+        weighted_loss, weight, microbatches, tokens = reduced[:4]
+        if weight <= 0:
+            raise ValueError(f"step {step}: the loss weights of all microbatches sum to {weight}; nothing to learn from")
+        loss = weighted_loss / weight
+        p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
+
+        p.gradients.finish(weight)
+        grad_norm = p.gradients.clip()
+        p.events.publish(OptimizerStepStarted(step=step, grad_norm=grad_norm))
+        learning_rate = float(p.optimizer.param_groups[0]["lr"])
+        p.optimizer.step()
+        p.lr_scheduler.step()
+        p.optimizer.zero_grad(set_to_none=True)
+        p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate))
+
+        self._step += 1
+        elapsed = time.perf_counter() - started
+        metrics: dict[str, float] = {
+            "loss": loss,
+            "lr": learning_rate,
+            "grad_norm": grad_norm,
+            "samples_per_s": p.config.global_batch_size / elapsed,
+        }
+        if tokens > 0:
+            metrics["tokens_per_s"] = tokens / elapsed
+        for name, value in zip(metric_names, reduced[4:], strict=True):
+            metrics[name] = value / microbatches
+        if p.dist_context.is_main_process and (
+            step % p.config.logging.every_steps == 0 or self._step == p.total_steps
+        ):
+            p.tracker.log(step, metrics)
+        p.events.publish(StepFinished(step=step, metrics=metrics))
+        return metrics
+
+    def export(self, path: str | Path) -> None:
+        """Writes the model through the provider's export state mapper as safetensors (collective)."""
+        target = Path(path)
+        for built in self._p.stages:
+            result = self._p.provider.prepare_export_model_stage(
+                PrepareExportModelStageContext(dist_context=self._p.dist_context, stage=built.stage, model=built.model)
+            )
+            stage_target = target if len(self._p.stages) == 1 and built.stage.num_stages == 1 else (
+                target / f"stage_{built.stage.current_stage}"
+            )
+            save_module_state(
+                stage_target, built.model, result.state_mapper, show_progress=self._p.dist_context.is_main_process
+            )
+
+    def close(self) -> None:
+        """Removes gradient hooks; the distributed context is closed by its owner."""
+        self._p.gradients.close()
