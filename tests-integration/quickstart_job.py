@@ -1,0 +1,110 @@
+"""Runs the quickstart model with a given config inside a test process (one rank or many)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ForwardBackwardFinished,
+    ProjectConfig,
+    StepFinished,
+    TrainingConfigurator,
+)
+from d9d.loop import EventBus
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "train.py"
+
+
+def load_quickstart() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("d9d_quickstart", QUICKSTART)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quickstart_config(**overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "mesh": {},
+        "trainer": {
+            "max_steps": 12,
+            "global_batch_size": 64,
+            "microbatch_size": 8,
+            "seed": 3,
+            "logging": {"progress_bar": False},
+        },
+        "data": {"seed": 5},
+        "optimizer": {"name": "adamw", "lr": 0.003},
+        "lr_scheduler": {"name": "piecewise", "warmup": {"steps": 3}, "phases": [{"kind": "cosine", "fraction": 1.0}]},
+    }
+    for key, value in overrides.items():
+        section = config.setdefault(key, {})
+        section.update(value)
+    return config
+
+
+def run_quickstart(
+    raw_config: dict[str, Any],
+    *,
+    kill_at_step: int | None = None,
+    kill_during_save_at_step: int | None = None,
+    num_samples: int = 4096,
+) -> dict[str, Any]:
+    """Trains; returns per-step losses, and final full parameters on rank 0."""
+    qs = load_quickstart()
+    config = ProjectConfig.model_validate(raw_config)
+    events = EventBus()
+    losses: list[float] = []
+    events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+    if kill_at_step is not None:
+
+        def kill(event: StepFinished) -> None:
+            if event.step == kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        events.subscribe(StepFinished, kill)
+    if kill_during_save_at_step is not None:
+        directory = Path(raw_config["trainer"]["checkpoint"]["directory"])
+        partial = directory / f"step_{kill_during_save_at_step:09d}.partial"
+
+        def watch() -> None:
+            while True:
+                if partial.is_dir() and any(partial.iterdir()):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.0005)
+
+        threading.Thread(target=watch, daemon=True).start()
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=qs.MLPProvider(),
+        task_provider=lambda ctx: qs.RegressionTask(),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda dist_context: qs.RegressionDataset(num_samples, 16),
+            collator=qs.RegressionDataset.collate,
+            config=config.data,
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+        events=events,
+    ).configure()
+    trainer.train()
+    params: dict[str, torch.Tensor] = {}
+    for name, param in trainer.model_stages[0].named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor or plain
+        params[name] = full.detach().clone()
+    trainer.close()
+    trainer.dist_context.close()
+    return {"losses": losses, "params": params, "start_step": trainer.total_steps - len(losses)}
