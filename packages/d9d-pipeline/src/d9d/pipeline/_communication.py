@@ -1,0 +1,89 @@
+"""Inserts the sends and receives a program's compute actions need, from the stage placement.
+
+Rules, for a stage ``s`` held by rank ``r``:
+
+- after ``F s.m``, if stage ``s+1`` lives on another rank: send the activation there;
+- before ``F s.m``, if stage ``s-1`` lives on another rank: receive the activation from there;
+- after ``B``/``I s.m``, if stage ``s-1`` lives on another rank: send the input gradients there;
+- before ``B``/``I s.m``, if stage ``s+1`` lives on another rank: receive the output gradients.
+
+Neighbouring stages on the same rank hand data over locally, without communication.
+
+Point-to-point messages between two ranks are matched in the order they are posted (NCCL and gloo
+both work this way), so the receives from one sender must be posted in the order that sender
+posts its sends. When a rank needs a message that its sender sends after others it has not
+received yet, those earlier messages are received first, at the same place. Sends never block the
+program (they are asynchronous and waited at the end of the step); receives are waited before the
+compute action that reads them.
+"""
+
+from __future__ import annotations
+
+from d9d.pipeline._actions import Action, ActionKind
+from d9d.pipeline._program import PipelineProgram
+
+
+def _sends_after(action: Action, program: PipelineProgram, rank: int) -> list[Action]:
+    s, m = action.stage, action.microbatch
+    where = program.stage_to_rank
+    if action.kind == ActionKind.FORWARD and s + 1 < program.num_stages and where[s + 1] != rank:
+        return [Action(kind=ActionKind.SEND_ACTIVATION, stage=s, microbatch=m, peer=where[s + 1])]
+    if action.kind.is_backward and s > 0 and where[s - 1] != rank:
+        return [Action(kind=ActionKind.SEND_GRAD, stage=s, microbatch=m, peer=where[s - 1])]
+    return []
+
+
+def _recv_needed(action: Action, program: PipelineProgram, rank: int) -> list[Action]:
+    s, m = action.stage, action.microbatch
+    where = program.stage_to_rank
+    if action.kind == ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
+        return [Action(kind=ActionKind.RECV_ACTIVATION, stage=s, microbatch=m, peer=where[s - 1])]
+    if action.kind.is_backward and s + 1 < program.num_stages and where[s + 1] != rank:
+        return [Action(kind=ActionKind.RECV_GRAD, stage=s, microbatch=m, peer=where[s + 1])]
+    return []
+
+
+def insert_communication(program: PipelineProgram) -> PipelineProgram:
+    """Returns ``program`` with its communication actions replaced by those its compute needs.
+
+    Existing communication actions are dropped and inserted anew, so the function is idempotent.
+    """
+    compute = [program.compute_actions(rank) for rank in range(program.num_ranks)]
+    # For every (sender, receiver) pair, the receives matching the sender's sends, in send order.
+    send_order: dict[tuple[int, int], list[Action]] = {}
+    for rank, acts in enumerate(compute):
+        for action in acts:
+            for send in _sends_after(action, program, rank):
+                assert send.peer is not None
+                send_order.setdefault((rank, send.peer), []).append(send.matching(own_rank=rank))
+    result: list[tuple[Action, ...]] = []
+    for rank, acts in enumerate(compute):
+        posted: set[Action] = set()
+        next_index: dict[int, int] = {}
+        out: list[Action] = []
+        for action in acts:
+            for recv in _recv_needed(action, program, rank):
+                if recv in posted:
+                    continue
+                assert recv.peer is not None
+                order = send_order.get((recv.peer, rank), [])
+                if recv in order:
+                    stop = order.index(recv)
+                    start = next_index.get(recv.peer, 0)
+                    for earlier in order[start : stop + 1]:
+                        if earlier not in posted:
+                            out.append(earlier)
+                            posted.add(earlier)
+                    next_index[recv.peer] = max(start, stop + 1)
+                else:  # the sender never sends it: leave it for the validator to report
+                    out.append(recv)
+                    posted.add(recv)
+            out.append(action)
+            out.extend(_sends_after(action, program, rank))
+        result.append(tuple(out))
+    return PipelineProgram(
+        num_microbatches=program.num_microbatches,
+        stage_to_rank=program.stage_to_rank,
+        actions=tuple(result),
+        training=program.training,
+    )

@@ -1,0 +1,192 @@
+"""Runs a program over the pipeline process group with batched asynchronous point-to-point ops."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from d9d.pipeline._executor_base import check_stage_modules, forward_only_view
+from d9d.pipeline._program import PipelineProgram
+from d9d.pipeline._runner import RankRunner
+from d9d.pipeline._shapes import PipelineShapeError, infer_output_spec
+from d9d.pipeline._stage_runtime import LossFn, StageRuntime
+from d9d.pipeline._transport import P2PTransport
+from d9d.pipeline._tree import TreeSpec, spec_of, split_microbatches
+from d9d.pipeline._validator import validate_program
+
+
+class PipelineExecutor:
+    """Runs a :class:`PipelineProgram` on this rank's stages, talking to the other pipeline ranks.
+
+    Every rank of the pipeline group builds one executor with the same program and its own stages,
+    and calls :meth:`step` (training) or :meth:`forward` (inference) with the same arguments at the
+    same time. Before the first point-to-point op of a step, the ranks pass their stages' output
+    shapes down the pipeline (found by a meta-device trial forward, or by the stage's
+    ``pipeline_output_meta``; cached per input shape), so shapes may change between steps, and a
+    stage whose outputs do not fit the next stage fails on every rank with the same error.
+
+    Stages are called as ``module(inputs)``, or ``module(inputs, shared)`` when ``shared`` is given.
+    Stage inputs and outputs are pytrees (tensors, dicts, lists, tuples); gradients travel back for
+    their floating-point tensors. Parameter gradients accumulate in ``.grad`` over microbatches (the
+    executor never zeroes them).
+
+    Args:
+        program: The program, the same on every rank (validated here).
+        stages: This rank's stage modules by stage index; exactly the stages the program places here.
+        group: The pipeline process group; the default group when None. Program rank ``r`` is the
+            group's rank ``r``.
+        device: Where receive buffers live; the device of the stages' first parameter when None.
+
+    Raises:
+        ValueError: If the group size differs from the program's rank count or the stages are not
+            this rank's stages under the program.
+        PipelineProgramError: If the program is invalid.
+    """
+
+    def __init__(
+        self,
+        program: PipelineProgram,
+        stages: Mapping[int, nn.Module],
+        *,
+        group: ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self._group = group if group is not None else dist.group.WORLD
+        if self._group is None:
+            raise RuntimeError("PipelineExecutor needs an initialized torch.distributed process group")
+        world = dist.get_world_size(self._group)
+        if world != program.num_ranks:
+            raise ValueError(f"the program is for {program.num_ranks} ranks but the pipeline group has {world}")
+        self._rank = dist.get_rank(self._group)
+        check_stage_modules(program, self._rank, stages)
+        validate_program(program)
+        self._program = program
+        self._global = [dist.get_global_rank(self._group, r) for r in range(world)]
+        if device is None:
+            param = next((p for m in stages.values() for p in m.parameters()), None)
+            device = param.device if param is not None else torch.device("cpu")
+        self._device = device
+        self._runtimes = {
+            s: StageRuntime(stage=s, num_stages=program.num_stages, module=m) for s, m in stages.items()
+        }
+        self._spec_cache: dict[int, list[tuple[TreeSpec, TreeSpec]]] = {}
+        self._forward_program: PipelineProgram | None = None
+
+    @property
+    def program(self) -> PipelineProgram:
+        """The program this executor runs."""
+        return self._program
+
+    @property
+    def rank(self) -> int:
+        """This rank in the pipeline group."""
+        return self._rank
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (where losses and outputs appear)."""
+        return self._program.num_stages - 1 in self._runtimes
+
+    def step(self, inputs: Any, *, loss_fn: LossFn, shared: Any = None) -> list[torch.Tensor] | None:
+        """Runs forward and backward of every microbatch of ``inputs``.
+
+        Args:
+            inputs: The batch pytree; split into ``program.num_microbatches`` pieces along tensor
+                dim 0 (needed on the rank of stage 0; other ranks may pass the same batch or None).
+            loss_fn: On the last stage, ``(outputs, microbatch_index) -> loss``: a one-element
+                tensor, already weighted (for a mean over the batch, divide by the microbatch count
+                or by the batch's token count); its backward is what the step runs.
+            shared: Passed unchanged to every stage on every microbatch (rotary tables, masks).
+
+        Returns:
+            On the rank holding the last stage, the detached loss of every microbatch in order;
+            None on other ranks.
+        """
+        if not self._program.training:
+            raise ValueError("step() needs a training program; this one is forward-only, use forward()")
+        runner = self._run(self._program, inputs, shared, loss_fn)
+        if not self.has_last_stage:
+            return None
+        return [runner.losses[m] for m in range(self._program.num_microbatches)]
+
+    def forward(self, inputs: Any, *, shared: Any = None) -> list[Any] | None:
+        """Runs the forwards only, without autograd (inference).
+
+        A training program runs as its forward-only view (the same forwards in the same order).
+
+        Returns:
+            On the rank holding the last stage, the last stage's outputs for every microbatch in
+            order; None on other ranks.
+        """
+        if self._forward_program is None:
+            self._forward_program = forward_only_view(self._program)
+        runner = self._run(self._forward_program, inputs, shared, None)
+        if not self.has_last_stage:
+            return None
+        return [runner.outputs[m] for m in range(self._program.num_microbatches)]
+
+    def _run(self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None) -> RankRunner:
+        holds_first = 0 in self._runtimes
+        microbatches = split_microbatches(inputs, program.num_microbatches) if holds_first else []
+        self._exchange_shapes(microbatches[0] if holds_first else None, shared)
+        transport = P2PTransport(group=self._group, global_ranks=self._global)
+        runner = RankRunner(
+            program=program, rank=self._rank, stages=self._runtimes, transport=transport, device=self._device
+        )
+        runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn)
+        try:
+            for action in program.actions[self._rank]:
+                runner.execute(action)
+            runner.finish()
+        finally:
+            for runtime in self._runtimes.values():
+                runtime.clear()
+        return runner
+
+    def _output_spec(self, stage: int, input_spec: TreeSpec, shared: Any) -> TreeSpec:
+        cache = self._spec_cache.setdefault(stage, [])
+        for known_in, known_out in cache:
+            if known_in == input_spec:
+                return known_out
+        out = infer_output_spec(stage=stage, module=self._runtimes[stage].module, input_spec=input_spec, shared=shared)
+        cache.insert(0, (input_spec, out))
+        del cache[8:]
+        return out
+
+    def _exchange_shapes(self, first_microbatch: Any, shared: Any) -> None:
+        """Passes output specs down the pipeline in stage order; every rank learns of any failure."""
+        where = self._program.stage_to_rank
+        error: str | None = None
+        for s in sorted(self._runtimes):
+            runtime = self._runtimes[s]
+            spec: TreeSpec | str | None
+            if s == 0:
+                spec = spec_of(first_microbatch)
+            elif where[s - 1] == self._rank:
+                spec = self._runtimes[s - 1].output_spec if error is None else error
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=self._global[where[s - 1]], group=self._group, device=self._device)
+                spec = box[0]
+            out: TreeSpec | str
+            if isinstance(spec, TreeSpec):
+                runtime.input_spec = spec
+                try:
+                    out = self._output_spec(s, spec, shared)
+                    runtime.output_spec = out
+                except PipelineShapeError as e:
+                    out = error = str(e)
+            else:
+                out = error = spec if isinstance(spec, str) else f"stage {s}: no input spec"
+            if s + 1 < self._program.num_stages and where[s + 1] != self._rank:
+                dist.send_object_list([out], dst=self._global[where[s + 1]], group=self._group, device=self._device)
+        errors: list[Any] = [None] * self._program.num_ranks
+        dist.all_gather_object(errors, error, group=self._group)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise PipelineShapeError(first)

@@ -1,0 +1,1 @@
+"""Schedule builders: functions from (ranks, microbatches) to a :class:`PipelineProgram`."""

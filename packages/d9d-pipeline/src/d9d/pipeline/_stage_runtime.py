@@ -1,0 +1,127 @@
+"""One stage's per-microbatch state during a step: saved inputs, outputs, losses, backward parts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9d.pipeline._shapes import PipelineShapeError, call_stage, check_against_spec
+from d9d.pipeline._tree import TreeSpec, flatten_tree, unflatten_tree
+
+LossFn = Callable[[Any, int], torch.Tensor]
+"""Loss callback: ``(last stage outputs, microbatch index) -> loss tensor`` (already weighted)."""
+
+
+@dataclass(kw_only=True)
+class _Saved:
+    inputs: list[torch.Tensor]  # stage inputs that receive gradients, in input_spec.grad_indices() order
+    targets: list[torch.Tensor] = field(default_factory=list[torch.Tensor])
+    grads: list[torch.Tensor | None] = field(default_factory=list[torch.Tensor | None])
+
+
+class StageRuntime:
+    """Runs one stage's forward and backward parts and keeps what lies between them."""
+
+    def __init__(self, *, stage: int, num_stages: int, module: nn.Module) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.module = module
+        self.input_spec: TreeSpec | None = None
+        self.output_spec: TreeSpec | None = None
+        self._saved: dict[int, _Saved] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(
+        self, microbatch: int, inputs: Any, shared: Any, *, loss_fn: LossFn | None, training: bool
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Runs the forward (and the loss on the last stage when training).
+
+        Returns:
+            The outputs (detached from this stage's graph) and the loss (None unless last stage).
+        """
+        tensors, skeleton, _ = flatten_tree(inputs)
+        grad_inputs: list[torch.Tensor] = []
+        if training and not self.is_first:
+            tensors = [t.detach() for t in tensors]
+            for i, t in enumerate(tensors):
+                if t.is_floating_point() or t.is_complex():
+                    t.requires_grad_(True)
+                    grad_inputs.append(t)
+                    tensors[i] = t
+            inputs = unflatten_tree(skeleton, tensors)
+        with torch.set_grad_enabled(training):
+            outputs = call_stage(self.module, inputs, shared)
+        if self.output_spec is not None:
+            check_against_spec(stage=self.stage, what="outputs", tree=outputs, expected=self.output_spec)
+        out_tensors, out_skeleton, _ = flatten_tree(outputs)
+        loss: torch.Tensor | None = None
+        saved = _Saved(inputs=grad_inputs)
+        if training and self.is_last:
+            if loss_fn is None:
+                raise ValueError(f"stage {self.stage} is the last stage and needs a loss_fn to train")
+            loss = loss_fn(outputs, microbatch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipelineShapeError(
+                    f"loss_fn must return a one-element tensor for microbatch {microbatch}, got {loss!r}"
+                )
+            saved.targets = [loss.reshape(())]
+            saved.grads = [None]
+        elif training and self.output_spec is not None:
+            for i in self.output_spec.grad_indices():
+                saved.targets.append(out_tensors[i])
+        if training:
+            self._saved[microbatch] = saved
+        detached = unflatten_tree(out_skeleton, [t.detach() for t in out_tensors])
+        return detached, None if loss is None else loss.detach()
+
+    def _set_output_grads(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> _Saved:
+        saved = self._saved[microbatch]
+        if not self.is_last:
+            if output_grads is None or len(output_grads) != len(saved.targets):
+                raise RuntimeError(f"stage {self.stage}, microbatch {microbatch}: output gradients missing")
+            pairs = [(t, g) for t, g in zip(saved.targets, output_grads, strict=True) if t.requires_grad]
+            saved.targets = [t for t, _ in pairs]
+            saved.grads = [g for _, g in pairs]
+        return saved
+
+    def _input_grads(self, saved: _Saved, grads: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(saved.inputs, grads, strict=True)]
+
+    def backward(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Full backward: accumulates parameter gradients and returns the input gradients."""
+        saved = self._set_output_grads(microbatch, output_grads)
+        if saved.targets:
+            torch.autograd.backward(saved.targets, saved.grads)
+        grads = [x.grad for x in saved.inputs]
+        del self._saved[microbatch]
+        return self._input_grads(saved, grads)
+
+    def backward_input(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """First half of a split backward: returns the input gradients, keeps the graph for ``W``."""
+        saved = self._set_output_grads(microbatch, output_grads)
+        if not saved.targets or not saved.inputs:
+            return self._input_grads(saved, [None] * len(saved.inputs))
+        grads = torch.autograd.grad(saved.targets, saved.inputs, saved.grads, retain_graph=True, allow_unused=True)
+        return self._input_grads(saved, grads)
+
+    def backward_weight(self, microbatch: int) -> None:
+        """Second half of a split backward: accumulates the parameter gradients, frees the graph."""
+        saved = self._saved.pop(microbatch)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if saved.targets and params:
+            torch.autograd.backward(saved.targets, saved.grads, inputs=params)
+
+    def clear(self) -> None:
+        """Drops everything kept for backward (after a failed or forward-only step)."""
+        self._saved.clear()

@@ -1,0 +1,73 @@
+"""Batched asynchronous point-to-point transport over a process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from d9d.pipeline._actions import Action
+
+
+class _P2PRecv:
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.works: list[dist.Work] = []
+        self.posted = False
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self.posted:
+            raise RuntimeError("receive waited before it was posted")
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.buffers
+
+
+class P2PTransport:
+    """Collects a run of sends and receives and posts each as one ``batch_isend_irecv``.
+
+    Sends and receives go in separate batches: a receive is waited right before the compute that
+    reads it, a send only at the end of the step, so a slow peer never blocks this rank's sends.
+    """
+
+    def __init__(self, *, group: ProcessGroup, global_ranks: list[int]) -> None:
+        self._group = group
+        self._global = global_ranks
+        self._send_ops: list[dist.P2POp] = []
+        self._recv_ops: list[dist.P2POp] = []
+        self._recvs: list[_P2PRecv] = []
+        self._send_works: list[dist.Work] = []
+
+    def _peer(self, action: Action) -> int:
+        if action.peer is None:
+            raise ValueError(f"communication action {action} has no peer")
+        return self._global[action.peer]
+
+    def send(self, action: Action, tensors: list[torch.Tensor]) -> None:
+        peer = self._peer(action)
+        self._send_ops += [dist.P2POp(dist.isend, t, peer, self._group) for t in tensors]
+
+    def recv(self, action: Action, buffers: list[torch.Tensor]) -> _P2PRecv:
+        peer = self._peer(action)
+        self._recv_ops += [dist.P2POp(dist.irecv, b, peer, self._group) for b in buffers]
+        handle = _P2PRecv(buffers)
+        self._recvs.append(handle)
+        return handle
+
+    def flush(self) -> None:
+        if self._send_ops:
+            self._send_works += [w for w in dist.batch_isend_irecv(self._send_ops) if w is not None]
+            self._send_ops = []
+        works: list[dist.Work] = []
+        if self._recv_ops:
+            works = [w for w in dist.batch_isend_irecv(self._recv_ops) if w is not None]
+            self._recv_ops = []
+        for handle in self._recvs:
+            handle.works, handle.posted = works, True
+        self._recvs = []
+
+    def finish(self) -> None:
+        for work in self._send_works:
+            work.wait()
+        self._send_works = []
