@@ -27,7 +27,10 @@ def check_attention_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 class EagerAttentionBackend:
-    """Materializes the score matrix in fp32; slow and memory-hungry, exact. Use as a reference."""
+    """Materializes the score matrix in fp32 (fp64 for fp64 inputs): slow, memory-hungry, exact.
+
+    The reference the other backends are tested against.
+    """
 
     def attend(
         self,
@@ -43,9 +46,10 @@ class EagerAttentionBackend:
         """See ``AttentionBackend.attend``."""
         group = check_attention_shapes(query, key, value)
         seq = query.shape[1]
-        q = query.transpose(1, 2).to(torch.float32)
-        k = key.transpose(1, 2).to(torch.float32).repeat_interleave(group, dim=1)
-        v = value.transpose(1, 2).to(torch.float32).repeat_interleave(group, dim=1)
+        compute_dtype = torch.promote_types(query.dtype, torch.float32)
+        q = query.transpose(1, 2).to(compute_dtype)
+        k = key.transpose(1, 2).to(compute_dtype).repeat_interleave(group, dim=1)
+        v = value.transpose(1, 2).to(compute_dtype).repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
         mask = build_attention_mask(
             seq, causal=causal, sliding_window=sliding_window, document_ids=document_ids, device=query.device

@@ -1,0 +1,40 @@
+"""Positions and document ids of packed sequences."""
+
+import torch
+
+from d9d.kernels.layers import (
+    cu_seqlens_from_document_ids,
+    document_ids_from_cu_seqlens,
+    document_ids_from_position_ids,
+    position_ids_from_document_ids,
+)
+
+
+def test_positions_restart_per_document_and_per_row() -> None:
+    document_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
+    expected = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    torch.testing.assert_close(position_ids_from_document_ids(document_ids), expected)
+
+
+def test_document_ids_from_positions_round_trip() -> None:
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    document_ids = document_ids_from_position_ids(position_ids)
+    torch.testing.assert_close(document_ids, torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]))
+    torch.testing.assert_close(position_ids_from_document_ids(document_ids), position_ids)
+
+
+def test_cu_seqlens_round_trip() -> None:
+    cu_seqlens = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    document_ids = document_ids_from_cu_seqlens(cu_seqlens)
+    torch.testing.assert_close(document_ids, torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2, 2]]))
+    back, longest = cu_seqlens_from_document_ids(document_ids)
+    torch.testing.assert_close(back, cu_seqlens)
+    assert longest == 5
+
+
+def test_cu_seqlens_split_documents_at_row_boundaries() -> None:
+    # the same id continuing into the next row is still a new document there
+    document_ids = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    cu_seqlens, longest = cu_seqlens_from_document_ids(document_ids)
+    torch.testing.assert_close(cu_seqlens, torch.tensor([0, 2, 3, 6], dtype=torch.int32))
+    assert longest == 3
