@@ -19,6 +19,7 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: CrossEntropyReduction = "mean",
+    chunk_size: int | None = None,
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> torch.Tensor:
     """Cross-entropy of the language-model head ``hidden @ weight.T`` without materializing its logits.
@@ -38,6 +39,8 @@ def linear_cross_entropy(
         ignore_index: Label value that is excluded from the loss.
         reduction: "none" for per-token losses (N,) fp32 with 0 at ignored tokens, "sum", or "mean"
             over non-ignored tokens (0 when all are ignored).
+        chunk_size: Tokens per chunk on the Triton path; by default as many as keep one chunk's
+            logits near 512 MiB.
         backend: Which implementation runs (Triton on CUDA by default).
 
     Returns:
@@ -58,10 +61,12 @@ def linear_cross_entropy(
             f"linear_cross_entropy: labels must be int64 of shape ({hidden.shape[0]},), got "
             f"{labels.dtype} {tuple(labels.shape)}"
         )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size} must be positive")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
     if use_triton(backend, "linear_cross_entropy", hidden, weight):
         from d9d.kernels._triton.linear_cross_entropy_op import linear_cross_entropy_triton
 
-        return linear_cross_entropy_triton(hidden, weight, labels, ignore_index, reduction)
+        return linear_cross_entropy_triton(hidden, weight, labels, ignore_index, reduction, chunk_size or 0)
     return linear_cross_entropy_reference(hidden, weight, labels, ignore_index, reduction)

@@ -1,0 +1,156 @@
+"""Fused linear cross-entropy as ``torch.library`` custom ops with autograd."""
+
+from typing import Any
+
+import torch
+
+
+def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    match reduction:
+        case "none":
+            return loss
+        case "sum":
+            return loss.sum()
+        case "mean":
+            return loss.sum() / count
+        case _:
+            raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
+
+
+@torch.library.custom_op("d9d_kernels::linear_cross_entropy_forward", mutates_args=())
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_forward
+
+    count = (labels != ignore_index).sum().clamp(min=1).float()
+    # Gradients computed here are those of the reduced loss; "none" computes them in the backward.
+    grad_scale = (1.0 / count if reduction == "mean" else torch.ones_like(count)).reshape(1)
+    loss, lse, hidden_grad, weight_grad = linear_cross_entropy_forward(
+        hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, grad_scale,
+        need_hidden_grad, need_weight_grad, chunk_size,
+    )  # fmt: skip
+    return _reduce(loss, count, reduction), lse, hidden_grad, weight_grad
+
+
+@_forward.register_fake
+def _forward_fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    lse = hidden.new_empty((n,), dtype=torch.float32)
+    hidden_grad = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty((0,))
+    weight_grad = torch.empty_like(weight) if need_weight_grad else weight.new_empty((0,))
+    return loss, lse, hidden_grad, weight_grad
+
+
+@torch.library.custom_op("d9d_kernels::linear_cross_entropy_backward", mutates_args=())
+def _backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    ignore_index: int,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_backward
+
+    return linear_cross_entropy_backward(
+        hidden.contiguous(), weight.contiguous(), labels.contiguous(), lse, grad_loss, ignore_index,
+        need_hidden_grad, need_weight_grad, chunk_size,
+    )  # fmt: skip
+
+
+@_backward_op.register_fake
+def _backward_fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    ignore_index: int,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden_grad = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty((0,))
+    weight_grad = torch.empty_like(weight) if need_weight_grad else weight.new_empty((0,))
+    return hidden_grad, weight_grad
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, labels, ignore_index, reduction, need_hidden_grad, need_weight_grad, chunk_size = inputs
+    _, lse, hidden_grad, weight_grad = output
+    ctx.save_for_backward(hidden, weight, labels, lse, hidden_grad, weight_grad)
+    ctx.ignore_index = ignore_index
+    ctx.reduction = reduction
+    ctx.need_hidden_grad = need_hidden_grad
+    ctx.need_weight_grad = need_weight_grad
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+    hidden, weight, labels, lse, hidden_grad, weight_grad = ctx.saved_tensors
+    if ctx.reduction == "none":
+        need_h = bool(ctx.needs_input_grad[0])
+        need_w = bool(ctx.needs_input_grad[1])
+        hidden_grad, weight_grad = _backward_op(
+            hidden, weight, labels, lse, grad_loss, ctx.ignore_index, need_h, need_w, ctx.chunk_size
+        )
+    else:
+        # The forward computed the gradients of the reduced loss; scale them by the upstream scalar
+        # in place (the saved tensors are ours alone; a second backward fails the version check).
+        need_h, need_w = ctx.need_hidden_grad, ctx.need_weight_grad
+        scale = grad_loss.to(hidden.dtype)
+        if need_h:
+            hidden_grad.mul_(scale)
+        if need_w:
+            weight_grad.mul_(scale)
+    return (
+        hidden_grad if need_h else None,
+        weight_grad if need_w else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Linear cross-entropy through the chunked kernels; see ``d9d.kernels.linear_cross_entropy``."""
+    grad_on = torch.is_grad_enabled() and reduction != "none"
+    loss, _, _, _ = _forward(
+        hidden, weight, labels, ignore_index, reduction,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_size,
+    )  # fmt: skip
+    return loss

@@ -1,0 +1,53 @@
+"""SwiGLU as ``torch.library`` custom ops with autograd."""
+
+from typing import Any
+
+import torch
+
+
+@torch.library.custom_op("d9d_kernels::swiglu_forward", mutates_args=())
+def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from d9d.kernels._triton.swiglu_kernels import swiglu_forward
+
+    return swiglu_forward(gate, up)
+
+
+@_forward.register_fake
+def _forward_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("d9d_kernels::swiglu_backward", mutates_args=())
+def _backward_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from d9d.kernels._triton.swiglu_kernels import swiglu_backward
+
+    return swiglu_backward(dout, gate, up)
+
+
+@_backward_op.register_fake
+def _backward_fake(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty_like(gate, memory_format=torch.contiguous_format),
+        torch.empty_like(up, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = ctx.saved_tensors
+    return _backward_op(dout, gate, up)
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU through the Triton kernels; see ``d9d.kernels.swiglu``."""
+    return _forward(gate, up)
