@@ -1,0 +1,107 @@
+"""Attention forward + backward TFLOP/s per backend on one GPU (Qwen3-8B-like heads, bf16).
+
+Run from the repository root on a CUDA machine:
+    PYTHONPATH=packages/d9d-kernels/src python3 packages/d9d-kernels/benchmarks/layers/bench_attention.py
+
+FLOPs counted as FlashAttention does: forward 4 * batch * seq^2 * q_heads * head_dim (halved when
+causal), backward 2.5x forward; packed rows are counted as if dense (the usual convention), so
+packed numbers are "effective" TFLOP/s.
+"""
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from d9d.kernels.layers import (
+    AttentionBackend,
+    AttentionBackendUnavailableError,
+    build_attention_backend,
+)
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+TOKENS_PER_STEP = 16384
+BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_4")
+
+
+def time_ms(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Mean milliseconds of ``step`` (CUDA events) after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _documents(batch: int, seq: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` equal documents per row."""
+    return (torch.arange(seq, device=device) * count // seq).expand(batch, seq).contiguous()
+
+
+def _measure(backend: AttentionBackend, batch: int, seq: int, packed: bool) -> float:
+    device = torch.device("cuda")
+    q = torch.randn(batch, seq, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, seq, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, seq, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(batch, seq, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    documents = _documents(batch, seq, 4, device) if packed else None
+
+    def step() -> None:
+        out = backend.attend(q, k, v, causal=True, softmax_scale=HEAD_DIM**-0.5, document_ids=documents)
+        out.backward(upstream)
+
+    return time_ms(step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--eager-max-seq", type=int, default=8192)
+    args = parser.parse_args()
+    results: list[dict[str, object]] = []
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| backend | seq | batch | packed (4 docs/row) | fwd+bwd ms | TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for name in BACKENDS:
+        try:
+            backend = build_attention_backend(name)
+        except AttentionBackendUnavailableError as error:
+            print(f"| {name} | - | - | - | not installed ({str(error).split(':')[0]}) | - |")
+            results.append({"backend": name, "available": False})
+            continue
+        for seq in (4096, 8192):
+            if name == "eager" and seq > args.eager_max_seq:
+                continue
+            batch = max(1, TOKENS_PER_STEP // seq)
+            if name == "eager":
+                batch = 1  # the fp32 score matrix of a bigger batch does not pay off for a reference
+            for packed in (False, True):
+                torch.cuda.empty_cache()
+                ms = _measure(backend, batch, seq, packed)
+                forward_flops = 4 * batch * seq * seq * Q_HEADS * HEAD_DIM / 2
+                tflops = 3.5 * forward_flops / (ms * 1e-3) / 1e12
+                print(f"| {name} | {seq} | {batch} | {packed} | {ms:.2f} | {tflops:.1f} |")
+                results.append(
+                    {
+                        "backend": name,
+                        "seq": seq,
+                        "batch": batch,
+                        "packed": packed,
+                        "ms": ms,
+                        "tflops": tflops,
+                    }
+                )
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(results, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
