@@ -14,7 +14,8 @@ class SdpaAttentionBackend:
 
     Plain causal or full attention passes no mask, which lets PyTorch pick its flash kernel; sliding
     windows and packed documents pass a boolean ``(batch, 1, seq, seq)`` mask, which limits PyTorch
-    to its memory-efficient or math kernels.
+    to its memory-efficient kernel (grouped key/value heads are expanded for it, since that kernel
+    takes no ``enable_gqa``).
     """
 
     def attend(
