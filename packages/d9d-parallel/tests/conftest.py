@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,14 +106,18 @@ class ReferenceCheck:
                 assert ref_param.grad is not None and param.grad is not None, name
                 expected, actual = ref_param.grad, full(param.grad)
             torch.testing.assert_close(
-                actual, expected, atol=self.atol, rtol=self.rtol, msg=lambda m: f"step {step} {what} {name}: {m}"
+                actual,
+                expected,
+                atol=self.atol,
+                rtol=self.rtol,
+                msg=f"step {step} {what} {name}",
             )
 
 
 def mlp(sizes: Sequence[int] = (8, 16, 6)) -> nn.Sequential:
     """A small tanh MLP; the default output of 6 shards unevenly over 4 ranks."""
     layers: list[nn.Module] = []
-    for index, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for index, (a, b) in enumerate(itertools.pairwise(sizes)):
         if index:
             layers.append(nn.Tanh())
         layers.append(nn.Linear(a, b))

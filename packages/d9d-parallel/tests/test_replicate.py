@@ -11,7 +11,9 @@ from d9d.parallel import parallelize_replicate
 
 def _replicate_matches_reference(harness, mesh_shape: tuple[int, ...], microbatches: int) -> None:
     world = dist.get_world_size()
-    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape), mesh_dim_names=("a", "b")[: len(mesh_shape)])
+    mesh = DeviceMesh(
+        "cpu", torch.arange(world).reshape(mesh_shape), mesh_dim_names=("a", "b")[: len(mesh_shape)]
+    )
     seen_in_forward: list[type] = []
 
     def parallelize(model: nn.Module) -> None:
@@ -41,7 +43,9 @@ def _replicate_matches_reference(harness, mesh_shape: tuple[int, ...], microbatc
     ],
 )
 def test_replicate_matches_single_process(harness, mesh_shape, microbatches) -> None:
-    run_distributed(_replicate_matches_reference, harness, mesh_shape, microbatches, world_size=4, timeout_s=180)
+    run_distributed(
+        _replicate_matches_reference, harness, mesh_shape, microbatches, world_size=4, timeout_s=180
+    )
 
 
 def _tied_and_errors() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -113,9 +116,9 @@ def hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         replicate_group = mesh.get_group(wide[0] if wide else replicate[0])
     else:
         coordinate = mesh.get_local_rank(shard)
-        members = [int(rank) for rank in ranks[:, coordinate].tolist()]
+        members = [int(rank) for rank in cast(list[int], ranks[:, coordinate].tolist())]
         group = dist.new_group(members, use_local_synchronization=True)
-        if group is None:
+        if not isinstance(group, ProcessGroup):
             raise RuntimeError(f"rank {dist.get_rank()} could not join its replicate group {members}")
         replicate_group = group
     return DeviceMesh.from_group(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def _pending_dims(grad: DTensor, name: str) -> tuple[tuple[int, ...], bool]:
     for index, placement in enumerate(grad.placements):
         if isinstance(placement, Partial):
             dims.append(index)
-            ops.add(placement.reduce_op)
+            ops.add(cast(str, placement.reduce_op))
     if not dims:
         return (), False
     if len(ops) != 1 or not ops <= {"sum", "avg"}:
@@ -93,7 +94,8 @@ class GradientSynchronizer:
             if not isinstance(parameter, DTensor):
                 continue
             self._names[id(parameter)] = name
-            self._handles.append(parameter.register_post_accumulate_grad_hook(self._on_gradient))
+            handle = cast(RemovableHandle, parameter.register_post_accumulate_grad_hook(self._on_gradient))
+            self._handles.append(handle)
         self._is_last = True
         self._seen = 0
         self._open: dict[_BucketKey, _Bucket] = {}

@@ -44,8 +44,8 @@ class _ScaleGradient(torch.autograd.Function):
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_outputs[0] * ctx.scale, None
 
 
 def _parameter_dict(module: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -20,10 +22,13 @@ class OwnedParameter:
 def owned_parameters(module: nn.Module) -> list[OwnedParameter]:
     """Every (owner, name) registration under ``module``, tied parameters listed once per owner."""
     found: list[OwnedParameter] = []
-    for prefix, owner in module.named_modules(remove_duplicate=False):
+    modules = cast(Iterator[tuple[str, nn.Module]], module.named_modules(remove_duplicate=False))
+    for prefix, owner in modules:
         for name, parameter in owner.named_parameters(recurse=False):
             qualified = f"{prefix}.{name}" if prefix else name
-            found.append(OwnedParameter(owner=owner, name=name, qualified_name=qualified, parameter=parameter))
+            found.append(
+                OwnedParameter(owner=owner, name=name, qualified_name=qualified, parameter=parameter)
+            )
     return found
 
 

@@ -74,4 +74,3 @@ def parallelize_replicate(
             "nothing to replicate"
         )
     return install_local_forward(module, slots)
-

@@ -1,0 +1,100 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from d9d.mesh import DENSE_DOMAIN, DistributedContext, MeshParameters
+from d9d.mesh.testing import run_distributed
+from d9d.parallel import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
+
+
+def _per_rank_rows(world: int):
+    return lambda batch: tuple(t.chunk(world)[dist.get_rank()] for t in batch)
+
+
+def _fsdp(harness, microbatches: int) -> None:
+    world = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_shard",))
+
+    def parallelize(model: nn.Module) -> None:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                parallelize_fsdp(layer, mesh=mesh)
+        parallelize_fsdp(model, mesh=mesh)
+        for p in model.parameters():
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),)
+
+    harness.ReferenceCheck(
+        build=harness.mlp,
+        parallelize=parallelize,
+        make_batch=harness.regression_batch,
+        loss_fn=harness.mse,
+        shard_batch=_per_rank_rows(world),
+        microbatches=microbatches,
+    ).run()
+
+
+def test_fsdp_matches_single_process(harness) -> None:
+    # 4 shards (the 6-row output layer is uneven), 2 microbatches of accumulation
+    run_distributed(_fsdp, harness, 2, world_size=4, timeout_s=180)
+
+
+def _hsdp(harness, parameters: MeshParameters, microbatches: int) -> None:
+    context = DistributedContext(parameters, device_type="cpu")
+    mesh = context.mesh_for(DENSE_DOMAIN)["dp_replicate", "dp_cp_shard", "cp_replicate"]
+    world = dist.get_world_size()
+
+    def parallelize(model: nn.Module) -> None:
+        parallelize_hsdp(model, mesh=mesh)
+        for p in model.parameters():
+            assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0))
+            replicas = parameters.data_parallel_replicate * parameters.context_parallel_replicate
+            assert p.device_mesh.shape == (replicas, parameters.data_parallel_shard)
+
+    harness.ReferenceCheck(
+        build=harness.mlp,
+        parallelize=parallelize,
+        make_batch=harness.regression_batch,
+        loss_fn=harness.mse,
+        shard_batch=_per_rank_rows(world),
+        microbatches=microbatches,
+    ).run()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "microbatches"),
+    [
+        # 2 replicas x 2 shards, gradient accumulation over 2 microbatches
+        (MeshParameters(data_parallel_replicate=2, data_parallel_shard=2), 2),
+        # the quickstart's 3-D call with two replicate dims of 2 (folded into one of 4)
+        (MeshParameters(data_parallel_replicate=2, context_parallel_replicate=2), 1),
+        # the quickstart's 3-D call with replicas, shards and a size-1 cp_replicate
+        (MeshParameters(data_parallel_replicate=2, data_parallel_shard=2, context_parallel_replicate=1), 1),
+    ],
+)
+def test_hsdp_matches_single_process(harness, parameters, microbatches) -> None:
+    run_distributed(_hsdp, harness, parameters, microbatches, world_size=parameters.world_size, timeout_s=180)
+
+
+def test_hsdp_quickstart_call_on_a_world_of_one(harness) -> None:
+    # every size 1: the same provider code runs in one process
+    run_distributed(_hsdp, harness, MeshParameters(), 2, world_size=1, timeout_s=120)
+
+
+def _bad_input() -> None:
+    flat = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("dp",))
+    square = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    with pytest.raises(ValueError, match=r"ends in 'shard'.*\('dp',\)"):
+        parallelize_hsdp(nn.Linear(2, 2), mesh=flat)
+    with pytest.raises(ValueError, match=r"1-D mesh.*\('dp_replicate', 'dp_shard'\)"):
+        parallelize_fsdp(nn.Linear(2, 2), mesh=square)
+    with pytest.raises(ValueError, match="ReLU has no parameters"):
+        parallelize_fsdp(nn.ReLU(), mesh=flat)
+    # an already 2-D (replicate, shard) mesh is used as it is
+    assert hsdp_mesh(square) is square
+
+
+def test_bad_meshes_and_modules_are_named() -> None:
+    run_distributed(_bad_input, world_size=4, timeout_s=120)

@@ -1,0 +1,99 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from d9d.mesh.testing import run_distributed
+from d9d.parallel import clip_grad_norm
+
+
+def _distributed_params(fulls, mesh, placements) -> list[nn.Parameter]:
+    params = []
+    for full, placement in zip(fulls, placements, strict=True):
+        p = nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, placement))
+        p.grad = distribute_tensor(full, mesh, placement)
+        params.append(p)
+    return params
+
+
+def _check_clipping(params, reference, norm_type, pp_group) -> None:
+    expected = torch.nn.utils.clip_grad_norm_(reference, 0.5, norm_type=norm_type)
+    norm = clip_grad_norm(params, 0.5, norm_type=norm_type, pp_group=pp_group)
+    torch.testing.assert_close(norm, expected)
+    for p, r in zip(params, reference, strict=False):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, r.grad)
+    # Only computing the norm leaves gradients alone; it is now at most max_norm.
+    again = clip_grad_norm(params, None, norm_type=norm_type, pp_group=pp_group)
+    torch.testing.assert_close(again, torch.clamp(expected, max=0.5), atol=1e-5, rtol=1e-5)
+
+
+def _reference(grads) -> list[nn.Parameter]:
+    reference = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for r, g in zip(reference, grads, strict=True):
+        r.grad = g.clone()
+    return reference
+
+
+def _mixed_placements(norm_type: float) -> None:
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    generator = torch.Generator().manual_seed(7)
+    fulls = [torch.randn(6, 5, generator=generator) for _ in range(4)]
+    placements = [
+        (Shard(0), Replicate()),  # FSDP-like
+        (Shard(0), Shard(1)),  # FSDP + TP
+        (Replicate(), Replicate()),  # replicated: counted once
+        (Replicate(), Shard(1)),  # TP only (5 columns: uneven over 2)
+    ]
+    params = _distributed_params(fulls, mesh, placements)
+    plain = nn.Parameter(torch.zeros(3))
+    plain.grad = torch.randn(3, generator=generator)
+    params.append(plain)
+    _check_clipping(params, _reference([*fulls, plain.grad]), norm_type, None)
+
+
+def _pipeline_stages(norm_type: float) -> None:
+    # pp=2 x tp=2: each stage holds its own parameters, sharded over its tp ranks.
+    layout = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("pp", "tp"))
+    stage = layout.get_local_rank("pp")
+    tp_mesh = layout["tp"]
+    generator = torch.Generator().manual_seed(3)
+    stage_fulls = [[torch.randn(4, 3, generator=generator) for _ in range(2)] for _ in range(2)]
+    params = _distributed_params(stage_fulls[stage], tp_mesh, [(Shard(0),), (Replicate(),)])
+    all_grads = stage_fulls[0] + stage_fulls[1]
+    # The reference holds both stages; this rank checks its own stage's clipped gradients.
+    reference = _reference(all_grads)
+    mine = reference[2 * stage : 2 * stage + 2]
+    expected = torch.nn.utils.clip_grad_norm_(reference, 0.5, norm_type=norm_type)
+    norm = clip_grad_norm(params, 0.5, norm_type=norm_type, pp_group=layout.get_group("pp"))
+    torch.testing.assert_close(norm, expected)
+    for p, r in zip(params, mine, strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
+@pytest.mark.parametrize(
+    "norm_type",
+    [
+        2.0,  # the usual L2 norm
+        1.0,  # L1: sums of absolute values
+        math.inf,  # max norm: MAX reductions
+    ],
+)
+def test_norm_counts_each_gradient_once_across_placements_and_stages(norm_type) -> None:
+    run_distributed(_mixed_placements, norm_type, world_size=4, timeout_s=120)
+    run_distributed(_pipeline_stages, norm_type, world_size=4, timeout_s=120)
+
+
+def _partial_refused() -> None:
+    mesh = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("dp",))
+    p = nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Replicate()]))
+    p.grad = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"Partial.*\('dp',\).*GradientSynchronizer"):
+        clip_grad_norm([p], 1.0)
+
+
+def test_partial_gradients_are_refused() -> None:
+    run_distributed(_partial_refused, world_size=2, timeout_s=120)
