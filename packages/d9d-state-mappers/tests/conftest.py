@@ -38,7 +38,11 @@ HF_PLAIN = {
     "mlp.gate.weight": "moe.router.weight",
     "input_layernorm.weight": "norm.weight",
 }
-HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "head.weight"}
+HF_TOP = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "head.weight",
+}
 
 
 def hf_state(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -74,7 +78,9 @@ def fused_reference(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for old, new in HF_PLAIN.items():
             out[q + new] = hf[p + old]
         gate_up = [
-            torch.cat([hf[p + f"mlp.experts.{e}.gate_proj.weight"], hf[p + f"mlp.experts.{e}.up_proj.weight"]])
+            torch.cat(
+                [hf[p + f"mlp.experts.{e}.gate_proj.weight"], hf[p + f"mlp.experts.{e}.up_proj.weight"]]
+            )
             for e in range(EXPERTS)
         ]
         out[q + "moe.gate_up"] = torch.stack(gate_up).transpose(1, 2).contiguous()
@@ -91,7 +97,10 @@ def _layer_to_fused() -> StateMapper:
     experts = SequentialMapper(
         [
             ParallelMapper(
-                [ConcatenateMapper([_expert(e, "gate"), _expert(e, "up")], f"gate_up.{e}") for e in range(EXPERTS)]
+                [
+                    ConcatenateMapper([_expert(e, "gate"), _expert(e, "up")], f"gate_up.{e}")
+                    for e in range(EXPERTS)
+                ]
                 + [RenameMapper(_expert(e, "down"), f"down.{e}") for e in range(EXPERTS)]
             ),
             ParallelMapper(
@@ -202,7 +211,9 @@ def write_sharded(state: dict[str, torch.Tensor], directory: Path, files: int, *
         save_file(chunk, directory / file_name)
         weight_map.update(dict.fromkeys(chunk, file_name))
     if index:
-        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

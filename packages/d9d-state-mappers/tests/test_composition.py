@@ -30,7 +30,9 @@ def test_sequential_merges_groups_linked_by_names() -> None:
     mapper = SequentialMapper(
         [
             ParallelMapper([StackMapper(["e0", "e1"], "s"), IdentityMapper("n")]),
-            ParallelMapper([TransposeMapper("s", dim0=1, dim1=2, ndim=3, target="out"), RenameMapper("n", "m")]),
+            ParallelMapper(
+                [TransposeMapper("s", dim0=1, dim1=2, ndim=3, target="out"), RenameMapper("n", "m")]
+            ),
         ]
     )
     groups = mapper.groups()
@@ -47,7 +49,10 @@ def test_sequential_merges_groups_linked_by_names() -> None:
 def test_sequential_slice_plan_reads_only_needed_experts() -> None:
     # Expert 1 of transpose(stack(e0..e3)) reads only e1.
     mapper = SequentialMapper(
-        [StackMapper([f"e{i}" for i in range(4)], "s"), TransposeMapper("s", dim0=1, dim1=2, ndim=3, target="out")]
+        [
+            StackMapper([f"e{i}" for i in range(4)], "s"),
+            TransposeMapper("s", dim0=1, dim1=2, ndim=3, target="out"),
+        ]
     )
     (group,) = mapper.groups()
     specs = {f"e{i}": TensorSpec(shape=(2, 3), dtype=torch.float32) for i in range(4)}
@@ -74,7 +79,10 @@ def test_shared_input_feeds_two_groups() -> None:
         # step 1 leaves a produced name unconsumed
         ([SelectMapper(["a", "b"]), IdentityMapper("a")], "does not consume .*\\['b'\\]"),
         # step 0 produces a name twice
-        ([ParallelMapper([RenameMapper("a", "x"), RenameMapper("b", "x")]), IdentityMapper("x")], "more than once"),
+        (
+            [ParallelMapper([RenameMapper("a", "x"), RenameMapper("b", "x")]), IdentityMapper("x")],
+            "more than once",
+        ),
     ],
 )
 def test_sequential_mismatches_raise_naming_the_names(steps, message: str) -> None:
@@ -94,7 +102,10 @@ def test_prefix_scopes_inputs_and_outputs() -> None:
 def test_filter_keeps_selected_outputs_and_still_consumes_all_inputs() -> None:
     # One pipeline stage holds layer 1 only; layer 0's inputs are consumed but never read.
     mapper = ParallelMapper([RenameMapper(f"hf.{i}", f"layers.{i}") for i in range(2)])
-    mapper = FilterMapper(ParallelMapper([mapper, ChunkMapper("hf.gu", ["gate", "up"])]), lambda n: n != "layers.0" and n != "up")
+    mapper = FilterMapper(
+        ParallelMapper([mapper, ChunkMapper("hf.gu", ["gate", "up"])]),
+        lambda n: n not in {"layers.0", "up"},
+    )
     groups = mapper.groups()
     assert {n for g in groups for n in g.inputs} == {"hf.0", "hf.1", "hf.gu"}
     assert {n for g in groups for n in g.outputs} == {"layers.1", "gate"}
@@ -119,6 +130,8 @@ def test_identity_mapper_from_module_covers_parameters_and_persistent_buffers() 
 
 
 def test_drop_in_sequence_removes_a_name() -> None:
-    mapper = SequentialMapper([SelectMapper(["a", "rotary"]), ParallelMapper([IdentityMapper("a"), DropMapper(["rotary"])])])
+    mapper = SequentialMapper(
+        [SelectMapper(["a", "rotary"]), ParallelMapper([IdentityMapper("a"), DropMapper(["rotary"])])]
+    )
     out = map_state_dict(mapper, {"a": torch.ones(1), "rotary": torch.ones(3)})
     assert set(out) == {"a"}

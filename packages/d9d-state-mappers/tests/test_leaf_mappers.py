@@ -41,7 +41,9 @@ STATE = {
 }
 
 # (mapper, inputs it reads, expected outputs computed with torch)
-CASES: list[tuple[StateMapper, dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]] = [
+CASES: list[
+    tuple[StateMapper, dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]
+] = [
     # identity keeps name and data
     (IdentityMapper("a"), {"a": STATE["a"]}, lambda s: {"a": s["a"]}),
     # rename changes only the name
@@ -118,11 +120,18 @@ def test_every_slice_plan_reads_a_slice_and_reproduces_it(mapper: StateMapper, i
             for box in _all_boxes(tuple(reference[name].shape)):
                 plan = group.plan(group_specs, {name: box})
                 pieces = {
-                    n: TensorPiece(data=TensorPiece(data=inputs[n], box=tuple((0, s) for s in inputs[n].shape)).narrow(b).clone(), box=b)
+                    n: TensorPiece(
+                        data=TensorPiece(data=inputs[n], box=tuple((0, s) for s in inputs[n].shape))
+                        .narrow(b)
+                        .clone(),
+                        box=b,
+                    )
                     for n, b in plan.input_boxes.items()
                 }
                 got = plan.run(pieces)
-                want = TensorPiece(data=reference[name], box=tuple((0, s) for s in reference[name].shape)).narrow(box)
+                want = TensorPiece(
+                    data=reference[name], box=tuple((0, s) for s in reference[name].shape)
+                ).narrow(box)
                 assert set(got) == {name}
                 assert torch.equal(got[name], want), (name, box)
 
@@ -154,9 +163,17 @@ def test_transpose_slice_swaps_box_dims() -> None:
     ("mapper", "specs", "message"),
     [
         # stacked tensors must match
-        (StackMapper(["a", "b"], "s"), {"a": ((2,), torch.float32), "b": ((3,), torch.float32)}, "'b' is float32"),
+        (
+            StackMapper(["a", "b"], "s"),
+            {"a": ((2,), torch.float32), "b": ((3,), torch.float32)},
+            "'b' is float32",
+        ),
         # concatenated tensors must agree outside the dim
-        (ConcatenateMapper(["a", "b"], "s"), {"a": ((2, 3), torch.float32), "b": ((2, 4), torch.float32)}, "along dim 0"),
+        (
+            ConcatenateMapper(["a", "b"], "s"),
+            {"a": ((2, 3), torch.float32), "b": ((2, 4), torch.float32)},
+            "along dim 0",
+        ),
         # equal chunks must divide the dim
         (ChunkMapper("a", ["x", "y"]), {"a": ((3,), torch.float32)}, "does not split into 2"),
         # unstack needs one name per index

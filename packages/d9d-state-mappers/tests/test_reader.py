@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from d9d.state_mappers import (
+    Box,
     CheckpointFormatError,
     GroupPlan,
     MapperGroup,
@@ -22,7 +23,6 @@ from d9d.state_mappers import (
     TensorSpec,
     convert_checkpoint,
 )
-from d9d.state_mappers import Box as BoxType
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -65,7 +65,7 @@ def test_reads_every_layout_exactly(tmp_path: Path, layout: str) -> None:
         ((3, 3), (0, 4), (0, 3)),  # empty
     ],
 )
-def test_slice_reads_only_the_slice(tmp_path: Path, box: BoxType) -> None:
+def test_slice_reads_only_the_slice(tmp_path: Path, box: Box) -> None:
     w = torch.randn(5, 4, 3)
     save_file({"w": w}, tmp_path / "w.safetensors")
     checkpoint = SafetensorsCheckpoint(tmp_path / "w.safetensors")
@@ -136,7 +136,10 @@ def test_index_naming_an_absent_file_is_reported_and_nothing_is_written(tmp_path
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
-        ("index-wrong-file", "the index places tensors here that the file does not hold: ['b']"),  # index disagrees
+        (
+            "index-wrong-file",
+            "the index places tensors here that the file does not hold: ['b']",
+        ),  # index disagrees
         ("duplicate", "tensor 'a' is stored twice"),  # one name in two files
         ("empty", "no *.safetensors files"),  # nothing to read
         ("bad-index", "not a valid safetensors index"),  # index without weight_map
@@ -165,7 +168,13 @@ def test_bad_directories_are_reported(tmp_path: Path, setup: str, message: str) 
 class _Recorder(MapperGroup):
     """A user-defined group: sums its inputs and records how much had been read when it ran."""
 
-    def __init__(self, inputs: list[str], output: str, log: list[tuple[str, int]], checkpoint: list[SafetensorsCheckpoint]) -> None:
+    def __init__(
+        self,
+        inputs: list[str],
+        output: str,
+        log: list[tuple[str, int]],
+        checkpoint: list[SafetensorsCheckpoint],
+    ) -> None:
         self._inputs, self._output, self._log, self._checkpoint = inputs, output, log, checkpoint
 
     @property
@@ -179,7 +188,7 @@ class _Recorder(MapperGroup):
     def infer(self, input_specs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
         return {self._output: input_specs[self._inputs[0]]}
 
-    def plan(self, input_specs: Mapping[str, TensorSpec], output_boxes: Mapping[str, BoxType]) -> GroupPlan:
+    def plan(self, input_specs: Mapping[str, TensorSpec], output_boxes: Mapping[str, Box]) -> GroupPlan:
         box = output_boxes[self._output]
 
         def run(pieces: Mapping[str, TensorPiece]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,12 @@ def _spec(*shape: int, dtype: torch.dtype = F32) -> TensorSpec:
         # an input absent from the source
         (RenameMapper("a", "x"), {"b": _spec(1)}, None, ["missing from the source: ['a']"]),
         # a source tensor nobody consumes
-        (RenameMapper("a", "x"), {"a": _spec(1), "extra": _spec(1)}, None, ["unexpected in the source", "'extra'"]),
+        (
+            RenameMapper("a", "x"),
+            {"a": _spec(1), "extra": _spec(1)},
+            None,
+            ["unexpected in the source", "'extra'"],
+        ),
         # two groups writing one name
         (
             ParallelMapper([RenameMapper("a", "x"), RenameMapper("b", "x")]),
@@ -37,13 +42,33 @@ def _spec(*shape: int, dtype: torch.dtype = F32) -> TensorSpec:
             ["produced by more than one group: ['x']"],
         ),
         # an output the target lacks, and a target entry nothing produces
-        (RenameMapper("a", "x"), {"a": _spec(1)}, {"y": _spec(1)}, ["unexpected outputs", "['x']", "missing for the target", "['y']"]),
+        (
+            RenameMapper("a", "x"),
+            {"a": _spec(1)},
+            {"y": _spec(1)},
+            ["unexpected outputs", "['x']", "missing for the target", "['y']"],
+        ),
         # shape mismatch against the target
-        (RenameMapper("a", "x"), {"a": _spec(2, 3)}, {"x": _spec(3, 2)}, ["'x': mapped float32[2, 3], target float32[3, 2]"]),
+        (
+            RenameMapper("a", "x"),
+            {"a": _spec(2, 3)},
+            {"x": _spec(3, 2)},
+            ["'x': mapped float32[2, 3], target float32[3, 2]"],
+        ),
         # dtype mismatch against the target
-        (CastMapper("a", torch.bfloat16), {"a": _spec(2)}, {"a": _spec(2)}, ["'a': mapped bfloat16[2], target float32[2]"]),
+        (
+            CastMapper("a", torch.bfloat16),
+            {"a": _spec(2)},
+            {"a": _spec(2)},
+            ["'a': mapped bfloat16[2], target float32[2]"],
+        ),
         # an operation that does not fit its inputs
-        (StackMapper(["a", "b"], "s"), {"a": _spec(1), "b": _spec(2)}, None, ["does not fit its inputs", "'b'"]),
+        (
+            StackMapper(["a", "b"], "s"),
+            {"a": _spec(1), "b": _spec(2)},
+            None,
+            ["does not fit its inputs", "'b'"],
+        ),
     ],
 )
 def test_each_problem_is_reported_with_names(mapper, source, target, messages: list[str]) -> None:
@@ -56,7 +81,9 @@ def test_each_problem_is_reported_with_names(mapper, source, target, messages: l
 def test_all_problems_come_in_one_error() -> None:
     mapper = ParallelMapper([RenameMapper("a", "x"), RenameMapper("missing", "y"), RenameMapper("b", "x")])
     with pytest.raises(StateMappingError) as error:
-        validate_mapping(mapper, {"a": _spec(1), "b": _spec(1), "extra": _spec(1)}, {"x": _spec(1), "z": _spec(1)})
+        validate_mapping(
+            mapper, {"a": _spec(1), "b": _spec(1), "extra": _spec(1)}, {"x": _spec(1), "z": _spec(1)}
+        )
     text = str(error.value)
     for fragment in (
         "missing from the source: ['missing']",

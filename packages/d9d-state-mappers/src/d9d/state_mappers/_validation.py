@@ -78,16 +78,26 @@ def validate_mapping(
         try:
             inferred = group.infer(specs)
         except (ValueError, RuntimeError, IndexError) as error:
-            problems.append(f"{group!r} does not fit its inputs: {error}")
+            problems.append(_misfit(group, specs, error))
             continue
         if frozenset(inferred) != group.outputs:
-            problems.append(f"{group!r} inferred outputs {format_names(inferred)}, not its declared outputs")
+            problems.append(
+                f"the group producing {format_names(group.outputs)} inferred outputs {format_names(inferred)}"
+            )
         output_specs.update(inferred)
     if target is not None:
         problems += _check_target(output_specs, produced, target)
     if problems:
         raise StateMappingError("state mapping does not fit:\n  " + "\n  ".join(problems))
     return ValidatedMapping(groups=groups, input_specs=tuple(input_specs), output_specs=output_specs)
+
+
+def _misfit(group: MapperGroup, specs: Mapping[str, TensorSpec], error: Exception) -> str:
+    names = sorted(specs)
+    shown = ", ".join(f"{n!r}: {specs[n]}" for n in names[:20])
+    if len(names) > 20:
+        shown += f", ... and {len(names) - 20} more"
+    return f"the group producing {format_names(group.outputs)} does not fit its inputs ({shown}): {error}"
 
 
 def _check_target(
