@@ -41,6 +41,7 @@ class ReferenceCheck:
     make_batch: Callable[[torch.Generator], Batch]
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
     shard_batch: Callable[[Batch], Batch] = lambda batch: batch
+    parallel_loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
     microbatches: int = 1
     steps: int = 3
     max_norm: float = 0.05
@@ -71,7 +72,8 @@ class ReferenceCheck:
             chunks = [t.chunk(self.microbatches) for t in local]
             for index in range(self.microbatches):
                 sync.begin_microbatch(is_last=index == self.microbatches - 1)
-                loss = self.loss_fn(model, tuple(c[index] for c in chunks)) / self.microbatches
+                loss_fn = self.parallel_loss_fn or self.loss_fn
+                loss = loss_fn(model, tuple(c[index] for c in chunks)) / self.microbatches
                 loss.backward()
                 total += loss.detach()
             sync.finish()

@@ -6,15 +6,21 @@ from d9d.parallel._gradient_synchronizer import GradientSynchronizer
 from d9d.parallel._local_forward import LocalParameterSlot, install_local_forward
 from d9d.parallel._reduction import GradientReduction
 from d9d.parallel._replicate import parallelize_replicate
+from d9d.parallel._sequence_parallel_norm import SequenceParallelNorm
+from d9d.parallel._vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from d9d.parallel._vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = [
     "GradientReduction",
     "GradientSynchronizer",
     "LocalParameterSlot",
+    "SequenceParallelNorm",
+    "VocabParallelEmbedding",
     "clip_grad_norm",
     "hsdp_mesh",
     "install_local_forward",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
+    "vocab_parallel_cross_entropy",
 ]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _local_gradients(
@@ -28,7 +28,9 @@ def _local_gradients(
                     f"{grad.placements} on mesh dims {grad.device_mesh.mesh_dim_names}: reduce it "
                     "first (GradientSynchronizer.finish()) before computing its norm"
                 )
-            shard_dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+            # Every dim that is not Replicate holds distinct pieces (Shard, or torch's strided
+            # shards of FSDP over TP, which are no Shard subclass): the sum runs over them.
+            shard_dims = tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate))
             key: tuple[DeviceMesh | None, tuple[int, ...]] = (grad.device_mesh, shard_dims)
             groups.setdefault(key, []).append(grad.to_local())
         else:
@@ -46,9 +48,10 @@ def clip_grad_norm(
     """Computes the norm of all gradients as one vector and scales them to at most ``max_norm``.
 
     Each gradient counts once however it is placed: local ``norm^p`` sums are reduced over the
-    mesh dims a gradient is ``Shard``-ed on (not over ``Replicate`` dims, whose ranks hold
-    copies), and then over ``pp_group`` to add the pipeline stages. Plain-tensor gradients count
-    as this rank's own. Call it after gradients are reduced (``Partial`` gradients are refused).
+    mesh dims a gradient is sharded on (any placement but ``Replicate``; not over ``Replicate``
+    dims, whose ranks hold copies), and then over ``pp_group`` to add the pipeline stages.
+    Plain-tensor gradients count as this rank's own. Call it after gradients are reduced
+    (``Partial`` gradients are refused).
 
     Args:
         parameters: This rank's parameters (of its pipeline stages); gradients may be None.
