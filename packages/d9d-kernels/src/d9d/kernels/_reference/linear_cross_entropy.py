@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from d9d.kernels._reference.precision import upcast
-import torch.nn.functional as F
 
 
 def linear_cross_entropy_reference(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from d9d.kernels._reference.precision import upcast
-import torch.nn.functional as F
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

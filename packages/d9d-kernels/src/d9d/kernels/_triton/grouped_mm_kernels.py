@@ -33,6 +33,7 @@ def _grouped_mm_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -62,7 +63,7 @@ def _grouped_mm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         x_tile += BLOCK_K * sx_k
         w_tile += BLOCK_K * sw_k
     out = out_ptr + rows[:, None].to(tl.int64) * so_m + cols[None, :]
@@ -83,6 +84,7 @@ def _grouped_weight_grad_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     group = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -109,7 +111,7 @@ def _grouped_weight_grad_kernel(
         if UPCAST:
             xt = xt.to(tl.float32)
             dy = dy.to(tl.float32)
-        acc = tl.dot(xt, dy, acc)
+        acc = tl.dot(xt, dy, acc, input_precision=PRECISION)
     out = dw_ptr + group * k_dim * n_dim + ks[:, None] * n_dim + cols[None, :]
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
@@ -119,6 +121,11 @@ def group_offsets(tokens_per_group: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros((tokens_per_group.shape[0] + 1,), dtype=torch.int32, device=tokens_per_group.device)
     offsets[1:] = torch.cumsum(tokens_per_group, dim=0)
     return offsets
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 inputs get full fp32 products (tl.dot would otherwise use TF32 on the GPU).
+    return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
 
 
 def _tiles(x: torch.Tensor) -> tuple[int, int, int]:
@@ -142,7 +149,7 @@ def grouped_mm_forward(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         x, weight, out, offsets, g, n, k, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(g),
-        UPCAST=interpreted(), num_warps=8 if block_m == 128 else 4, num_stages=3,
+        UPCAST=interpreted(), PRECISION=_precision(x), num_warps=8 if block_m == 128 else 4, num_stages=3,
     )  # fmt: skip
     return out
 
@@ -159,7 +166,7 @@ def grouped_mm_weight_grad(
     grid = (n_groups, triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _grouped_weight_grad_kernel[grid](
         x, dy, dw, offsets, k, n, x.stride(0), dy.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n, UPCAST=interpreted(),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n, UPCAST=interpreted(), PRECISION=_precision(x),
         num_warps=8 if block_k == 128 else 4, num_stages=3,
     )  # fmt: skip
     return dw
