@@ -9,18 +9,27 @@ from torch.distributed import ProcessGroup
 from d9d.pipeline._actions import Action
 
 
+class _Batch:
+    """The works of one posted batch, waited at most once (a gloo work must not be waited twice)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
 class _P2PRecv:
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
-        self.works: list[dist.Work] = []
-        self.posted = False
+        self.batch: _Batch | None = None
 
     def wait(self) -> list[torch.Tensor]:
-        if not self.posted:
+        if self.batch is None:
             raise RuntimeError("receive waited before it was posted")
-        for work in self.works:
-            work.wait()
-        self.works = []
+        self.batch.wait()
         return self.buffers
 
 
@@ -59,12 +68,12 @@ class P2PTransport:
         if self._send_ops:
             self._send_works += [w for w in dist.batch_isend_irecv(self._send_ops) if w is not None]
             self._send_ops = []
-        works: list[dist.Work] = []
+        batch = _Batch([])
         if self._recv_ops:
-            works = [w for w in dist.batch_isend_irecv(self._recv_ops) if w is not None]
+            batch = _Batch([w for w in dist.batch_isend_irecv(self._recv_ops) if w is not None])
             self._recv_ops = []
         for handle in self._recvs:
-            handle.works, handle.posted = works, True
+            handle.batch = batch
         self._recvs = []
 
     def finish(self) -> None:
