@@ -70,8 +70,8 @@ class RegressionDataset(Dataset[RegressionSample]):
     def __init__(self, num_samples: int, num_features: int, seed: int = 1234) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, num_features, generator=generator)
-        w1 = torch.randn(num_features, 32, generator=generator) / num_features**0.5
-        w2 = torch.randn(32, 1, generator=generator) / 32**0.5
+        w1 = torch.randn(num_features, 8, generator=generator) / num_features**0.5
+        w2 = torch.randn(8, 1, generator=generator) / 8**0.5
         clean = torch.tanh(self.x @ w1) @ w2
         self.y = clean + NOISE_STD * torch.randn(num_samples, 1, generator=generator)
 

@@ -52,3 +52,18 @@ def _hard_exit() -> None:
 def test_crashed_rank_reports_exit_code() -> None:
     with pytest.raises(DistributedTestError, match="exited with code 3"):
         run_distributed(_hard_exit, world_size=2, timeout_s=20.0)
+
+
+def _backward_works() -> float:
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()
+    assert x.grad is not None
+    return float(x.grad.sum())
+
+
+def test_ranks_can_use_autograd_after_the_parent_did() -> None:
+    # PyTorch forbids autograd in a child forked after the parent ran backward; the pytest
+    # plugin's zygote (forked before any test ran) keeps this working.
+    y = torch.ones(2, requires_grad=True)
+    (y * 3).sum().backward()
+    assert run_distributed(_backward_works, world_size=2) == [6.0, 6.0]

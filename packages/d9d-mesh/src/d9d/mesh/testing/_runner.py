@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from d9d.mesh.testing._zygote import ZYGOTE_ENV, ask_zygote
+
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed or hung; the message holds each failing rank's traceback."""
@@ -84,11 +86,15 @@ def run_distributed(
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` CPU processes joined in a gloo group.
 
-    Workers are forked from this process, so a parent that has already imported torch starts a
-    4-rank world in about a second; ``fn`` and its arguments need not be picklable, but return
-    values must be. Inside ``fn``, ``torch.distributed`` is initialized and ``RANK``,
+    Workers are forked, so a parent that has already imported torch starts a 4-rank world in
+    about a second. Inside ``fn``, ``torch.distributed`` is initialized and ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set as torchrun would, so a
-    ``DistributedContext`` can be built there.
+    ``DistributedContext`` can be built there. Return values must be picklable.
+
+    Under pytest (d9d-mesh registers a plugin), ranks are forked from a clean process started
+    after collection, because PyTorch forbids autograd in children of a process that already
+    ran a backward pass; ``fn`` and its arguments are then pickled (module-level functions).
+    When they cannot be pickled, or outside pytest, ranks are forked from the caller.
 
     Args:
         fn: The function every rank runs.
@@ -107,23 +113,72 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    request = _Request(
+        fn=fn,
+        args=args,
+        kwargs=kwargs,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+    )
+    outcomes = _run_through_zygote(request)
+    if outcomes is None:
+        outcomes = _run_forked(request)
+    failures = [o for o in outcomes if not o.ok]
+    if failures:
+        report = "\n".join(f"--- rank {o.rank} ---\n{o.traceback}" for o in failures)
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
+    return [o.value for o in outcomes]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Request:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    world_size: int
+    timeout_s: float
+    collective_timeout_s: float
+
+
+def _run_through_zygote(request: _Request) -> list[_RankOutcome] | None:
+    path = os.environ.get(ZYGOTE_ENV)
+    if path is None:
+        return None
+    try:
+        payload = pickle.dumps(request)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None  # e.g. a closure: fork from the caller instead
+    status, value = ask_zygote(path, payload, request.timeout_s + 60.0)
+    if status != "ok":
+        raise DistributedTestError(f"the d9d test zygote failed:\n{value}")
+    return value
+
+
+def handle_zygote_request(payload: bytes) -> bytes:
+    """Runs a pickled request in the zygote's coordinator fork; returns the pickled outcomes."""
+    request: _Request = pickle.loads(payload)
+    return pickle.dumps(("ok", _run_forked(request)))
+
+
+def _run_forked(request: _Request) -> list[_RankOutcome]:
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="d9d-dist-") as tmp:
         store_path = os.path.join(tmp, "store")
         pipes: list[Connection] = []
         procs: list[BaseProcess] = []
-        for rank in range(world_size):
+        for rank in range(request.world_size):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
                 args=(
                     rank,
-                    world_size,
+                    request.world_size,
                     store_path,
-                    fn,
-                    args,
-                    kwargs,
-                    timedelta(seconds=collective_timeout_s),
+                    request.fn,
+                    request.args,
+                    request.kwargs,
+                    timedelta(seconds=request.collective_timeout_s),
                     send,
                 ),
                 daemon=True,
@@ -132,12 +187,7 @@ def run_distributed(
             send.close()
             pipes.append(recv)
             procs.append(proc)
-        outcomes = _collect(procs, pipes, timeout_s)
-    failures = [o for o in outcomes if not o.ok]
-    if failures:
-        report = "\n".join(f"--- rank {o.rank} ---\n{o.traceback}" for o in failures)
-        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
-    return [o.value for o in outcomes]
+        return _collect(procs, pipes, request.timeout_s)
 
 
 def _collect(procs: list[BaseProcess], pipes: list[Connection], timeout_s: float) -> list[_RankOutcome]:

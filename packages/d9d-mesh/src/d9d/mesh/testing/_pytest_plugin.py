@@ -1,0 +1,31 @@
+"""pytest plugin (auto-registered by d9d-mesh): starts the test zygote after collection.
+
+See ``_zygote``: it keeps ``run_distributed`` working after tests ran autograd in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from d9d.mesh.testing._runner import handle_zygote_request
+from d9d.mesh.testing._zygote import ZYGOTE_ENV, start_zygote, stop_zygote
+
+_STASH_ATTRIBUTE = "_d9d_mesh_zygote"
+
+
+def pytest_collection_finish(session: Any) -> None:
+    """Forks the zygote once every test module is imported and before any test runs."""
+    if ZYGOTE_ENV in os.environ:
+        return
+    pid, path = start_zygote(handle_zygote_request)
+    setattr(session.config, _STASH_ATTRIBUTE, (pid, path))
+    os.environ[ZYGOTE_ENV] = path
+
+
+def pytest_unconfigure(config: Any) -> None:
+    """Stops the zygote."""
+    running: tuple[int, str] | None = getattr(config, _STASH_ATTRIBUTE, None)
+    if running is not None:
+        stop_zygote(*running)
+        os.environ.pop(ZYGOTE_ENV, None)
