@@ -1,0 +1,54 @@
+"""GroupedQueryAttention: packed documents and heads derived from local (sharded) projections."""
+
+import torch
+from torch import nn
+
+from d9d.kernels.layers import (
+    EagerAttentionBackend,
+    GroupedQueryAttention,
+    RotaryEmbedding,
+    SdpaAttentionBackend,
+    position_ids_from_document_ids,
+)
+
+
+def test_packed_attention_layer_equals_per_document() -> None:
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(32, 4, 2, qk_norm=True, attention_backend=SdpaAttentionBackend())
+    rotary = RotaryEmbedding(8)
+    lengths = [5, 3, 6]
+    documents = [torch.randn(1, n, 32) for n in lengths]
+    packed_hidden = torch.cat(documents, dim=1)
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    packed_positions = position_ids_from_document_ids(document_ids)
+    packed = layer(packed_hidden, rotary(packed_positions), document_ids=document_ids)
+    start = 0
+    for n, document in zip(lengths, documents, strict=True):
+        alone = layer(document, rotary(torch.arange(n).unsqueeze(0)))
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def test_heads_come_from_local_projection_shapes() -> None:
+    # Simulates tensor parallelism from outside: each shard keeps half of the q/kv heads (columns of
+    # q/k/v, rows of o); the shards' outputs sum to the full layer's output.
+    torch.manual_seed(0)
+    full = GroupedQueryAttention(32, 4, 2, qk_norm=True, attention_backend=EagerAttentionBackend())
+    hidden = torch.randn(2, 7, 32)
+    cos_sin = RotaryEmbedding(8)(torch.arange(7).expand(2, 7))
+    total = torch.zeros(2, 7, 32)
+    for shard in range(2):
+        part = GroupedQueryAttention(32, 4, 2, qk_norm=True, attention_backend=EagerAttentionBackend())
+        state = full.state_dict()
+        q_rows = slice(shard * 16, (shard + 1) * 16)
+        kv_rows = slice(shard * 8, (shard + 1) * 8)
+        part.q_proj.weight = nn.Parameter(state["q_proj.weight"][q_rows])
+        part.k_proj.weight = nn.Parameter(state["k_proj.weight"][kv_rows])
+        part.v_proj.weight = nn.Parameter(state["v_proj.weight"][kv_rows])
+        part.o_proj.weight = nn.Parameter(state["o_proj.weight"][:, q_rows])
+        assert part.q_norm is not None and part.k_norm is not None
+        assert full.q_norm is not None and full.k_norm is not None
+        part.q_norm.load_state_dict(full.q_norm.state_dict())
+        part.k_norm.load_state_dict(full.k_norm.state_dict())
+        total += part(hidden, cos_sin)
+    torch.testing.assert_close(total, full(hidden, cos_sin), rtol=1e-5, atol=1e-6)
