@@ -105,10 +105,11 @@ class MoELayer(nn.Module):
         hidden = hidden_states.reshape(-1, shape[-1])
         routing = self.router(hidden)
         if self.router.expert_bias is not None:
-            with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(
-                    routing.expert_indices.reshape(-1), minlength=self.num_experts
-                ).to(self.tokens_per_expert.dtype)
+            with torch.no_grad():  # scatter_add rather than bincount: no host sync on the GPU
+                chosen = routing.expert_indices.reshape(-1)
+                self.tokens_per_expert.scatter_add_(
+                    0, chosen, torch.ones_like(chosen, dtype=self.tokens_per_expert.dtype)
+                )
         tokens, tokens_per_local_expert = self.dispatcher.dispatch(
             hidden, routing.expert_indices, routing.routing_weights.to(hidden.dtype)
         )
