@@ -27,14 +27,19 @@ class LocalParameterSlot:
     Attributes:
         owner: The module that registers the parameter.
         name: The parameter's name in ``owner``.
-        grad_placements: Placements of the local gradient (one per mesh dim of the parameter).
-        grad_scale: Factor applied to the gradient of the local tensor.
+        grad_placements: What the gradient of the tensor forward sees means, one placement per
+            mesh dim: ``Partial`` for a gradient still to be reduced over that dim, or the
+            parameter's own placement for one that is complete.
+        grad_scale: Factor applied to the gradient of the tensor forward sees.
+        gather: Forward sees the whole parameter (``full_tensor``: all-gathered over its shard
+            dims, the gradient reduce-scattered back) instead of this rank's local tensor.
     """
 
     owner: nn.Module
     name: str
     grad_placements: tuple[Placement, ...]
     grad_scale: float = 1.0
+    gather: bool = False
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -54,7 +59,11 @@ def _parameter_dict(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def install_local_forward(module: nn.Module, slots: Sequence[LocalParameterSlot]) -> list[RemovableHandle]:
-    """Makes ``module``'s forward see the local tensors of the DTensor parameters in ``slots``.
+    """Makes ``module``'s forward see plain tensors for the DTensor parameters in ``slots``.
+
+    This is the building block of d9d's strategies and of your own: place a parameter as any
+    DTensor, then say what forward sees (local tensor or gathered whole) and what its gradient
+    means; ``GradientSynchronizer`` and ``clip_grad_norm`` follow the placements.
 
     The swap is done on entry to ``module.forward`` and undone on exit (also on error). A slot
     whose current value is not a DTensor (already swapped by an enclosing module) is left alone.
@@ -75,7 +84,11 @@ def install_local_forward(module: nn.Module, slots: Sequence[LocalParameterSlot]
                 continue
             local = local_by_id.get(id(value))
             if local is None:
-                local = value.to_local(grad_placements=slot.grad_placements)
+                local = (
+                    value.full_tensor(grad_placements=slot.grad_placements)
+                    if slot.gather
+                    else value.to_local(grad_placements=slot.grad_placements)
+                )
                 if slot.grad_scale != 1.0:
                     local = cast(torch.Tensor, _ScaleGradient.apply(local, slot.grad_scale))
                 local_by_id[id(value)] = local
