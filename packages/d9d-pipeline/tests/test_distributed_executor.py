@@ -1,0 +1,149 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.mesh.testing import DistributedTestError, run_distributed
+from d9d.pipeline import (
+    ForwardOnlyScheduleConfig,
+    OneFOneBScheduleConfig,
+    PipelineExecutor,
+    PipelineScheduleConfig,
+    PipelineShapeError,
+    StagesOptimizer,
+    build_1f1b_program,
+    build_program,
+    stages_for_rank,
+)
+
+from ._cases import TRAINING_SCHEDULES, microbatch_counts
+from ._pipeline_model import build_stages, make_batch, make_loss_fn, reference
+
+NUM_LAYERS = 8
+
+
+def _train_and_compare(config: PipelineScheduleConfig, counts: list[int]) -> list[int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checked = []
+    for num_mb in counts:
+        program = build_program(config, num_ranks=world, num_microbatches=num_mb)
+        assert [i.current_stage for i in stages_for_rank(config, num_ranks=world, rank=rank)] == program.stages_of(rank)
+        stages = build_stages(program.num_stages, NUM_LAYERS)
+        inputs, shared, target = make_batch(16)
+        ref_losses, ref_stages, ref_outputs = reference(stages, inputs, shared, target, num_mb)
+        mine = {s: stages[s] for s in program.stages_of(rank)}
+        executor = PipelineExecutor(program, mine)
+        losses = executor.step(inputs, loss_fn=make_loss_fn(target, num_mb), shared=shared)
+        if executor.has_last_stage:
+            assert losses is not None
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+        else:
+            assert losses is None
+        for s in mine:
+            for param, ref_param in zip(stages[s].parameters(), ref_stages[s].parameters(), strict=True):
+                assert param.grad is not None
+                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
+        outputs = executor.forward(inputs, shared=shared)  # the training program's forward-only view
+        if executor.has_last_stage:
+            assert outputs is not None
+            for got, want in zip(outputs, ref_outputs, strict=True):
+                torch.testing.assert_close(got["y"], want["y"])
+        checked.append(num_mb)
+    return checked
+
+
+@pytest.mark.parametrize("config", TRAINING_SCHEDULES, ids=lambda c: c.name)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_matches_reference(config: PipelineScheduleConfig, world_size: int) -> None:
+    counts = microbatch_counts(config, world_size)
+    results = run_distributed(_train_and_compare, config, counts, world_size=world_size, timeout_s=180)
+    assert results == [counts] * world_size
+
+
+def _forward_only() -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    program = build_program(ForwardOnlyScheduleConfig(), num_ranks=world, num_microbatches=4)
+    stages = build_stages(world, NUM_LAYERS)
+    inputs, shared, target = make_batch(8)
+    _, _, ref_outputs = reference(stages, inputs, shared, target, 4)
+    executor = PipelineExecutor(program, {rank: stages[rank]})
+    outputs = executor.forward(inputs, shared=shared)
+    if rank == world - 1:
+        assert outputs is not None
+        for got, want in zip(outputs, ref_outputs, strict=True):
+            torch.testing.assert_close(got["y"], want["y"])
+        return True
+    assert outputs is None
+    return False
+
+
+def test_forward_only_matches_reference() -> None:
+    assert run_distributed(_forward_only, world_size=4, timeout_s=120) == [False, False, False, True]
+
+
+def _train_steps_with_optimizer() -> float:
+    """Three 1F1B steps with SGD on every local stage equal three reference steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = OneFOneBScheduleConfig()
+    program = build_program(config, num_ranks=world, num_microbatches=2)
+    stages = build_stages(world, 4)
+    ref_stages = build_stages(world, 4)
+    ref_opt = torch.optim.SGD([p for s in ref_stages for p in s.parameters()], lr=0.1)
+    optimizer = StagesOptimizer([torch.optim.SGD(stages[rank].parameters(), lr=0.1)])
+    executor = PipelineExecutor(program, {rank: stages[rank]})
+    for step in range(3):
+        inputs, shared, target = make_batch(8, seed=step)
+        optimizer.zero_grad()
+        executor.step(inputs, loss_fn=make_loss_fn(target, 2), shared=shared)
+        optimizer.step()
+        ref_opt.zero_grad()
+        _, ref_copy, _ = reference(ref_stages, inputs, shared, target, 2)
+        for ref, grads_from in zip(ref_stages, ref_copy, strict=True):
+            for p, g in zip(ref.parameters(), grads_from.parameters(), strict=True):
+                p.grad = g.grad
+        ref_opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(stages[rank].parameters(), ref_stages[rank].parameters()))
+    return diff
+
+
+def test_optimizer_steps_match_reference() -> None:
+    diffs = run_distributed(_train_steps_with_optimizer, world_size=2, timeout_s=120)
+    assert max(diffs) < 1e-6
+
+
+class _Widening(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)  # stage 1 expects 4 features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _mismatched_stages() -> None:
+    rank = dist.get_rank()
+    program = build_1f1b_program(num_ranks=2, num_microbatches=2)
+    stage = _Widening() if rank == 0 else nn.Linear(4, 4)
+    executor = PipelineExecutor(program, {rank: stage})
+    executor.step(torch.randn(4, 4), loss_fn=lambda out, m: out.sum())
+
+
+def test_mismatched_stages_fail_on_every_rank_before_sending() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_mismatched_stages, world_size=2, timeout_s=120, collective_timeout_s=30)
+    text = str(info.value)
+    assert "2 of 2 ranks failed" in text
+    rank0, rank1 = text.split("--- rank 1 ---")
+    assert PipelineShapeError.__name__ in rank0
+    assert PipelineShapeError.__name__ in rank1
+    assert "stage 1: the trial forward on meta tensors failed" in text
+
+
+def _wrong_group_size() -> None:
+    program = build_1f1b_program(num_ranks=3, num_microbatches=2)
+    PipelineExecutor(program, {dist.get_rank(): nn.Linear(2, 2)})
+
+
+def test_program_for_another_rank_count() -> None:
+    with pytest.raises(DistributedTestError, match="the program is for 3 ranks but the pipeline group has 2"):
+        run_distributed(_wrong_group_size, world_size=2, timeout_s=60)
