@@ -1,5 +1,7 @@
 """d9d parallelism: replicate, FSDP/HSDP, TP, CP, EP, gradient sync and clipping."""
 
+from d9d.parallel._all_to_all import all_to_all
+from d9d.parallel._expert_parallel import MoELayerLike, parallelize_expert_parallel
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
@@ -7,18 +9,24 @@ from d9d.parallel._local_forward import LocalParameterSlot, install_local_forwar
 from d9d.parallel._reduction import GradientReduction
 from d9d.parallel._replicate import parallelize_replicate
 from d9d.parallel._sequence_parallel_norm import SequenceParallelNorm
+from d9d.parallel._token_dispatcher import AllToAllTokenDispatcher, TokenDispatcher
 from d9d.parallel._vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from d9d.parallel._vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = [
+    "AllToAllTokenDispatcher",
     "GradientReduction",
     "GradientSynchronizer",
     "LocalParameterSlot",
+    "MoELayerLike",
     "SequenceParallelNorm",
+    "TokenDispatcher",
     "VocabParallelEmbedding",
+    "all_to_all",
     "clip_grad_norm",
     "hsdp_mesh",
     "install_local_forward",
+    "parallelize_expert_parallel",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
