@@ -19,10 +19,10 @@ _COLORS = {
 
 
 def draw_timeline_text(result: SimulationResult, *, width: int | None = None) -> str:
-    """Draws one row per rank; each cell is one time unit of the smallest action cost.
+    """Draws one row per rank; two cells per time unit of the shortest action.
 
-    A compute action prints as its kind letter followed by its microbatch digits, filling its cells
-    (``F3`` for a 1-unit forward of microbatch 3, ``B3..`` for a 2-unit backward); idle time is ``.``.
+    A compute action prints as its kind letter and microbatch, padded with ``-`` to its length
+    (``F3`` for a 1-unit forward of microbatch 3, ``B3--`` for a 2-unit backward); idle time is ``.``.
     With several stages per rank, forwards of the rank's later stages print in lower case.
 
     Args:
@@ -30,7 +30,7 @@ def draw_timeline_text(result: SimulationResult, *, width: int | None = None) ->
         width: Cap on the number of cells per row (longer rows are cut with ``>``).
     """
     durations = [t.end - t.start for row in result.timeline for t in row if t.end > t.start]
-    unit = min(durations, default=1.0)
+    unit = min(durations, default=1.0) / 2
     cells = round(result.makespan / unit) if unit > 0 else 0
     lines: list[str] = []
     for rank, row in enumerate(result.timeline):
