@@ -17,12 +17,12 @@ from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
+    EventBus,
     ForwardBackwardFinished,
     ProjectConfig,
     StepFinished,
     TrainingConfigurator,
 )
-from d9d.loop import EventBus
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "train.py"
 
@@ -47,7 +47,11 @@ def quickstart_config(**overrides: Any) -> dict[str, Any]:
         },
         "data": {"seed": 5},
         "optimizer": {"name": "adamw", "lr": 0.003},
-        "lr_scheduler": {"name": "piecewise", "warmup": {"steps": 3}, "phases": [{"kind": "cosine", "fraction": 1.0}]},
+        "lr_scheduler": {
+            "name": "piecewise",
+            "warmup": {"steps": 3},
+            "phases": [{"kind": "cosine", "fraction": 1.0}],
+        },
     }
     for key, value in overrides.items():
         section = config.setdefault(key, {})

@@ -13,7 +13,7 @@ import torch
 from d9d.mesh.testing import DistributedTestError, run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quickstart_job import quickstart_config, run_quickstart  # noqa: E402
+from quickstart_job import quickstart_config, run_quickstart
 
 STEPS = 12
 
@@ -21,12 +21,19 @@ STEPS = 12
 def _config(directory: Path, mesh: dict[str, int]) -> dict[str, Any]:
     return quickstart_config(
         mesh=mesh,
-        trainer={"max_steps": STEPS, "checkpoint": {"directory": str(directory), "every_steps": 1, "keep_last": 2}},
+        trainer={
+            "max_steps": STEPS,
+            "checkpoint": {"directory": str(directory), "every_steps": 1, "keep_last": 2},
+        },
     )
 
 
-def _run(config: dict[str, Any], kill_at_step: int | None, kill_during_save_at_step: int | None) -> dict[str, Any]:
-    return run_quickstart(config, kill_at_step=kill_at_step, kill_during_save_at_step=kill_during_save_at_step)
+def _run(
+    config: dict[str, Any], kill_at_step: int | None, kill_during_save_at_step: int | None
+) -> dict[str, Any]:
+    return run_quickstart(
+        config, kill_at_step=kill_at_step, kill_during_save_at_step=kill_during_save_at_step
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
@@ -34,7 +41,9 @@ def _run(config: dict[str, Any], kill_at_step: int | None, kill_during_save_at_s
 def test_killed_run_resumes_bit_identically(tmp_path: Path, world_size: int, during_save: bool) -> None:
     mesh = {} if world_size == 1 else {"data_parallel_replicate": 2, "data_parallel_shard": 2}
     kill_step = random.randrange(2, STEPS - 2)
-    reference = run_distributed(_run, _config(tmp_path / "ref", mesh), None, None, world_size=world_size, timeout_s=240)[0]
+    reference = run_distributed(
+        _run, _config(tmp_path / "ref", mesh), None, None, world_size=world_size, timeout_s=240
+    )[0]
 
     interrupted = _config(tmp_path / "run", mesh)
     with pytest.raises(DistributedTestError, match="exited with code -9"):
@@ -50,9 +59,12 @@ def test_killed_run_resumes_bit_identically(tmp_path: Path, world_size: int, dur
     resumed = run_distributed(_run, interrupted, None, None, world_size=world_size, timeout_s=240)[0]
 
     resumed_from = resumed["start_step"]
-    # killed right after step index `kill_step` ran (before its checkpoint), or inside the save of checkpoint `kill_step`
+    # killed right after step index `kill_step` ran (before its checkpoint),
+    # or inside the save of checkpoint `kill_step`
     expected_start = kill_step - 1 if during_save else kill_step
     assert resumed_from == expected_start, (kill_step, checkpoints)
     assert resumed["losses"] == reference["losses"][resumed_from:], f"kill at step {kill_step}"
     for name, value in reference["params"].items():
-        assert torch.equal(resumed["params"][name], value), f"{name} differs after resume (kill at {kill_step})"
+        assert torch.equal(resumed["params"][name], value), (
+            f"{name} differs after resume (kill at {kill_step})"
+        )

@@ -13,7 +13,7 @@ import torch
 from d9d.mesh.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quickstart_job import QUICKSTART, quickstart_config, run_quickstart  # noqa: E402
+from quickstart_job import QUICKSTART, quickstart_config, run_quickstart
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 def test_quickstart_script_converges_below_twice_the_noise_floor(tmp_path: Path) -> None:
     config = (REPO / "examples" / "quickstart" / "config.yaml").read_text()
     metrics = tmp_path / "metrics.jsonl"
-    config = config.replace("  seed: 0\n  gradient_clipping", f"  seed: 0\n  logging: {{tracker: {{name: jsonl, path: {metrics}}}}}\n  gradient_clipping", 1)
+    config = config.replace(
+        "  seed: 0\n  gradient_clipping",
+        f"  seed: 0\n  logging: {{tracker: {{name: jsonl, path: {metrics}}}}}\n  gradient_clipping",
+        1,
+    )
     path = tmp_path / "config.yaml"
     path.write_text(config)
     result = subprocess.run(

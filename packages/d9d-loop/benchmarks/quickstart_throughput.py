@@ -50,7 +50,11 @@ def config(steps: int, batch: int, micro: int, device: str) -> ProjectConfig:
                 "device": device,
             },
             "optimizer": {"name": "adamw", "lr": 0.003, "weight_decay": 0.0},
-            "lr_scheduler": {"name": "piecewise", "warmup": {"steps": 20}, "phases": [{"kind": "cosine", "fraction": 1.0}]},
+            "lr_scheduler": {
+                "name": "piecewise",
+                "warmup": {"steps": 20},
+                "phases": [{"kind": "cosine", "fraction": 1.0}],
+            },
         }
     )
 
@@ -59,7 +63,9 @@ def run_d9d(qs: ModuleType, cfg: ProjectConfig, hidden: int, samples: int) -> fl
     class Provider(qs.MLPProvider):  # type: ignore[name-defined, misc]
         def initialize_model_stage(self, context):  # type: ignore[no-untyped-def]
             model = qs.MLP(num_features=16, hidden_size=hidden)
-            return qs.InitializeModelStageResult(model=model, state_mapper=qs.identity_mapper_from_module(model))
+            return qs.InitializeModelStageResult(
+                model=model, state_mapper=qs.identity_mapper_from_module(model)
+            )
 
     trainer = TrainingConfigurator(
         mesh=cfg.mesh,
@@ -91,7 +97,11 @@ def run_hand_written(qs: ModuleType, cfg: ProjectConfig, hidden: int, samples: i
     data = qs.RegressionDataset(samples, 16)
     optimizer_kwargs = {"fused": True} if dev.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.0, **optimizer_kwargs)
-    steps, batch, micro = cfg.trainer.max_steps or 0, cfg.trainer.global_batch_size, cfg.trainer.microbatch_size
+    steps, batch, micro = (
+        cfg.trainer.max_steps or 0,
+        cfg.trainer.global_batch_size,
+        cfg.trainer.microbatch_size,
+    )
 
     def factor(step: int) -> float:
         if step < 20:
@@ -139,7 +149,9 @@ def main() -> None:
         hand_times.append(run_hand_written(qs, cfg, args.hidden, args.samples, args.device))
         d9d_times.append(run_d9d(qs, cfg, args.hidden, args.samples))
     hand, ours = min(hand_times), min(d9d_times)
-    print(f"device={args.device} hidden={args.hidden} steps={args.steps} batch={args.batch} micro={args.micro}")
+    print(
+        f"device={args.device} hidden={args.hidden} steps={args.steps} batch={args.batch} micro={args.micro}"
+    )
     print(f"hand-written loop: {args.steps / hand:8.1f} steps/s")
     print(f"d9d Trainer:       {args.steps / ours:8.1f} steps/s")
     print(f"d9d / hand-written throughput ratio: {hand / ours:.3f}")

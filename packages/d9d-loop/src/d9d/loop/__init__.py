@@ -139,6 +139,7 @@ __all__ = [
     "TaskProvider",
     "TaskProviderContext",
     "TimeoutConfig",
+    "Tracker",
     "TrackerConfig",
     "TrainTask",
     "Trainer",

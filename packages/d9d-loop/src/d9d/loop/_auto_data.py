@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from d9d.loop._config_data import DataConfig
 from d9d.loop._providers import BatchSource, DataProviderContext
@@ -23,6 +23,19 @@ class MapDataset(Protocol[SampleT_co]):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> SampleT_co: ...
+
+
+class _TorchDataset(Dataset[SampleT]):
+    """Presents any map-style dataset as a ``torch.utils.data.Dataset`` for worker processes."""
+
+    def __init__(self, dataset: MapDataset[SampleT]) -> None:
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> SampleT:
+        return self._dataset[index]
 
 
 class ShardedBatchSource(Generic[SampleT, BatchT]):
@@ -45,7 +58,9 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         dp_size: int,
     ) -> None:
         if global_batch_size % dp_size != 0:
-            raise ValueError(f"global batch {global_batch_size} is not divisible by data-parallel size {dp_size}")
+            raise ValueError(
+                f"global batch {global_batch_size} is not divisible by data-parallel size {dp_size}"
+            )
         self._dataset = dataset
         self._collator = collator
         self._config = config
@@ -70,7 +85,7 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         if not self._config.shuffle:
             return list(range(n))
         generator = torch.Generator().manual_seed(self._config.seed * 1_000_003 + epoch)
-        return torch.randperm(n, generator=generator).tolist()
+        return [int(i) for i in torch.randperm(n, generator=generator)]
 
     def _start_epoch_iterator(self) -> Iterator[BatchT]:
         order = self._order(self._epoch)
@@ -81,14 +96,15 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         ]
         if self._config.num_workers == 0:
             return (self._collator([self._dataset[i] for i in indices]) for indices in batches)
-        loader = DataLoader(
-            self._dataset,  # pyright: ignore[reportArgumentType]
+        loader: DataLoader[SampleT] = DataLoader(
+            _TorchDataset(self._dataset),
             batch_sampler=batches,
             collate_fn=self._collator,
             num_workers=self._config.num_workers,
             pin_memory=self._config.pin_memory,
         )
-        return iter(loader)
+        batches_iter: Iterator[BatchT] = iter(loader)  # collate_fn makes batches
+        return batches_iter
 
     def next_batch(self) -> BatchT:
         if self._step_in_epoch >= self._steps_per_epoch:

@@ -66,7 +66,12 @@ class AutoOptimizerProvider:
                 )
             case AdamConfig():
                 return torch.optim.Adam(
-                    params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, **speed
+                    params,
+                    lr=config.lr,
+                    betas=config.betas,
+                    eps=config.eps,
+                    weight_decay=config.weight_decay,
+                    **speed,
                 )
             case SGDConfig():
                 return torch.optim.SGD(

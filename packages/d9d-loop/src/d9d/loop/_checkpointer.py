@@ -9,10 +9,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from d9d.loop._config_trainer import CheckpointConfig
 from d9d.mesh import DistributedContext
@@ -27,6 +28,10 @@ class CheckpointLocation:
 
     step: int
     path: Path
+
+
+class _Waitable(Protocol):
+    def result(self) -> object: ...
 
 
 def _step_dir(directory: Path, step: int) -> Path:
@@ -56,10 +61,13 @@ class Checkpointer:
         self._config = config
         self._directory = config.directory
         self._dist = dist_context
-        self._pending: tuple[int, Future[Any]] | None = None
+        self._pending: tuple[int, _Waitable] | None = None
         # A group of its own: an asynchronous save finishes its collectives in a background
         # thread, which must not interleave with the training step's collectives.
-        self._group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo")
+        if not isinstance(group, dist.ProcessGroup):
+            raise RuntimeError(f"rank {dist_context.rank} is not part of the checkpoint process group")
+        self._group: dist.ProcessGroup = group
 
     @property
     def directory(self) -> Path:
@@ -84,7 +92,9 @@ class Checkpointer:
         """Loads ``location`` into ``state`` (values that are ``Stateful`` are restored in place)."""
         dcp.load(state, checkpoint_id=str(location.path), process_group=self._group)
 
-    def save(self, step: int, state: dict[str, Any], on_visible: Callable[[CheckpointLocation], None]) -> None:
+    def save(
+        self, step: int, state: dict[str, Any], on_visible: Callable[[CheckpointLocation], None]
+    ) -> None:
         """Saves ``state`` as the checkpoint after ``step`` steps (collective).
 
         Args:
@@ -100,7 +110,15 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier(group=self._group)
         if self._config.asynchronous:
-            self._pending = (step, dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group))
+            response = cast(
+                "Future[object] | AsyncSaveResponse",
+                dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group),
+            )
+            # torch returns a Future, or (when staging is asynchronous too) a response holding one
+            if isinstance(response, AsyncSaveResponse):
+                self._pending = (step, cast(_Waitable, response.upload_completion))
+            else:
+                self._pending = (step, cast(_Waitable, response))
             return
         dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
         self._publish(step, on_visible)

@@ -86,9 +86,14 @@ class TrainingConfigurator:
         self._events.publish(ConfigReady(dist_context=dist_context))
 
         if self._mesh.pipeline_parallel > 1:
-            raise NotImplementedError("pipeline parallelism in d9d-loop arrives with the pipeline integration")
+            raise NotImplementedError(
+                "pipeline parallelism in d9d-loop arrives with the pipeline integration"
+            )
         factory = ModelStageFactory(
-            provider=self._model_provider, dist_context=dist_context, config=config.initialization, seed=config.seed
+            provider=self._model_provider,
+            dist_context=dist_context,
+            config=config.initialization,
+            seed=config.seed,
         )
         stages = [factory.build(PipelineStageInfo(current_stage=0, num_stages=1))]
         models = [s.model for s in stages]
@@ -106,13 +111,19 @@ class TrainingConfigurator:
                 dp_size=dp_size,
             )
         )
-        total_steps = config.max_steps if config.max_steps is not None else (config.epochs or 1) * batches.steps_per_epoch
+        total_steps = (
+            config.max_steps
+            if config.max_steps is not None
+            else (config.epochs or 1) * batches.steps_per_epoch
+        )
         task = self._task_provider(TaskProviderContext(dist_context=dist_context))
         optimizer = self._optimizer_provider.build(
             OptimizerProviderContext(dist_context=dist_context, model_stages=models)
         )
         lr_scheduler = self._lr_scheduler_provider.build(
-            LRSchedulerProviderContext(dist_context=dist_context, optimizer=optimizer, total_steps=total_steps)
+            LRSchedulerProviderContext(
+                dist_context=dist_context, optimizer=optimizer, total_steps=total_steps
+            )
         )
         gradients = GradientManager(
             stages=models,

@@ -78,4 +78,4 @@ def all_reduce_sum(values: list[float], group: ProcessGroup | None, device: torc
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
-    return [float(v) for v in tensor.tolist()]
+    return [float(v) for v in tensor.cpu()]

@@ -57,10 +57,14 @@ class PiecewiseSchedule:
         position = 0
         factor = 1.0
         if warmup > 0:
-            segments.append(_Segment(start=0, length=warmup, start_factor=config.warmup.start_factor, phase=None))
+            segments.append(
+                _Segment(start=0, length=warmup, start_factor=config.warmup.start_factor, phase=None)
+            )
             position = warmup
         for phase in config.phases:
-            segment = _Segment(start=position, length=phase.length(total_steps), start_factor=factor, phase=phase)
+            segment = _Segment(
+                start=position, length=phase.length(total_steps), start_factor=factor, phase=phase
+            )
             segments.append(segment)
             position += segment.length
             factor = segment.end_factor

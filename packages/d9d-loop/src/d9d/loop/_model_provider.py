@@ -10,7 +10,7 @@ from torch import nn
 
 from d9d.mesh import DistributedContext
 from d9d.pipeline import PipelineStageInfo
-
+from d9d.state_mappers import StateMapper
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -38,7 +38,7 @@ class InitializeModelStageResult(Generic[ModelT]):
     """
 
     model: ModelT
-    state_mapper: object | None = None
+    state_mapper: StateMapper | None = None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,7 +63,7 @@ class PrepareExportModelStageContext(Generic[ModelT]):
 class PrepareExportModelStageResult:
     """The state mapper that turns the model's state into the exported checkpoint's tensors."""
 
-    state_mapper: object
+    state_mapper: StateMapper
 
 
 class ModelProvider(ABC, Generic[ModelT]):
@@ -75,7 +75,9 @@ class ModelProvider(ABC, Generic[ModelT]):
     """
 
     @abstractmethod
-    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult[ModelT]:
+    def initialize_model_stage(
+        self, context: InitializeModelStageContext
+    ) -> InitializeModelStageResult[ModelT]:
         """Builds the layers of ``context.stage`` (no parameter values are needed: meta device)."""
 
     @abstractmethod
@@ -87,5 +89,6 @@ class ModelProvider(ABC, Generic[ModelT]):
     ) -> PrepareExportModelStageResult:
         """Returns the export state mapper; required only for ``Trainer.export``."""
         raise NotImplementedError(
-            f"{type(self).__name__} does not implement prepare_export_model_stage, so the model cannot be exported"
+            f"{type(self).__name__} does not implement prepare_export_model_stage, "
+            "so the model cannot be exported"
         )

@@ -75,7 +75,9 @@ class ModelStageFactory(Generic[ModelT]):
                 InitializeModelStageContext(dist_context=self._dist, stage=stage)
             )
         model = result.model
-        shadow = copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
+        shadow = (
+            copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
+        )
         self._provider.parallelize_model_stage(
             ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
         )
@@ -88,7 +90,9 @@ class ModelStageFactory(Generic[ModelT]):
                     f"trainer.initialization.source is set but {type(self._provider).__name__}."
                     f"initialize_model_stage returned no state_mapper"
                 )
-            load_module_state(self._config.source, model, result.state_mapper, show_progress=self._dist.is_main_process)
+            load_module_state(
+                self._config.source, model, result.state_mapper, show_progress=self._dist.is_main_process
+            )
         elif shadow is not None:
             shadow.to_empty(device="cpu")
             _reset(shadow)
@@ -113,7 +117,9 @@ def _assign(tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if isinstance(tensor, DTensor):
         dtensor: Any = tensor
         if tuple(dtensor.shape) != tuple(value.shape):
-            raise ValueError(f"'{name}': parallelized shape {tuple(dtensor.shape)} != full shape {tuple(value.shape)}")
+            raise ValueError(
+                f"'{name}': parallelized shape {tuple(dtensor.shape)} != full shape {tuple(value.shape)}"
+            )
         local = distribute_tensor(
             value.to(device=dtensor.device, dtype=dtensor.dtype),
             dtensor.device_mesh,
@@ -123,5 +129,7 @@ def _assign(tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
         dtensor.to_local().copy_(local)
     else:
         if tuple(tensor.shape) != tuple(value.shape):
-            raise ValueError(f"'{name}': parallelized shape {tuple(tensor.shape)} != full shape {tuple(value.shape)}")
+            raise ValueError(
+                f"'{name}': parallelized shape {tuple(tensor.shape)} != full shape {tuple(value.shape)}"
+            )
         tensor.copy_(value)

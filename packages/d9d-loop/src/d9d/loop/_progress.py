@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NoReturn
 
 from tqdm import tqdm
 
@@ -11,9 +12,9 @@ class ProgressBar:
     """A tqdm bar over optimizer steps showing the latest metrics; does nothing when disabled."""
 
     def __init__(self, *, total: int, initial: int, enabled: bool) -> None:
-        self._bar: tqdm[None] | None = (
-            tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True) if enabled else None
-        )
+        self._bar: tqdm[NoReturn] | None = None
+        if enabled:
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
     def update(self, metrics: Mapping[str, float]) -> None:
         """Advances one step and shows ``metrics``."""

@@ -78,7 +78,9 @@ class JsonlTracker:
         """Drops records of ``step`` and later (called when resuming at ``step``)."""
         if not self._path.exists():
             return
-        kept = [line for line in self._path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        kept = [
+            line for line in self._path.read_text().splitlines() if line and json.loads(line)["step"] < step
+        ]
         self._path.write_text("".join(f"{line}\n" for line in kept))
 
     def close(self) -> None:

@@ -34,8 +34,8 @@ from d9d.loop._providers import BatchSource
 from d9d.loop._step_runner import StepRunner
 from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
-from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
 from d9d.loop._trackers import Tracker
+from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
 from d9d.mesh import DistributedContext, shard_tree
 from d9d.state_mappers import save_module_state
 
@@ -162,7 +162,9 @@ class Trainer:
         first = True
         try:
             while self._step < p.total_steps:
-                self._watchdog.arm(self._step, timeouts.first_step_seconds if first else timeouts.step_seconds)
+                self._watchdog.arm(
+                    self._step, timeouts.first_step_seconds if first else timeouts.step_seconds
+                )
                 metrics = self._train_step()
                 self._watchdog.disarm()
                 first = False
@@ -214,7 +216,9 @@ class Trainer:
         )
         weighted_loss, weight, microbatches, tokens = reduced[:4]
         if weight <= 0:
-            raise ValueError(f"step {step}: the loss weights of all microbatches sum to {weight}; nothing to learn from")
+            raise ValueError(
+                f"step {step}: the loss weights of all microbatches sum to {weight}; nothing to learn from"
+            )
         loss = weighted_loss / weight
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
 
@@ -251,13 +255,20 @@ class Trainer:
         target = Path(path)
         for built in self._p.stages:
             result = self._p.provider.prepare_export_model_stage(
-                PrepareExportModelStageContext(dist_context=self._p.dist_context, stage=built.stage, model=built.model)
+                PrepareExportModelStageContext(
+                    dist_context=self._p.dist_context, stage=built.stage, model=built.model
+                )
             )
-            stage_target = target if len(self._p.stages) == 1 and built.stage.num_stages == 1 else (
-                target / f"stage_{built.stage.current_stage}"
+            stage_target = (
+                target
+                if len(self._p.stages) == 1 and built.stage.num_stages == 1
+                else (target / f"stage_{built.stage.current_stage}")
             )
             save_module_state(
-                stage_target, built.model, result.state_mapper, show_progress=self._p.dist_context.is_main_process
+                stage_target,
+                built.model,
+                result.state_mapper,
+                show_progress=self._p.dist_context.is_main_process,
             )
 
     def close(self) -> None:
