@@ -1,6 +1,17 @@
 """d9d parallelism: replicate, FSDP/HSDP, TP, CP, EP, gradient sync and clipping."""
 
 from d9d.parallel._all_to_all import all_to_all
+from d9d.parallel._context_parallel_attention import (
+    AttentionBackend,
+    AttentionLayerLike,
+    ContextParallelAttention,
+    parallelize_context_parallel,
+)
+from d9d.parallel._context_parallel_sharding import (
+    context_parallel_position_ids,
+    context_parallel_shard,
+    context_parallel_unshard,
+)
 from d9d.parallel._expert_parallel import MoELayerLike, parallelize_expert_parallel
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
@@ -15,6 +26,9 @@ from d9d.parallel._vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = [
     "AllToAllTokenDispatcher",
+    "AttentionBackend",
+    "AttentionLayerLike",
+    "ContextParallelAttention",
     "GradientReduction",
     "GradientSynchronizer",
     "LocalParameterSlot",
@@ -24,8 +38,12 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_to_all",
     "clip_grad_norm",
+    "context_parallel_position_ids",
+    "context_parallel_shard",
+    "context_parallel_unshard",
     "hsdp_mesh",
     "install_local_forward",
+    "parallelize_context_parallel",
     "parallelize_expert_parallel",
     "parallelize_fsdp",
     "parallelize_hsdp",

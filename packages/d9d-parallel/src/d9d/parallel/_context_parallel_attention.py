@@ -1,0 +1,114 @@
+"""Context-parallel attention: exact attention over a sequence split across cp ranks."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from d9d.parallel._load_balanced_positions import local_positions
+from d9d.parallel._mesh_dims import require_one_dim
+from d9d.parallel._sequence_all_gather import gather_sequence
+
+
+class AttentionBackend(Protocol):
+    """The attention slot of an attention layer (its ``attention_backend``), as d9d-parallel sees it.
+
+    query (batch, seq, q_heads, head_dim); key and value (batch, seq, kv_heads, head_dim) with
+    ``q_heads % kv_heads == 0``; ``document_ids`` (batch, seq): tokens attend only within their
+    document; ``sliding_window`` w: token i attends to j with i - w < j <= i. Returns
+    (batch, seq, q_heads, head_dim).
+    """
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class AttentionLayerLike(Protocol):
+    """An attention layer with a replaceable ``attention_backend`` (d9d-kernels' GQA fits)."""
+
+    attention_backend: AttentionBackend
+
+
+class ContextParallelAttention:
+    """Attention over this rank's load-balanced sequence part that equals full-sequence attention.
+
+    Keys, values (and document ids) of all cp ranks are all-gathered and put back in sequence
+    order; each local query then attends to exactly the keys it would see in the full sequence
+    (causal, sliding-window and document masks use global positions). The all-gather is
+    differentiable (its backward reduce-scatters key and value gradients), so forward and
+    backward are exact. Inputs are the local parts from ``context_parallel_shard``.
+    """
+
+    def __init__(self, *, mesh: DeviceMesh) -> None:
+        """Args:
+        mesh: The 1-D context-parallel mesh.
+        """
+        require_one_dim(mesh, purpose="ContextParallelAttention")
+        self._mesh = mesh
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attends this rank's queries to the whole sequence; see the class docstring."""
+        cp = self._mesh.size()
+        local_len = query.shape[1]
+        length = local_len * cp
+        if local_len % 2 != 0:
+            raise ValueError(
+                f"ContextParallelAttention: local sequence length {local_len} is odd; shard sequences "
+                f"of a length divisible by 2 * cp = {2 * cp} with context_parallel_shard"
+            )
+        q_heads, kv_heads = query.shape[2], key.shape[2]
+        if q_heads % kv_heads != 0:
+            raise ValueError(f"query heads {q_heads} are not a multiple of key/value heads {kv_heads}")
+        full_key = gather_sequence(key, mesh=self._mesh)
+        full_value = gather_sequence(value, mesh=self._mesh)
+        q_pos = local_positions(length, cp, self._mesh.get_local_rank(), device=query.device)
+        k_pos = torch.arange(length, device=query.device)
+        allowed = torch.ones(local_len, length, dtype=torch.bool, device=query.device)
+        if causal or sliding_window is not None:
+            allowed &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if sliding_window is not None:
+            allowed &= q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < sliding_window
+        mask = allowed.unsqueeze(0)
+        if document_ids is not None:
+            full_docs = gather_sequence(document_ids, mesh=self._mesh)
+            mask = mask & (document_ids.unsqueeze(2) == full_docs.unsqueeze(1))
+        repeat = q_heads // kv_heads
+        k = full_key.repeat_interleave(repeat, dim=2).transpose(1, 2)
+        v = full_value.repeat_interleave(repeat, dim=2).transpose(1, 2)
+        out = nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=softmax_scale
+        )
+        return out.transpose(1, 2)
+
+
+def parallelize_context_parallel(attention: AttentionLayerLike, *, mesh: DeviceMesh) -> None:
+    """Installs ``ContextParallelAttention`` in an attention layer's ``attention_backend`` slot.
+
+    The layer then takes this rank's part of the sequence (shard inputs, position ids and
+    document ids with ``context_parallel_shard`` / ``context_parallel_position_ids``). Its
+    parameters are untouched: replicate or shard them over the cp ranks as for data
+    parallelism (``parallelize_replicate`` / ``parallelize_hsdp`` over a mesh including cp).
+    """
+    attention.attention_backend = ContextParallelAttention(mesh=mesh)
