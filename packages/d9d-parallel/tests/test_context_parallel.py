@@ -142,8 +142,8 @@ def _sharding_round_trip_and_errors() -> None:
     torch.testing.assert_close(context_parallel_unshard(local, mesh=mesh), full)
     with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2 \* cp = 4"):
         context_parallel_shard(torch.zeros(1, 6), mesh=mesh)
+    q = torch.zeros(1, 3, 2, 4)
     with pytest.raises(ValueError, match="local sequence length 3 is odd"):
-        q = torch.zeros(1, 3, 2, 4)
         ContextParallelAttention(mesh=mesh).attend(q, q, q, causal=True, softmax_scale=1.0)
 
 
