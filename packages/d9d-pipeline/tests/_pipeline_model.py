@@ -25,7 +25,9 @@ class Stage(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in layers_of_stage(info, num_layers))
         self.head = nn.Linear(HIDDEN, OUT_FEATURES) if info.is_last else None
 
-    def forward(self, inputs: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(
+        self, inputs: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         if self.embed is not None:
             h = self.embed(inputs["x"])
             aux = inputs["x"][:, :1].clone()
@@ -45,7 +47,9 @@ def build_stages(num_stages: int, num_layers: int, seed: int = 0) -> list[Stage]
     return [Stage(PipelineStageInfo(s, num_stages), num_layers) for s in range(num_stages)]
 
 
-def make_batch(batch: int, seed: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+def make_batch(
+    batch: int, seed: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     inputs = {
         "x": torch.randn(batch, IN_FEATURES, generator=gen),
@@ -67,9 +71,16 @@ def make_loss_fn(target: torch.Tensor, num_microbatches: int) -> Any:
 
 
 def reference(
-    stages: list[Stage], inputs: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], target: torch.Tensor, num_microbatches: int
+    stages: list[Stage],
+    inputs: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    target: torch.Tensor,
+    num_microbatches: int,
 ) -> tuple[list[torch.Tensor], list[Stage], list[dict[str, torch.Tensor]]]:
-    """Runs a copy of all stages on every microbatch without a pipeline; returns losses, the grads-holding copies, outputs."""
+    """Runs a copy of all stages on each microbatch without a pipeline.
+
+    Returns the losses, the copies (holding the gradients) and the outputs.
+    """
     model = copy.deepcopy(stages)
     loss_fn = make_loss_fn(target, num_microbatches)
     losses: list[torch.Tensor] = []

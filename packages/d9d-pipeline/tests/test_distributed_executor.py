@@ -27,7 +27,9 @@ def _train_and_compare(config: PipelineScheduleConfig, counts: list[int]) -> lis
     checked = []
     for num_mb in counts:
         program = build_program(config, num_ranks=world, num_microbatches=num_mb)
-        assert [i.current_stage for i in stages_for_rank(config, num_ranks=world, rank=rank)] == program.stages_of(rank)
+        assert [
+            i.current_stage for i in stages_for_rank(config, num_ranks=world, rank=rank)
+        ] == program.stages_of(rank)
         stages = build_stages(program.num_stages, NUM_LAYERS)
         inputs, shared, target = make_batch(16)
         ref_losses, ref_stages, ref_outputs = reference(stages, inputs, shared, target, num_mb)
@@ -102,7 +104,10 @@ def _train_steps_with_optimizer() -> float:
             for p, g in zip(ref.parameters(), grads_from.parameters(), strict=True):
                 p.grad = g.grad
         ref_opt.step()
-    diff = max((a - b).abs().max().item() for a, b in zip(stages[rank].parameters(), ref_stages[rank].parameters()))
+    diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(stages[rank].parameters(), ref_stages[rank].parameters(), strict=True)
+    )
     return diff
 
 

@@ -51,7 +51,9 @@ def test_step_needs_training_program() -> None:
     program = build_program(ForwardOnlyScheduleConfig(), num_ranks=2, num_microbatches=2)
     executor = LocalPipelineExecutor(program, dict(enumerate(build_stages(2, 2))))
     with pytest.raises(ValueError, match="forward-only"):
-        executor.step(make_batch(4)[0], loss_fn=lambda out, m: out["y"].sum(), shared={"scale": torch.tensor(1.0)})
+        executor.step(
+            make_batch(4)[0], loss_fn=lambda out, m: out["y"].sum(), shared={"scale": torch.tensor(1.0)}
+        )
 
 
 def test_sequential_stages_without_shared() -> None:

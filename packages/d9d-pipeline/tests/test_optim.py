@@ -30,7 +30,9 @@ def test_steps_every_stage_and_round_trips_state() -> None:
     fresh_opts = [torch.optim.AdamW(s.parameters(), lr=0.1) for s in _stages()]
     fresh = StagesOptimizer(fresh_opts)
     fresh.load_state_dict(state)
-    fresh_sched = StagesLRScheduler([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in fresh_opts])
+    fresh_sched = StagesLRScheduler(
+        [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in fresh_opts]
+    )
     fresh_sched.load_state_dict(sched_state)
     assert fresh.optimizers[1].state_dict()["state"][0]["step"] == 1
     assert fresh_sched.schedulers[0].state_dict()["last_epoch"] == 1

@@ -58,14 +58,26 @@ def test_every_program_is_valid_and_complete(config: PipelineScheduleConfig, num
     ("config", "num_ranks", "num_mb", "message"),
     [
         # interleaved 1F1B takes microbatches in groups of the rank count
-        (Interleaved1F1BScheduleConfig(), 4, 6, "interleaved_1f1b: num_microbatches=6 must be a multiple of num_ranks=4"),
+        (
+            Interleaved1F1BScheduleConfig(),
+            4,
+            6,
+            "interleaved_1f1b: num_microbatches=6 must be a multiple of num_ranks=4",
+        ),
         # DualPipeV needs 2 microbatches per rank
-        (DualPipeVScheduleConfig(), 4, 6, "dualpipev: num_microbatches=6 is too few; this schedule needs at least 8"),
+        (
+            DualPipeVScheduleConfig(),
+            4,
+            6,
+            "dualpipev: num_microbatches=6 is too few; this schedule needs at least 8",
+        ),
         # no schedule runs without microbatches
         (OneFOneBScheduleConfig(), 2, 0, "1f1b: num_microbatches=0 is too few"),
     ],
 )
-def test_unusable_microbatch_counts(config: PipelineScheduleConfig, num_ranks: int, num_mb: int, message: str) -> None:
+def test_unusable_microbatch_counts(
+    config: PipelineScheduleConfig, num_ranks: int, num_mb: int, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         build_program(config, num_ranks=num_ranks, num_microbatches=num_mb)
 

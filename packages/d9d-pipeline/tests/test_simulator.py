@@ -23,7 +23,10 @@ SPLIT = ActionCosts(forward=1, backward=2, backward_input=1, backward_weight=1)
 @pytest.mark.parametrize(("p", "m"), GRID)
 def test_gpipe_and_1f1b_bubble(p: int, m: int) -> None:
     expected = (p - 1) / (m + p - 1)
-    for program in (build_gpipe_program(num_ranks=p, num_microbatches=m), build_1f1b_program(num_ranks=p, num_microbatches=m)):
+    for program in (
+        build_gpipe_program(num_ranks=p, num_microbatches=m),
+        build_1f1b_program(num_ranks=p, num_microbatches=m),
+    ):
         assert simulate_program(program).bubble_fraction == pytest.approx(expected, abs=1e-12)
 
 
@@ -55,11 +58,25 @@ def test_zero_bubble_schedules_leave_only_the_fill(p: int, m: int) -> None:
 
 def test_peak_live_activations() -> None:
     p, m = 4, 8
-    assert simulate_program(build_gpipe_program(num_ranks=p, num_microbatches=m)).peak_live_activations == (8, 8, 8, 8)
-    assert simulate_program(build_1f1b_program(num_ranks=p, num_microbatches=m)).peak_live_activations == (4, 3, 2, 1)
-    assert simulate_program(build_forward_only_program(num_ranks=p, num_microbatches=m)).peak_live_activations == (1, 1, 1, 1)
+    assert simulate_program(build_gpipe_program(num_ranks=p, num_microbatches=m)).peak_live_activations == (
+        8,
+        8,
+        8,
+        8,
+    )
+    assert simulate_program(build_1f1b_program(num_ranks=p, num_microbatches=m)).peak_live_activations == (
+        4,
+        3,
+        2,
+        1,
+    )
+    assert simulate_program(
+        build_forward_only_program(num_ranks=p, num_microbatches=m)
+    ).peak_live_activations == (1, 1, 1, 1)
     # DualPipeV: every rank holds about 2p + 1 half-size stage activations
-    assert simulate_program(build_dualpipev_program(num_ranks=p, num_microbatches=m), SPLIT).peak_live_activations == (9, 9, 9, 9)
+    assert simulate_program(
+        build_dualpipev_program(num_ranks=p, num_microbatches=m), SPLIT
+    ).peak_live_activations == (9, 9, 9, 9)
 
 
 def test_text_timeline() -> None:

@@ -38,7 +38,10 @@ def test_missing_receive_is_named() -> None:
         [forward(0, 0), _sa(0, 0, 1), _rg(0, 0, 1), backward(0, 0)],
         [forward(1, 0), backward(1, 0), _sg(1, 0, 0)],  # no receive of the activation
     )
-    with pytest.raises(PipelineProgramError, match=r"rank 0, action SA0\.0->r1 \(stage 0, microbatch 0\): no matching receive on rank 1"):
+    with pytest.raises(
+        PipelineProgramError,
+        match=r"rank 0, action SA0\.0->r1 \(stage 0, microbatch 0\): no matching receive on rank 1",
+    ):
         validate_program(program)
 
 
@@ -60,8 +63,13 @@ def test_receives_out_of_send_order() -> None:
     rank1 = list(base.actions[1])
     first, second = rank1.index(_ra(1, 0, 0)), rank1.index(_ra(1, 1, 0))
     rank1[first], rank1[second] = rank1[second], rank1[first]
-    broken = PipelineProgram(num_microbatches=2, stage_to_rank=(0, 1), actions=(base.actions[0], tuple(rank1)))
-    with pytest.raises(PipelineProgramError, match=r"receive #0 from rank 0 is posted where the sender's #0 message is for RA1\.0"):
+    broken = PipelineProgram(
+        num_microbatches=2, stage_to_rank=(0, 1), actions=(base.actions[0], tuple(rank1))
+    )
+    with pytest.raises(
+        PipelineProgramError,
+        match=r"receive #0 from rank 0 is posted where the sender's #0 message is for RA1\.0",
+    ):
         validate_program(broken)
 
 
@@ -69,13 +77,29 @@ def test_receives_out_of_send_order() -> None:
     ("rank0", "rank1", "message"),
     [
         # microbatch 0 never runs backward on stage 1
-        ([forward(0, 0), backward(0, 0)], [forward(1, 0)], r"stage 1, microbatch 0: backward runs B=0 I=0 W=0 times"),
+        (
+            [forward(0, 0), backward(0, 0)],
+            [forward(1, 0)],
+            r"stage 1, microbatch 0: backward runs B=0 I=0 W=0 times",
+        ),
         # the forward of stage 0 runs twice
-        ([forward(0, 0), forward(0, 0), backward(0, 0)], [forward(1, 0), backward(1, 0)], r"stage 0, microbatch 0: forward runs 2 times"),
+        (
+            [forward(0, 0), forward(0, 0), backward(0, 0)],
+            [forward(1, 0), backward(1, 0)],
+            r"stage 0, microbatch 0: forward runs 2 times",
+        ),
         # a stage computed on a rank that does not hold it
-        ([forward(0, 0), forward(1, 0), backward(1, 0), backward(0, 0)], [], r"rank 0, action F1\.0 .*: stage 1 lives on rank 1"),
+        (
+            [forward(0, 0), forward(1, 0), backward(1, 0), backward(0, 0)],
+            [],
+            r"rank 0, action F1\.0 .*: stage 1 lives on rank 1",
+        ),
         # backward before forward
-        ([backward(0, 0), forward(0, 0)], [forward(1, 0), backward(1, 0)], r"rank 0, action B0\.0 .*: runs before the forward F0\.0"),
+        (
+            [backward(0, 0), forward(0, 0)],
+            [forward(1, 0), backward(1, 0)],
+            r"rank 0, action B0\.0 .*: runs before the forward F0\.0",
+        ),
     ],
 )
 def test_incomplete_or_misplaced_compute(rank0: list[Action], rank1: list[Action], message: str) -> None:
@@ -89,5 +113,8 @@ def test_compute_without_its_receive() -> None:
         [forward(0, 0), _sa(0, 0, 1), backward(0, 0)],  # backward of stage 0 needs stage 1's gradient
         [_ra(1, 0, 0), forward(1, 0), backward(1, 0)],
     )
-    with pytest.raises(PipelineProgramError, match=r"rank 0, action B0\.0 .*: reads data from rank 1 but no receive RG0\.0<-r1 precedes it"):
+    with pytest.raises(
+        PipelineProgramError,
+        match=r"rank 0, action B0\.0 .*: reads data from rank 1 but no receive RG0\.0<-r1 precedes it",
+    ):
         validate_program(program)

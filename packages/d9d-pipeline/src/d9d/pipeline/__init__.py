@@ -30,7 +30,11 @@ from d9d.pipeline._optim import StagesLRScheduler, StagesOptimizer
 from d9d.pipeline._program import PipelineProgram, make_program
 from d9d.pipeline._schedules._dualpipev import build_dualpipev_program
 from d9d.pipeline._schedules._interleaved import build_interleaved_1f1b_program, build_looped_bfs_program
-from d9d.pipeline._schedules._simple import build_1f1b_program, build_forward_only_program, build_gpipe_program
+from d9d.pipeline._schedules._simple import (
+    build_1f1b_program,
+    build_forward_only_program,
+    build_gpipe_program,
+)
 from d9d.pipeline._schedules._zero_bubble import build_interleaved_zero_bubble_program, build_zbv_program
 from d9d.pipeline._shapes import PipelineOutputMeta, PipelineShapeError
 from d9d.pipeline._simulator import ActionCosts, SimulationResult, TimedAction, simulate_program

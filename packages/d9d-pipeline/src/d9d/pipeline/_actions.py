@@ -53,7 +53,9 @@ class ActionKind(StrEnum):
         return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
 
-_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+_COMPUTE = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,17 @@ class Action:
             text += f"{arrow}r{self.peer}"
         return text
 
+    @property
+    def peer_rank(self) -> int:
+        """The peer of a communication action.
+
+        Raises:
+            ValueError: If the action has no peer (compute, or a malformed communication action).
+        """
+        if self.peer is None:
+            raise ValueError(f"action {self} has no peer rank")
+        return self.peer
+
     def matching(self, *, own_rank: int) -> Action:
         """The action on the peer rank that completes this send or receive.
 
@@ -91,16 +104,26 @@ class Action:
         match self.kind:
             case ActionKind.SEND_ACTIVATION:
                 return Action(
-                    kind=ActionKind.RECV_ACTIVATION, stage=self.stage + 1, microbatch=self.microbatch, peer=own_rank
+                    kind=ActionKind.RECV_ACTIVATION,
+                    stage=self.stage + 1,
+                    microbatch=self.microbatch,
+                    peer=own_rank,
                 )
             case ActionKind.RECV_ACTIVATION:
                 return Action(
-                    kind=ActionKind.SEND_ACTIVATION, stage=self.stage - 1, microbatch=self.microbatch, peer=own_rank
+                    kind=ActionKind.SEND_ACTIVATION,
+                    stage=self.stage - 1,
+                    microbatch=self.microbatch,
+                    peer=own_rank,
                 )
             case ActionKind.SEND_GRAD:
-                return Action(kind=ActionKind.RECV_GRAD, stage=self.stage - 1, microbatch=self.microbatch, peer=own_rank)
+                return Action(
+                    kind=ActionKind.RECV_GRAD, stage=self.stage - 1, microbatch=self.microbatch, peer=own_rank
+                )
             case ActionKind.RECV_GRAD:
-                return Action(kind=ActionKind.SEND_GRAD, stage=self.stage + 1, microbatch=self.microbatch, peer=own_rank)
+                return Action(
+                    kind=ActionKind.SEND_GRAD, stage=self.stage + 1, microbatch=self.microbatch, peer=own_rank
+                )
             case _:
                 raise ValueError(f"action {self} is not communication and has no matching action")
 

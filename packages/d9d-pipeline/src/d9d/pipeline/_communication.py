@@ -54,8 +54,7 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
     for rank, acts in enumerate(compute):
         for action in acts:
             for send in _sends_after(action, program, rank):
-                assert send.peer is not None
-                send_order.setdefault((rank, send.peer), []).append(send.matching(own_rank=rank))
+                send_order.setdefault((rank, send.peer_rank), []).append(send.matching(own_rank=rank))
     result: list[tuple[Action, ...]] = []
     for rank, acts in enumerate(compute):
         posted: set[Action] = set()
@@ -65,16 +64,15 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
             for recv in _recv_needed(action, program, rank):
                 if recv in posted:
                     continue
-                assert recv.peer is not None
-                order = send_order.get((recv.peer, rank), [])
+                order = send_order.get((recv.peer_rank, rank), [])
                 if recv in order:
                     stop = order.index(recv)
-                    start = next_index.get(recv.peer, 0)
+                    start = next_index.get(recv.peer_rank, 0)
                     for earlier in order[start : stop + 1]:
                         if earlier not in posted:
                             out.append(earlier)
                             posted.add(earlier)
-                    next_index[recv.peer] = max(start, stop + 1)
+                    next_index[recv.peer_rank] = max(start, stop + 1)
                 else:  # the sender never sends it: leave it for the validator to report
                     out.append(recv)
                     posted.add(recv)

@@ -9,7 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._dualpipev import build_dualpipev_program
 from d9d.pipeline._schedules._interleaved import build_interleaved_1f1b_program, build_looped_bfs_program
-from d9d.pipeline._schedules._simple import build_1f1b_program, build_forward_only_program, build_gpipe_program
+from d9d.pipeline._schedules._simple import (
+    build_1f1b_program,
+    build_forward_only_program,
+    build_gpipe_program,
+)
 from d9d.pipeline._schedules._zero_bubble import build_interleaved_zero_bubble_program, build_zbv_program
 from d9d.pipeline._stage_info import PipelineStageInfo
 
@@ -88,13 +92,19 @@ def stages_per_rank(config: PipelineScheduleConfig) -> int:
     match config:
         case GPipeScheduleConfig() | OneFOneBScheduleConfig() | ForwardOnlyScheduleConfig():
             return 1
-        case Interleaved1F1BScheduleConfig() | LoopedBFSScheduleConfig() | InterleavedZeroBubbleScheduleConfig():
+        case (
+            Interleaved1F1BScheduleConfig()
+            | LoopedBFSScheduleConfig()
+            | InterleavedZeroBubbleScheduleConfig()
+        ):
             return config.stages_per_rank
         case ZBVScheduleConfig() | DualPipeVScheduleConfig():
             return 2
 
 
-def build_program(config: PipelineScheduleConfig, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+def build_program(
+    config: PipelineScheduleConfig, *, num_ranks: int, num_microbatches: int
+) -> PipelineProgram:
     """Builds the program ``config`` describes for ``num_ranks`` pipeline ranks.
 
     Raises:
@@ -108,9 +118,13 @@ def build_program(config: PipelineScheduleConfig, *, num_ranks: int, num_microba
         case OneFOneBScheduleConfig():
             return build_1f1b_program(num_ranks=p, num_microbatches=m)
         case Interleaved1F1BScheduleConfig():
-            return build_interleaved_1f1b_program(num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank)
+            return build_interleaved_1f1b_program(
+                num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank
+            )
         case LoopedBFSScheduleConfig():
-            return build_looped_bfs_program(num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank)
+            return build_looped_bfs_program(
+                num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank
+            )
         case InterleavedZeroBubbleScheduleConfig():
             return build_interleaved_zero_bubble_program(
                 num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank

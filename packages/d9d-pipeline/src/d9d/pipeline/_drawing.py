@@ -76,7 +76,11 @@ def draw_timeline_png(result: SimulationResult, path: Path | str, *, title: str 
     for rank, row in enumerate(result.timeline):
         for t in row:
             ax.barh(
-                rank, t.end - t.start, left=t.start, color=_COLORS.get(t.action.kind, "grey"), edgecolor="black"
+                rank,
+                t.end - t.start,
+                left=t.start,
+                color=_COLORS.get(t.action.kind, "grey"),
+                edgecolor="black",
             )
             ax.text(
                 (t.start + t.end) / 2,

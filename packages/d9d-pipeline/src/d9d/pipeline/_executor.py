@@ -56,12 +56,15 @@ class PipelineExecutor:
         group: ProcessGroup | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self._group = group if group is not None else dist.group.WORLD
-        if self._group is None:
+        resolved = group if group is not None else dist.group.WORLD
+        if resolved is None:
             raise RuntimeError("PipelineExecutor needs an initialized torch.distributed process group")
+        self._group: ProcessGroup = resolved
         world = dist.get_world_size(self._group)
         if world != program.num_ranks:
-            raise ValueError(f"the program is for {program.num_ranks} ranks but the pipeline group has {world}")
+            raise ValueError(
+                f"the program is for {program.num_ranks} ranks but the pipeline group has {world}"
+            )
         self._rank = dist.get_rank(self._group)
         check_stage_modules(program, self._rank, stages)
         validate_program(program)
@@ -153,7 +156,9 @@ class PipelineExecutor:
         for known_in, known_out in cache:
             if known_in == input_spec:
                 return known_out
-        out = infer_output_spec(stage=stage, module=self._runtimes[stage].module, input_spec=input_spec, shared=shared)
+        out = infer_output_spec(
+            stage=stage, module=self._runtimes[stage].module, input_spec=input_spec, shared=shared
+        )
         cache.insert(0, (input_spec, out))
         del cache[8:]
         return out
@@ -171,7 +176,9 @@ class PipelineExecutor:
                 spec = self._runtimes[s - 1].output_spec if error is None else error
             else:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, src=self._global[where[s - 1]], group=self._group, device=self._device)
+                dist.recv_object_list(
+                    box, src=self._global[where[s - 1]], group=self._group, device=self._device
+                )
                 spec = box[0]
             out: TreeSpec | str
             if isinstance(spec, TreeSpec):
@@ -184,7 +191,9 @@ class PipelineExecutor:
             else:
                 out = error = spec if isinstance(spec, str) else f"stage {s}: no input spec"
             if s + 1 < self._program.num_stages and where[s + 1] != self._rank:
-                dist.send_object_list([out], dst=self._global[where[s + 1]], group=self._group, device=self._device)
+                dist.send_object_list(
+                    [out], dst=self._global[where[s + 1]], group=self._group, device=self._device
+                )
         errors: list[Any] = [None] * self._program.num_ranks
         dist.all_gather_object(errors, error, group=self._group)
         first = next((e for e in errors if e is not None), None)

@@ -26,6 +26,8 @@ def forward_only_view(program: PipelineProgram) -> PipelineProgram:
     return make_program(
         num_microbatches=program.num_microbatches,
         stage_to_rank=program.stage_to_rank,
-        compute=[[a for a in program.compute_actions(r) if a.kind.value == "F"] for r in range(program.num_ranks)],
+        compute=[
+            [a for a in program.compute_actions(r) if a.kind.value == "F"] for r in range(program.num_ranks)
+        ],
         training=False,
     )

@@ -34,8 +34,9 @@ class _Mailbox:
         self._boxes = boxes
 
     def send(self, action: Action, tensors: list[torch.Tensor]) -> None:
-        assert action.peer is not None
-        self._boxes[(action.peer, action.matching(own_rank=self._rank))] = [t.detach().clone() for t in tensors]
+        self._boxes[(action.peer_rank, action.matching(own_rank=self._rank))] = [
+            t.detach().clone() for t in tensors
+        ]
 
     def recv(self, action: Action, buffers: list[torch.Tensor]) -> _Delivered:
         got = self._boxes.pop((self._rank, action))
@@ -71,7 +72,9 @@ class LocalPipelineExecutor:
         validate_program(program)
         self._program = program
         self._device = device or torch.device("cpu")
-        self._runtimes = {s: StageRuntime(stage=s, num_stages=program.num_stages, module=m) for s, m in stages.items()}
+        self._runtimes = {
+            s: StageRuntime(stage=s, num_stages=program.num_stages, module=m) for s, m in stages.items()
+        }
         self._forward_program: PipelineProgram | None = None
 
     @property
@@ -99,18 +102,24 @@ class LocalPipelineExecutor:
         last = runners[self._program.stage_to_rank[-1]]
         return [last.outputs[m] for m in range(self._program.num_microbatches)]
 
-    def _run(self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None) -> list[RankRunner]:
+    def _run(
+        self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None
+    ) -> list[RankRunner]:
         microbatches = split_microbatches(inputs, program.num_microbatches)
         spec = spec_of(microbatches[0])
         for s in range(program.num_stages):
             runtime = self._runtimes[s]
             runtime.input_spec = spec
-            runtime.output_spec = spec = infer_output_spec(stage=s, module=runtime.module, input_spec=spec, shared=shared)
+            runtime.output_spec = spec = infer_output_spec(
+                stage=s, module=runtime.module, input_spec=spec, shared=shared
+            )
         boxes: dict[tuple[int, Action], list[torch.Tensor]] = {}
         runners: list[RankRunner] = []
         for rank in range(program.num_ranks):
             local = {s: self._runtimes[s] for s in program.stages_of(rank)}
-            runner = RankRunner(program=program, rank=rank, stages=local, transport=_Mailbox(rank, boxes), device=self._device)
+            runner = RankRunner(
+                program=program, rank=rank, stages=local, transport=_Mailbox(rank, boxes), device=self._device
+            )
             runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn)
             runners.append(runner)
         pointer = [0] * program.num_ranks
@@ -127,7 +136,9 @@ class LocalPipelineExecutor:
                         pointer[rank] += 1
                         progressed = True
             if any(pointer[r] < len(a) for r, a in enumerate(program.actions)):
-                raise RuntimeError("local pipeline execution stalled (the program was validated; this is a bug)")
+                raise RuntimeError(
+                    "local pipeline execution stalled (the program was validated; this is a bug)"
+                )
             for runner in runners:
                 runner.finish()
         finally:

@@ -92,7 +92,10 @@ class RankRunner:
                 self._recv_trees[(s, m)] = (self._transport.recv(action, buffers), tree)
             case ActionKind.RECV_GRAD:
                 spec = self._spec(s, inputs=False)
-                buffers = [torch.empty(spec.tensors[i].shape, dtype=spec.tensors[i].dtype, device=self._device) for i in spec.grad_indices()]
+                buffers = [
+                    torch.empty(spec.tensors[i].shape, dtype=spec.tensors[i].dtype, device=self._device)
+                    for i in spec.grad_indices()
+                ]
                 self._output_grads[(s, m)] = self._transport.recv(action, buffers)
             case ActionKind.FORWARD:
                 self._transport.flush()
@@ -145,4 +148,3 @@ class RankRunner:
         """Posts what is left and waits for every send."""
         self._transport.flush()
         self._transport.finish()
-

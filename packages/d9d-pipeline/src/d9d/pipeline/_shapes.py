@@ -30,7 +30,7 @@ class PipelineOutputMeta(Protocol):
 
 
 def call_stage(module: nn.Module, inputs: Any, shared: Any) -> Any:
-    """How an executor calls a stage: ``module(inputs)`` without shared data, else ``module(inputs, shared)``."""
+    """How executors call a stage: ``module(inputs)``, or ``module(inputs, shared)`` with shared data."""
     if shared is None:
         return module(inputs)
     return module(inputs, shared)
@@ -62,7 +62,8 @@ def infer_output_spec(*, stage: int, module: nn.Module, input_spec: TreeSpec, sh
         raise PipelineShapeError(
             f"stage {stage}: the trial forward on meta tensors failed for inputs {input_spec.describe()}: "
             f"{type(e).__name__}: {e}. If these are the outputs of stage {stage - 1}, the two stages do not "
-            f"fit; if stage {stage} cannot run on the meta device, implement pipeline_output_meta(inputs, shared)."
+            f"fit; if stage {stage} cannot run on the meta device, implement "
+            "pipeline_output_meta(inputs, shared)."
         ) from e
     return spec_of(out)
 
@@ -86,4 +87,3 @@ def check_against_spec(*, stage: int, what: str, tree: Any, expected: TreeSpec) 
                 f"stage {stage}: {what} tensor '{path}' is {tuple(g.shape)} {g.dtype}, expected "
                 f"{tuple(e.shape)} {e.dtype} (from the trial run; did its shape depend on values?)"
             )
-

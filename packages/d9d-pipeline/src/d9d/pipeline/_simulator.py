@@ -114,8 +114,7 @@ def simulate_program(program: PipelineProgram, costs: ActionCosts | None = None)
                         break
                     clock[rank] = max(clock[rank], sent_at[key] + costs.communication)
                 elif action.kind.is_send:
-                    assert action.peer is not None
-                    sent_at[(action.peer, action.matching(own_rank=rank))] = clock[rank]
+                    sent_at[(action.peer_rank, action.matching(own_rank=rank))] = clock[rank]
                 else:
                     dep = _local_dependency(program, action)
                     if dep is not None and dep not in finished:
@@ -129,7 +128,11 @@ def simulate_program(program: PipelineProgram, costs: ActionCosts | None = None)
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"rank {r}: {program.actions[r][pointer[r]]}" for r in range(n) if pointer[r] < len(program.actions[r])]
+            stuck = [
+                f"rank {r}: {program.actions[r][pointer[r]]}"
+                for r in range(n)
+                if pointer[r] < len(program.actions[r])
+            ]
             raise ValueError("program deadlocks; blocked at " + ", ".join(stuck))
     makespan = max(clock, default=0.0)
     busy = [sum(t.end - t.start for t in row) for row in timeline]
@@ -153,7 +156,11 @@ def _local_dependency(program: PipelineProgram, action: Action) -> tuple[ActionK
     if action.kind == ActionKind.FORWARD and s > 0 and where[s - 1] == where[s]:
         return (ActionKind.FORWARD, s - 1, m)
     if action.kind.is_backward and s + 1 < program.num_stages and where[s + 1] == where[s]:
-        return (ActionKind.BACKWARD_INPUT, s + 1, m) if _is_split(program, s + 1, m) else (ActionKind.BACKWARD, s + 1, m)
+        return (
+            (ActionKind.BACKWARD_INPUT, s + 1, m)
+            if _is_split(program, s + 1, m)
+            else (ActionKind.BACKWARD, s + 1, m)
+        )
     return None
 
 

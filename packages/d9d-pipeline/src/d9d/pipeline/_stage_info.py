@@ -21,7 +21,9 @@ class PipelineStageInfo:
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.current_stage < self.num_stages:
-            raise ValueError(f"current_stage={self.current_stage} is outside [0, num_stages={self.num_stages})")
+            raise ValueError(
+                f"current_stage={self.current_stage} is outside [0, num_stages={self.num_stages})"
+            )
 
     @property
     def is_first(self) -> bool:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -70,11 +70,12 @@ class StageRuntime:
         if training and self.is_last:
             if loss_fn is None:
                 raise ValueError(f"stage {self.stage} is the last stage and needs a loss_fn to train")
-            loss = loss_fn(outputs, microbatch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raw = cast(object, loss_fn(outputs, microbatch))  # user code: check what it returned
+            if not isinstance(raw, torch.Tensor) or raw.numel() != 1:
                 raise PipelineShapeError(
-                    f"loss_fn must return a one-element tensor for microbatch {microbatch}, got {loss!r}"
+                    f"loss_fn must return a one-element tensor for microbatch {microbatch}, got {raw!r}"
                 )
+            loss = raw
             saved.targets = [loss.reshape(())]
             saved.grads = [None]
         elif training and self.output_spec is not None:
@@ -95,7 +96,7 @@ class StageRuntime:
             saved.grads = [g for _, g in pairs]
         return saved
 
-    def _input_grads(self, saved: _Saved, grads: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    def _input_grads(self, saved: _Saved, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         return [torch.zeros_like(x) if g is None else g for x, g in zip(saved.inputs, grads, strict=True)]
 
     def backward(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -112,7 +113,9 @@ class StageRuntime:
         saved = self._set_output_grads(microbatch, output_grads)
         if not saved.targets or not saved.inputs:
             return self._input_grads(saved, [None] * len(saved.inputs))
-        grads = torch.autograd.grad(saved.targets, saved.inputs, saved.grads, retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            saved.targets, saved.inputs, saved.grads, retain_graph=True, allow_unused=True
+        )
         return self._input_grads(saved, grads)
 
     def backward_weight(self, microbatch: int) -> None:

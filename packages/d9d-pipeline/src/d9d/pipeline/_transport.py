@@ -66,11 +66,11 @@ class P2PTransport:
 
     def flush(self) -> None:
         if self._send_ops:
-            self._send_works += [w for w in dist.batch_isend_irecv(self._send_ops) if w is not None]
+            self._send_works += list(dist.batch_isend_irecv(self._send_ops))
             self._send_ops = []
         batch = _Batch([])
         if self._recv_ops:
-            batch = _Batch([w for w in dist.batch_isend_irecv(self._recv_ops) if w is not None])
+            batch = _Batch(list(dist.batch_isend_irecv(self._recv_ops)))
             self._recv_ops = []
         for handle in self._recvs:
             handle.batch = batch

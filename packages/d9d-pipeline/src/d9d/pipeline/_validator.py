@@ -67,13 +67,18 @@ def _check_static(program: PipelineProgram) -> list[str]:
                 continue
             if action.kind.is_compute:
                 if program.stage_to_rank[s] != rank:
-                    problems.append(f"{_where(rank, action)}: stage {s} lives on rank {program.stage_to_rank[s]}")
+                    problems.append(
+                        f"{_where(rank, action)}: stage {s} lives on rank {program.stage_to_rank[s]}"
+                    )
                 counts[(action.kind, s, m)] += 1
                 if action.kind != ActionKind.FORWARD and not program.training:
                     problems.append(f"{_where(rank, action)}: backward in a forward-only program")
                 if action.kind != ActionKind.FORWARD and (ActionKind.FORWARD, s, m) not in done:
                     problems.append(f"{_where(rank, action)}: runs before the forward F{s}.{m}")
-                if action.kind == ActionKind.BACKWARD_WEIGHT and (ActionKind.BACKWARD_INPUT, s, m) not in done:
+                if (
+                    action.kind == ActionKind.BACKWARD_WEIGHT
+                    and (ActionKind.BACKWARD_INPUT, s, m) not in done
+                ):
                     problems.append(f"{_where(rank, action)}: runs before the input backward I{s}.{m}")
                 done.add((action.kind, s, m))
             else:
@@ -85,7 +90,9 @@ def _check_static(program: PipelineProgram) -> list[str]:
                 if action.kind == ActionKind.SEND_GRAD and not (
                     (ActionKind.BACKWARD, s, m) in done or (ActionKind.BACKWARD_INPUT, s, m) in done
                 ):
-                    problems.append(f"{_where(rank, action)}: sends before the backward of stage {s} produced it")
+                    problems.append(
+                        f"{_where(rank, action)}: sends before the backward of stage {s} produced it"
+                    )
     for s in range(n_stages):
         for m in range(n_mb):
             f = counts[(ActionKind.FORWARD, s, m)]
@@ -93,7 +100,10 @@ def _check_static(program: PipelineProgram) -> list[str]:
                 problems.append(f"stage {s}, microbatch {m}: forward runs {f} times (expected once)")
             if not program.training:
                 continue
-            b, i, w = (counts[(k, s, m)] for k in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT))
+            b, i, w = (
+                counts[(k, s, m)]
+                for k in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+            )
             if not ((b, i, w) == (1, 0, 0) or (b, i, w) == (0, 1, 1)):
                 problems.append(
                     f"stage {s}, microbatch {m}: backward runs B={b} I={i} W={w} times "
@@ -109,11 +119,9 @@ def _check_communication(program: PipelineProgram) -> list[str]:
     for rank, acts in enumerate(program.actions):
         for action in acts:
             if action.kind.is_send:
-                assert action.peer is not None
-                posted.setdefault((rank, action.peer), []).append(action.matching(own_rank=rank))
+                posted.setdefault((rank, action.peer_rank), []).append(action.matching(own_rank=rank))
             elif action.kind.is_recv:
-                assert action.peer is not None
-                received.setdefault((action.peer, rank), []).append(action)
+                received.setdefault((action.peer_rank, rank), []).append(action)
     for pair in sorted(set(posted) | set(received)):
         sender, receiver = pair
         sends, recvs = posted.get(pair, []), received.get(pair, [])
@@ -143,7 +151,9 @@ def _needs(program: PipelineProgram, rank: int, action: Action) -> Action | None
     return None
 
 
-def _local_input_ready(program: PipelineProgram, action: Action, done: set[tuple[ActionKind, int, int]]) -> bool:
+def _local_input_ready(
+    program: PipelineProgram, action: Action, done: set[tuple[ActionKind, int, int]]
+) -> bool:
     s, m, where = action.stage, action.microbatch, program.stage_to_rank
     if action.kind == ActionKind.FORWARD and s > 0 and where[s - 1] == where[s]:
         return (ActionKind.FORWARD, s - 1, m) in done
@@ -163,7 +173,8 @@ def _check_execution(program: PipelineProgram) -> list[str]:
                 need = _needs(program, rank, action)
                 if need is not None and need not in seen:
                     problems.append(
-                        f"{_where(rank, action)}: reads data from rank {need.peer} but no receive {need} precedes it"
+                        f"{_where(rank, action)}: reads data from rank {need.peer} "
+                        f"but no receive {need} precedes it"
                     )
     if problems:
         return problems
@@ -181,8 +192,7 @@ def _check_execution(program: PipelineProgram) -> list[str]:
                 if action.kind.is_compute and not _local_input_ready(program, action, done):
                     break
                 if action.kind.is_send:
-                    assert action.peer is not None
-                    sent.add((action.peer, action.matching(own_rank=rank)))
+                    sent.add((action.peer_rank, action.matching(own_rank=rank)))
                 if action.kind.is_compute:
                     done.add((action.kind, action.stage, action.microbatch))
                 pointer[rank] += 1

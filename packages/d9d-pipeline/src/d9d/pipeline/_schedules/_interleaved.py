@@ -12,7 +12,9 @@ def _check_stages_per_rank(schedule: str, stages_per_rank: int) -> None:
         raise ValueError(f"{schedule}: stages_per_rank must be >= 1, got {stages_per_rank}")
 
 
-def build_interleaved_1f1b_program(*, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> PipelineProgram:
+def build_interleaved_1f1b_program(
+    *, num_ranks: int, num_microbatches: int, stages_per_rank: int
+) -> PipelineProgram:
     """Interleaved 1F1B (Megatron-LM's virtual pipeline).
 
     Rank ``r`` holds stages ``r, r + p, r + 2p, ...`` (``v = stages_per_rank`` of them). Microbatches
@@ -54,7 +56,9 @@ def build_interleaved_1f1b_program(*, num_ranks: int, num_microbatches: int, sta
     return make_program(num_microbatches=m_total, stage_to_rank=loop_placement(p, v), compute=compute)
 
 
-def build_looped_bfs_program(*, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> PipelineProgram:
+def build_looped_bfs_program(
+    *, num_ranks: int, num_microbatches: int, stages_per_rank: int
+) -> PipelineProgram:
     """Looped BFS (breadth-first): each rank runs all microbatches through one of its stages at a time.
 
     Rank ``r`` holds stages ``r, r + p, ...``; it runs the forwards of every microbatch on its first

@@ -47,10 +47,10 @@ def _list_schedule(
             choice: Action | None = None
             for s in sorted(local[rank], key=lambda s: (next_i[s], -s)):
                 m = next_i[s]
-                if m < n_mb and ready((ActionKind.FORWARD, s, m)):
-                    if s == n_stages - 1 or ready((ActionKind.BACKWARD_INPUT, s + 1, m)):
-                        choice = backward_input(s, m)
-                        break
+                upstream_done = s == n_stages - 1 or ready((ActionKind.BACKWARD_INPUT, s + 1, m))
+                if m < n_mb and ready((ActionKind.FORWARD, s, m)) and upstream_done:
+                    choice = backward_input(s, m)
+                    break
             if choice is None:
                 for s in sorted(local[rank], reverse=True):
                     m = next_f[s]
@@ -100,7 +100,9 @@ def build_interleaved_zero_bubble_program(
     p, v = num_ranks, stages_per_rank
     limits = [(v + 1) * p] * p
     placement = loop_placement(p, v)
-    compute = _list_schedule(num_microbatches=num_microbatches, stage_to_rank=placement, activation_limit=limits)
+    compute = _list_schedule(
+        num_microbatches=num_microbatches, stage_to_rank=placement, activation_limit=limits
+    )
     return make_program(num_microbatches=num_microbatches, stage_to_rank=placement, compute=compute)
 
 
@@ -114,5 +116,7 @@ def build_zbv_program(*, num_ranks: int, num_microbatches: int) -> PipelineProgr
     check_counts("zbv", num_ranks=num_ranks, num_microbatches=num_microbatches)
     placement = v_placement(num_ranks)
     limits = [2 * num_ranks + 1] * num_ranks
-    compute = _list_schedule(num_microbatches=num_microbatches, stage_to_rank=placement, activation_limit=limits)
+    compute = _list_schedule(
+        num_microbatches=num_microbatches, stage_to_rank=placement, activation_limit=limits
+    )
     return make_program(num_microbatches=num_microbatches, stage_to_rank=placement, compute=compute)
