@@ -113,7 +113,10 @@ def attempt(name: str, fn_factory: Callable[[], Callable[[], object]], device: s
     try:
         fn = fn_factory()
         ms, peak = measure(fn, device, **kw)
-        return Result(name=name, ms=ms, peak_gib=peak)
+        result = Result(name=name, ms=ms, peak_gib=peak)
+        if device == "cuda":
+            result.extra["GPU ms"] = gpu_kernel_ms(fn)
+        return result
     except Exception as error:  # a missing peer must not stop the others
         message = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         return Result(name=name, ms=None, peak_gib=None, note=message)
@@ -128,7 +131,9 @@ def report(op: str, results: list[Result], settings: Settings, header: dict[str,
     for key, value in header.items():
         print(f"- {key}: {value}")
     extra_keys = sorted({k for r in results for k in r.extra})
-    print("| impl | ms | peak GiB | " + " | ".join(extra_keys) + (" |" if extra_keys else "") + " note |")
+    print(
+        "| impl | wall ms | peak GiB | " + " | ".join(extra_keys) + (" |" if extra_keys else "") + " note |"
+    )
     print("|---" * (4 + len(extra_keys)) + "|")
     for r in results:
         cells = [
@@ -158,7 +163,7 @@ def _plot(op: str, results: list[Result], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     names = [r.name for r in ok]
     axes[0].barh(names, [r.ms or 0.0 for r in ok], color="tab:blue")
-    axes[0].set_xlabel("ms (forward + backward), lower is better")
+    axes[0].set_xlabel("wall ms (forward + backward), lower is better")
     axes[1].barh(names, [r.peak_gib or 0.0 for r in ok], color="tab:orange")
     axes[1].set_xlabel("peak memory above inputs (GiB)")
     for ax in axes:

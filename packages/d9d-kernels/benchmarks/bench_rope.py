@@ -74,7 +74,7 @@ def run(settings: Settings) -> list[Result]:
     bytes_moved = 4 * (q.numel() + k.numel()) * q.element_size()  # read + write, forward and backward
     for r in results:
         if r.ms is not None:
-            r.extra["GB/s"] = bytes_moved / (r.ms * 1e-3) / 1e9
+            r.extra["GB/s"] = bytes_moved / (r.extra.get("GPU ms", r.ms) * 1e-3) / 1e9
             r.extra["% copy BW"] = 100 * r.extra["GB/s"] / copy
     header = {
         "shape": f"q ({batch}, {seq}, {q_heads}, {head_dim}), k ({kv_heads} heads) bf16",

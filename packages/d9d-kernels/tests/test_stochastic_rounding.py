@@ -5,6 +5,8 @@ import torch
 
 from d9d.kernels import KernelBackend, StochasticAdamW, adamw_step_stochastic_, copy_stochastic_
 
+from ._compare import DEVICES
+
 BACKENDS = [
     KernelBackend.REFERENCE,  # plain PyTorch
     KernelBackend.TRITON,  # the Triton kernel (interpreted on CPU)
@@ -17,14 +19,17 @@ def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return down, up
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_copy_stochastic_rounds_to_a_neighbour_without_bias(backend: KernelBackend) -> None:
+def test_copy_stochastic_rounds_to_a_neighbour_without_bias(backend: KernelBackend, device: str) -> None:
     torch.manual_seed(0)
-    source = torch.randn(64) * 10
+    source = (torch.randn(64) * 10).to(device)
     source[0] = 1.5  # exactly representable: must be kept
     samples = torch.stack(
         [
-            copy_stochastic_(torch.empty(64, dtype=torch.bfloat16), source, seed=s, backend=backend).float()
+            copy_stochastic_(
+                torch.empty(64, dtype=torch.bfloat16, device=device), source, seed=s, backend=backend
+            ).float()
             for s in range(400)
         ]
     )
@@ -36,23 +41,29 @@ def test_copy_stochastic_rounds_to_a_neighbour_without_bias(backend: KernelBacke
     assert bool(((samples.mean(0) - source).abs() <= 4 * 0.5 * step / 20).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_copy_stochastic_is_deterministic_for_a_seed(backend: KernelBackend) -> None:
-    source = torch.randn(100)
-    a = copy_stochastic_(torch.empty(100, dtype=torch.bfloat16), source, seed=7, backend=backend)
-    b = copy_stochastic_(torch.empty(100, dtype=torch.bfloat16), source, seed=7, backend=backend)
+def test_copy_stochastic_is_deterministic_for_a_seed(backend: KernelBackend, device: str) -> None:
+    source = torch.randn(100, device=device)
+    a = copy_stochastic_(
+        torch.empty(100, dtype=torch.bfloat16, device=device), source, seed=7, backend=backend
+    )
+    b = copy_stochastic_(
+        torch.empty(100, dtype=torch.bfloat16, device=device), source, seed=7, backend=backend
+    )
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_adamw_step_fp32_matches_torch_adamw(backend: KernelBackend) -> None:
+def test_adamw_step_fp32_matches_torch_adamw(backend: KernelBackend, device: str) -> None:
     torch.manual_seed(0)
-    param = torch.randn(37)
+    param = torch.randn(37, device=device)
     expected = param.clone().requires_grad_()
     reference = torch.optim.AdamW([expected], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)
-    exp_avg, exp_avg_sq = torch.zeros(37), torch.zeros(37)
+    exp_avg, exp_avg_sq = torch.zeros(37, device=device), torch.zeros(37, device=device)
     for step in range(1, 4):
-        grad = torch.randn(37)
+        grad = torch.randn(37, device=device)
         expected.grad = grad.clone()
         reference.step()
         adamw_step_stochastic_(

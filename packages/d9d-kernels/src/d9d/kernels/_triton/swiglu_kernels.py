@@ -1,14 +1,22 @@
 """SwiGLU forward and backward Triton kernels (rows of a 2-D view, last dim contiguous)."""
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import next_power_of_2
-
-_MAX_BLOCK = 4096
+from d9d.kernels._triton.launch import interpreted
 
 
+def _configs() -> list[triton.Config]:
+    if interpreted():
+        return [triton.Config({"BLOCK": 64}, num_warps=4)]
+    return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
+
+
+@triton.autotune(configs=_configs(), key=["n_cols"])
 @triton.jit
 def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -20,6 +28,7 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n_
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(configs=_configs(), key=["n_cols"])
 @triton.jit
 def _swiglu_backward_kernel(
     dout_ptr,
@@ -51,9 +60,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(next_power_of_2(n_cols), _MAX_BLOCK)
-    return (n_rows, triton.cdiv(n_cols, block)), block
+def _grid(n_rows: int, n_cols: int) -> Callable[[dict[str, Any]], tuple[int, int]]:
+    return lambda meta: (n_rows, triton.cdiv(n_cols, meta["BLOCK"]))
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -61,11 +69,8 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = _rows(gate), _rows(up)
     n_rows, n_cols = g2.shape
     out = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
-    grid, block = _grid(n_rows, n_cols)
     if out.numel() > 0:
-        _swiglu_forward_kernel[grid](
-            g2, u2, out, g2.stride(0), u2.stride(0), n_cols, BLOCK=block, num_warps=8
-        )
+        _swiglu_forward_kernel[_grid(n_rows, n_cols)](g2, u2, out, g2.stride(0), u2.stride(0), n_cols)
     return out.view(gate.shape)
 
 
@@ -77,9 +82,8 @@ def swiglu_backward(
     n_rows, n_cols = g2.shape
     dgate = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
     dup = torch.empty((n_rows, n_cols), dtype=up.dtype, device=up.device)
-    grid, block = _grid(n_rows, n_cols)
     if dgate.numel() > 0:
-        _swiglu_backward_kernel[grid](
-            d2, g2, u2, dgate, dup, d2.stride(0), g2.stride(0), u2.stride(0), n_cols, BLOCK=block, num_warps=8
+        _swiglu_backward_kernel[_grid(n_rows, n_cols)](
+            d2, g2, u2, dgate, dup, d2.stride(0), g2.stride(0), u2.stride(0), n_cols
         )
     return dgate.view(gate.shape), dup.view(up.shape)

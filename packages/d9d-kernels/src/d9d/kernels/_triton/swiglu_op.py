@@ -48,6 +48,29 @@ def _backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _SwigluFunction(torch.autograd.Function):
+    """The same kernels for eager mode, without the custom-op dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        from d9d.kernels._triton.swiglu_kernels import swiglu_forward
+
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from d9d.kernels._triton.swiglu_kernels import swiglu_backward
+
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dout, gate, up)
+
+
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU through the Triton kernels; see ``d9d.kernels.swiglu``."""
-    return _forward(gate, up)
+    """SwiGLU through the Triton kernels; see ``d9d.kernels.swiglu``.
+
+    The custom op under torch.compile, an ``autograd.Function`` over the same kernels in eager mode.
+    """
+    if torch.compiler.is_compiling():
+        return _forward(gate, up)
+    return _SwigluFunction.apply(gate, up)
