@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from d9d.pipeline._shapes import PipelineShapeError, call_stage, check_against_spec
+from d9d.pipeline._split_backward import WeightBackwardPlan, input_backward, weight_backward
 from d9d.pipeline._tree import TreeSpec, flatten_tree, unflatten_tree
 
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -21,6 +22,7 @@ class _Saved:
     inputs: list[torch.Tensor]  # stage inputs that receive gradients, in input_spec.grad_indices() order
     targets: list[torch.Tensor] = field(default_factory=list[torch.Tensor])
     grads: list[torch.Tensor | None] = field(default_factory=list[torch.Tensor | None])
+    plan: WeightBackwardPlan | None = None
 
 
 class StageRuntime:
@@ -109,21 +111,22 @@ class StageRuntime:
         return self._input_grads(saved, grads)
 
     def backward_input(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """First half of a split backward: returns the input gradients, keeps the graph for ``W``."""
+        """First half of a split backward: returns the input gradients and keeps what ``W`` needs.
+
+        Only the input path of the graph runs here; the gradients leaving it towards the parameters
+        are kept (see :mod:`d9d.pipeline._split_backward`).
+        """
         saved = self._set_output_grads(microbatch, output_grads)
-        if not saved.targets or not saved.inputs:
-            return self._input_grads(saved, [None] * len(saved.inputs))
-        grads = torch.autograd.grad(
-            saved.targets, saved.inputs, saved.grads, retain_graph=True, allow_unused=True
-        )
+        grads, saved.plan = input_backward(saved.targets, saved.grads, saved.inputs)
+        saved.targets, saved.grads = [], []
         return self._input_grads(saved, grads)
 
     def backward_weight(self, microbatch: int) -> None:
         """Second half of a split backward: accumulates the parameter gradients, frees the graph."""
         saved = self._saved.pop(microbatch)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if saved.targets and params:
-            torch.autograd.backward(saved.targets, saved.grads, inputs=params)
+        if saved.plan is None:
+            raise RuntimeError(f"stage {self.stage}, microbatch {microbatch}: W runs before I")
+        weight_backward(saved.plan, [p for p in self.module.parameters() if p.requires_grad])
 
     def clear(self) -> None:
         """Drops everything kept for backward (after a failed or forward-only step)."""
