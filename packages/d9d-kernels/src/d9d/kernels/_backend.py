@@ -38,6 +38,11 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _installed() -> bool:
+    # torch.compile cannot trace importlib; compiling for CUDA needs Triton anyway (Inductor).
+    return torch.compiler.is_compiling() or triton_installed()
+
+
 def use_triton(backend: KernelBackend, op: str, *tensors: torch.Tensor) -> bool:
     """Resolves ``backend`` for one call of ``op`` on ``tensors``.
 
@@ -57,9 +62,9 @@ def use_triton(backend: KernelBackend, op: str, *tensors: torch.Tensor) -> bool:
         case KernelBackend.REFERENCE:
             return False
         case KernelBackend.AUTO:
-            return all(t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors) and triton_installed()
+            return all(t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors) and _installed()
         case KernelBackend.TRITON:
-            if not triton_installed():
+            if not _installed():
                 raise RuntimeError(f"{op}: backend=triton but the triton package is not installed")
             for t in tensors:
                 if t.dtype not in _TRITON_DTYPES:

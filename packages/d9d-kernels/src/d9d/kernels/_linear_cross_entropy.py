@@ -40,7 +40,7 @@ def linear_cross_entropy(
         reduction: "none" for per-token losses (N,) fp32 with 0 at ignored tokens, "sum", or "mean"
             over non-ignored tokens (0 when all are ignored).
         chunk_size: Tokens per chunk on the Triton path; by default as many as keep one chunk's
-            logits near 512 MiB.
+            logits near 256 MiB.
         backend: Which implementation runs (Triton on CUDA by default).
 
     Returns:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 # Bytes of one chunk's logits: large enough for efficient matmuls, small against eager's logits.
-_CHUNK_BYTES = 1 << 29
+_CHUNK_BYTES = 1 << 28
 _BLOCK = 4096
 
 

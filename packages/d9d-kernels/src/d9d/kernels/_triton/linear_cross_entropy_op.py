@@ -17,8 +17,7 @@ def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Te
             raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_forward", mutates_args=())
-def _forward(
+def _forward_impl(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -38,6 +37,22 @@ def _forward(
         need_hidden_grad, need_weight_grad, chunk_size,
     )  # fmt: skip
     return _reduce(loss, count, reduction), lse, hidden_grad, weight_grad
+
+
+@torch.library.custom_op("d9d_kernels::linear_cross_entropy_forward", mutates_args=())
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    need_hidden_grad: bool,
+    need_weight_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(
+        hidden, weight, labels, ignore_index, reduction, need_hidden_grad, need_weight_grad, chunk_size
+    )
 
 
 @_forward.register_fake
@@ -139,6 +154,61 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ..
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """The eager path: the same kernels without custom-op dispatch, and without the op's extra
+    references to the gradients, so autograd can adopt them as ``.grad`` without a copy."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        reduction: str,
+        chunk_size: int,
+        need_h: bool,
+        need_w: bool,
+    ) -> torch.Tensor:
+        loss, lse, hidden_grad, weight_grad = _forward_impl(
+            hidden, weight, labels, ignore_index, reduction, need_h, need_w, chunk_size
+        )
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.grads = (hidden_grad, weight_grad)
+        ctx.args = (ignore_index, reduction, need_h, need_w, chunk_size)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+        from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_backward
+
+        hidden, weight, labels, lse = ctx.saved_tensors
+        ignore_index, reduction, need_h, need_w, chunk_size = ctx.args
+        if reduction == "none":
+            need_h, need_w = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
+            hidden_grad, weight_grad = linear_cross_entropy_backward(
+                hidden, weight, labels, lse, grad_loss, ignore_index, need_h, need_w, chunk_size
+            )
+        else:
+            hidden_grad, weight_grad = ctx.grads
+            ctx.grads = None  # hand the only references to autograd
+            scale = grad_loss.to(hidden.dtype)
+            if need_h:
+                hidden_grad.mul_(scale)
+            if need_w:
+                weight_grad.mul_(scale)
+        return (
+            hidden_grad if need_h else None,
+            weight_grad if need_w else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 def linear_cross_entropy_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -149,6 +219,11 @@ def linear_cross_entropy_triton(
 ) -> torch.Tensor:
     """Linear cross-entropy through the chunked kernels; see ``d9d.kernels.linear_cross_entropy``."""
     grad_on = torch.is_grad_enabled() and reduction != "none"
+    if not torch.compiler.is_compiling():
+        return _LinearCrossEntropyFunction.apply(
+            hidden, weight, labels, ignore_index, reduction, chunk_size,
+            grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        )  # fmt: skip
     loss, _, _, _ = _forward(
         hidden, weight, labels, ignore_index, reduction,
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad, chunk_size,
