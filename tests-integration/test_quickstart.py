@@ -12,7 +12,6 @@ import torch
 
 from d9d.mesh.testing import run_distributed
 
-sys.path.insert(0, str(Path(__file__).parent))
 from quickstart_job import QUICKSTART, quickstart_config, run_quickstart
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,0 +1,181 @@
+"""A tiny regression job used by the d9d-loop tests (the test twin of the quickstart)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    BuildForwardInputsContext,
+    BuildForwardInputsResult,
+    ComputeLossContext,
+    ComputeLossResult,
+    EventBus,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ModelProvider,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+    ProjectConfig,
+    Trainer,
+    TrainingConfigurator,
+    TrainTask,
+)
+from d9d.mesh import DENSE_DOMAIN
+from d9d.parallel import parallelize_fsdp, parallelize_hsdp, parallelize_replicate
+from d9d.state_mappers import identity_mapper_from_module
+
+
+@dataclass
+class Sample:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Input:
+    x: torch.Tensor
+
+
+@dataclass
+class State:
+    y: torch.Tensor
+
+
+class ToyDataset:
+    def __init__(self, n: int = 512) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.sin(self.x.sum(dim=1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int) -> Sample:
+        return Sample(x=self.x[index], y=self.y[index])
+
+
+def collate(samples: list[Sample]) -> Batch:
+    return Batch(x=torch.stack([s.x for s in samples]), y=torch.stack([s.y for s in samples]))
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, inputs: Input, shared: None) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(inputs.x)))
+
+    def reset_parameters(self) -> None:
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
+
+class ToyTask(TrainTask[Batch, Input, None, torch.Tensor, State]):
+    """MSE; with ``weighted`` the loss is a per-sample sum weighted by the sample count."""
+
+    def __init__(self, weighted: bool = False) -> None:
+        self.weighted = weighted
+
+    def build_forward_inputs(
+        self, ctx: BuildForwardInputsContext[Batch]
+    ) -> BuildForwardInputsResult[Input, None, State]:
+        return BuildForwardInputsResult(
+            input=Input(x=ctx.batch.x),
+            shared=None,
+            state=State(y=ctx.batch.y),
+            num_tokens=ctx.batch.x.shape[0],
+        )
+
+    def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, State]) -> ComputeLossResult:
+        loss = F.mse_loss(ctx.pipeline_results, ctx.state.y)
+        weight = float(ctx.state.y.shape[0]) if self.weighted else None
+        return ComputeLossResult(
+            loss=loss,
+            loss_weight=weight,
+            metrics={"mae": float((ctx.pipeline_results - ctx.state.y).abs().mean())},
+        )
+
+
+class ToyProvider(ModelProvider[ToyModel]):
+    def __init__(self, strategy: str = "hsdp") -> None:
+        self.strategy = strategy
+
+    def initialize_model_stage(
+        self, context: InitializeModelStageContext
+    ) -> InitializeModelStageResult[ToyModel]:
+        model = ToyModel()
+        return InitializeModelStageResult(model=model, state_mapper=identity_mapper_from_module(model))
+
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[ToyModel]) -> None:
+        mesh = context.dist_context.mesh_for(DENSE_DOMAIN)
+        match self.strategy:
+            case "hsdp":
+                parallelize_hsdp(context.model, mesh=mesh["dp_replicate", "dp_cp_shard", "cp_replicate"])
+            case "fsdp":
+                parallelize_fsdp(context.model, mesh=mesh["dp_cp_shard"])
+            case "replicate":
+                parallelize_replicate(context.model, mesh=mesh["dp_replicate"])
+            case _:
+                raise ValueError(self.strategy)
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext[ToyModel]
+    ) -> PrepareExportModelStageResult:
+        return PrepareExportModelStageResult(state_mapper=identity_mapper_from_module(context.model))
+
+
+def toy_config(**sections: dict[str, Any]) -> ProjectConfig:
+    raw: dict[str, Any] = {
+        "trainer": {
+            "max_steps": 4,
+            "global_batch_size": 32,
+            "microbatch_size": 8,
+            "logging": {"progress_bar": False},
+        },
+        "optimizer": {"name": "adamw", "lr": 0.01},
+    }
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    return ProjectConfig.model_validate(raw)
+
+
+def build_trainer(
+    config: ProjectConfig, *, events: EventBus | None = None, strategy: str = "hsdp", weighted: bool = False
+) -> Trainer:
+    return TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=ToyProvider(strategy),
+        task_provider=lambda ctx: ToyTask(weighted),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda d: ToyDataset(), collator=collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+        events=events,
+    ).configure()
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in trainer.model_stages[0].named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = value.detach().clone()
+    return out

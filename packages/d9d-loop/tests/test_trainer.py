@@ -1,0 +1,155 @@
+"""The trainer end to end on the toy job: equivalence across layouts, events, export, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from d9d.loop import (
+    CheckpointSaved,
+    EventBus,
+    ForwardBackwardFinished,
+    ModelReady,
+    OptimizerStepFinished,
+    StepFinished,
+    StepStarted,
+    TrainingFinished,
+)
+from d9d.mesh.testing import run_distributed
+
+from loop_toy_job import build_trainer, full_parameters, toy_config
+
+
+def _train(mesh: dict[str, int], strategy: str, weighted: bool, clip: float | None) -> dict[str, Any]:
+    config = toy_config(mesh=mesh, trainer={"gradient_clipping": {"max_norm": clip}, "max_steps": 4})
+    events = EventBus()
+    losses: list[float] = []
+    norms: list[float] = []
+    events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+    events.subscribe(StepFinished, lambda e: norms.append(e.metrics["grad_norm"]))
+    trainer = build_trainer(config, events=events, strategy=strategy, weighted=weighted)
+    trainer.train()
+    params = full_parameters(trainer)
+    trainer.close()
+    trainer.dist_context.close()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "strategy", "weighted", "clip"),
+    [
+        # FSDP over 2 ranks, microbatches weighted by sample count, clipping active
+        ({"data_parallel_shard": 2}, "fsdp", True, 0.05),
+        # DDP-style replicate over 2 ranks, equal microbatch weights
+        ({"data_parallel_replicate": 2}, "replicate", False, None),
+        # HSDP 2x2 on 4 ranks
+        ({"data_parallel_replicate": 2, "data_parallel_shard": 2}, "hsdp", False, 1.0),
+    ],
+)
+def test_layouts_match_the_single_process_run(
+    mesh: dict[str, int], strategy: str, weighted: bool, clip: float | None
+) -> None:
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    reference = run_distributed(_train, {}, strategy, weighted, clip, world_size=1)[0]
+    results = run_distributed(_train, mesh, strategy, weighted, clip, world_size=world, timeout_s=240)
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-7
+        )
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-7
+        )
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _events_and_export(directory: str) -> list[str]:
+    seen: list[str] = []
+    events = EventBus()
+    for event_type in (
+        ModelReady,
+        StepStarted,
+        ForwardBackwardFinished,
+        OptimizerStepFinished,
+        StepFinished,
+        CheckpointSaved,
+        TrainingFinished,
+    ):
+        events.subscribe(event_type, lambda e: seen.append(type(e).__name__))
+    config = toy_config(
+        trainer={
+            "max_steps": 2,
+            "checkpoint": {"directory": f"{directory}/ckpt", "every_steps": 1, "asynchronous": True},
+            "logging": {
+                "progress_bar": False,
+                "tracker": {"name": "jsonl", "path": f"{directory}/metrics.jsonl"},
+            },
+        },
+        mesh={"data_parallel_shard": 2},
+    )
+    trainer = build_trainer(config, events=events)
+    trainer.train()
+    trainer.export(Path(directory) / "export")
+    params = full_parameters(trainer)
+    if trainer.dist_context.is_main_process:
+        exported: dict[str, torch.Tensor] = {}
+        for file in (Path(directory) / "export").glob("*.safetensors"):
+            exported.update(load_file(str(file)))
+        assert sorted(exported) == sorted(params)
+        for name, value in params.items():
+            assert torch.equal(exported[name], value), name
+    trainer.close()
+    trainer.dist_context.close()
+    return seen
+
+
+def test_events_fire_in_order_and_async_checkpoints_and_export_work(tmp_path: Path) -> None:
+    seen = run_distributed(_events_and_export, str(tmp_path), world_size=2, timeout_s=240)[0]
+    step_events = ["StepStarted", "ForwardBackwardFinished", "OptimizerStepFinished", "StepFinished"]
+    assert seen == [
+        "ModelReady",
+        *step_events,
+        *step_events,
+        "CheckpointSaved",  # the asynchronous save of step 1, made visible before step 2's starts
+        "CheckpointSaved",
+        "TrainingFinished",
+    ]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000000001", "step_000000002"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mae"} <= set(records[0])
+
+
+def _resume_twice(directory: str) -> tuple[list[float], list[float]]:
+    base = {
+        "checkpoint": {"directory": directory, "every_steps": 2, "keep_last": 1},
+        "logging": {"progress_bar": False},
+    }
+    first = build_trainer(toy_config(trainer={**base, "max_steps": 4}))
+    losses_a: list[float] = []
+    first.events.subscribe(ForwardBackwardFinished, lambda e: losses_a.append(e.loss))
+    first.train()
+    first.close()
+    first.dist_context.close()
+    second = build_trainer(toy_config(trainer={**base, "max_steps": 6}))
+    losses_b: list[float] = []
+    second.events.subscribe(ForwardBackwardFinished, lambda e: losses_b.append(e.loss))
+    second.train()
+    assert second.step == 6
+    second.close()
+    second.dist_context.close()
+    return losses_a, losses_b
+
+
+def test_a_longer_run_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
+    losses_a, losses_b = run_distributed(_resume_twice, str(tmp_path), world_size=1)[0]
+    assert len(losses_a) == 4
+    assert len(losses_b) == 2  # steps 4 and 5 only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006"]  # keep_last=1
