@@ -152,3 +152,24 @@ def _wrong_group_size() -> None:
 def test_program_for_another_rank_count() -> None:
     with pytest.raises(DistributedTestError, match="the program is for 3 ranks but the pipeline group has 2"):
         run_distributed(_wrong_group_size, world_size=2, timeout_s=60)
+
+
+def _changing_sequence_length() -> list[int]:
+    rank = dist.get_rank()
+    program = build_1f1b_program(num_ranks=2, num_microbatches=2)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    executor = PipelineExecutor(program, {rank: layers[rank]})
+    lengths = []
+    for seq in (3, 5, 3):
+        x = torch.randn(4, seq, 4)
+        losses = executor.step(x, loss_fn=lambda out, m: out.sum())
+        if executor.has_last_stage:
+            assert losses is not None
+            torch.testing.assert_close(sum(losses), layers[1](layers[0](x)).sum().detach())
+        lengths.append(seq)
+    return lengths
+
+
+def test_shapes_may_change_between_steps() -> None:
+    assert run_distributed(_changing_sequence_length, world_size=2, timeout_s=120) == [[3, 5, 3]] * 2

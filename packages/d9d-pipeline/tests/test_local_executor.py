@@ -94,3 +94,36 @@ def test_batch_not_divisible_into_microbatches() -> None:
     executor = LocalPipelineExecutor(program, {0: nn.Linear(4, 4), 1: nn.Linear(4, 4)})
     with pytest.raises(ValueError, match=r"cannot split tensor '<root>' of shape \(6, 4\) into 4"):
         executor.step(torch.randn(6, 4), loss_fn=lambda out, m: out.sum())
+
+
+class _NoMeta(nn.Module):
+    """Reads a value (impossible on the meta device) and so declares its output shape itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = 1.0 if x.abs().sum().item() > 0 else 2.0
+        return {"h": self.lin(x) * scale}
+
+    def pipeline_output_meta(self, inputs: torch.Tensor, shared: object) -> dict[str, torch.Tensor]:
+        return {"h": torch.empty(inputs.shape[0], 3, device="meta")}
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(inputs["h"])
+
+
+def test_stage_declares_its_output_shape() -> None:
+    torch.manual_seed(0)
+    first, head = _NoMeta(), _Head()
+    program = build_1f1b_program(num_ranks=2, num_microbatches=2)
+    x = torch.randn(4, 4)
+    losses = LocalPipelineExecutor(program, {0: first, 1: head}).step(x, loss_fn=lambda out, m: out.sum())
+    torch.testing.assert_close(sum(losses), head(first(x)).sum().detach())
