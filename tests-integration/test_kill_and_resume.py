@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from quickstart_job import quickstart_config, run_quickstart
 
 from d9d.mesh.testing import DistributedTestError, run_distributed
-
-from quickstart_job import quickstart_config, run_quickstart
 
 STEPS = 12
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from quickstart_job import QUICKSTART, quickstart_config, run_quickstart
 
 from d9d.mesh.testing import run_distributed
-
-from quickstart_job import QUICKSTART, quickstart_config, run_quickstart
 
 REPO = Path(__file__).resolve().parents[1]
 

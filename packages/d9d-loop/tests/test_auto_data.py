@@ -1,8 +1,7 @@
 import torch
+from loop_toy_job import ToyDataset, collate
 
 from d9d.loop import DataConfig, ShardedBatchSource
-
-from loop_toy_job import ToyDataset, collate
 
 
 def source(dp_rank: int, dp_size: int, **config: object) -> ShardedBatchSource:  # type: ignore[type-arg]

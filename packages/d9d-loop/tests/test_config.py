@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from loop_toy_job import build_trainer, toy_config
 from pydantic import ValidationError
 
 from d9d.loop import ProjectConfig, StochasticAdamWConfig
-
-from loop_toy_job import build_trainer, toy_config
 
 BASE: dict[str, Any] = {"trainer": {"max_steps": 2, "global_batch_size": 8, "microbatch_size": 2}}
 

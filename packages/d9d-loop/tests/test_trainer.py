@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from loop_toy_job import build_trainer, full_parameters, toy_config
 from safetensors.torch import load_file
 
 from d9d.loop import (
@@ -21,8 +22,6 @@ from d9d.loop import (
     TrainingFinished,
 )
 from d9d.mesh.testing import run_distributed
-
-from loop_toy_job import build_trainer, full_parameters, toy_config
 
 
 def _train(mesh: dict[str, int], strategy: str, weighted: bool, clip: float | None) -> dict[str, Any]:

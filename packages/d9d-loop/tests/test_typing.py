@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the embedded source is written as a user would, on long lines)
 """Typed contexts: a task that reads a field its State lacks is a pyright error."""
 
 from __future__ import annotations
