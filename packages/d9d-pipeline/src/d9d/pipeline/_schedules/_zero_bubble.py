@@ -4,8 +4,8 @@ Both are built by one list scheduler that simulates unit-cost actions (``F = I =
 zero-bubble papers' assumption) and, whenever a rank is free, picks by priority:
 
 1. an input backward ``I`` that is ready (it unblocks the previous stage soonest);
-2. a forward that is ready, if the rank's first stage admitting a new microbatch keeps the
-   rank's live activations under its limit (later stages always run: their data is in flight);
+2. a ready forward; on the rank's first stage (admitting a new microbatch) only while the rank's
+   live activations are under its limit (later stages always run: their data is in flight);
 3. a deferred weight backward ``W`` (it fills what would be a bubble; its order is FIFO).
 
 The result is a fixed order per rank; the executor runs it as is under any real costs.
@@ -89,8 +89,9 @@ def build_interleaved_zero_bubble_program(
 ) -> PipelineProgram:
     """Interleaved zero-bubble: loop placement (rank ``r`` holds ``r, r + p, ...``) with split backward.
 
-    Each rank admits at most ``(v + 1) p`` live stage activations (about ``p`` more than interleaved
-    1F1B's first rank) and fills the remaining bubbles with deferred weight backwards; with
+    A rank admits a new microbatch into its first stage only while it holds fewer than ``(v + 1) p``
+    live stage activations (later stages always run; the simulated peak is somewhat higher) and
+    fills the remaining bubbles with deferred weight backwards; with
     ``F = I = W`` the only idle time left is the pipeline fill, bubble ``(p - 1) / (3 v m + p - 1)``.
     """
     name = "interleaved_zero_bubble"
@@ -109,8 +110,9 @@ def build_interleaved_zero_bubble_program(
 def build_zbv_program(*, num_ranks: int, num_microbatches: int) -> PipelineProgram:
     """ZBV: two stages per rank in a V (rank ``r`` holds ``r`` and ``2p - 1 - r``) with split backward.
 
-    Each rank admits at most ``2p + 1`` live stage activations (half-size stages: about the memory
-    of 1F1B's first rank) and fills bubbles with deferred weight backwards; with ``F = I = W`` the
+    A rank admits a new microbatch only while it holds fewer than ``2p + 1`` live stage activations
+    (the simulated peak is about ``3p - 1`` half-size stages at p = 4 and 8, against ``2p`` for
+    1F1B's first rank) and fills bubbles with deferred weight backwards; with ``F = I = W`` the
     only idle time left is the pipeline fill, bubble ``(p - 1) / (6 m + p - 1)``.
     """
     check_counts("zbv", num_ranks=num_ranks, num_microbatches=num_microbatches)
