@@ -5,7 +5,8 @@ zero-bubble papers' assumption) and, whenever a rank is free, picks by priority:
 
 1. an input backward ``I`` that is ready (it unblocks the previous stage soonest);
 2. a ready forward; on the rank's first stage (admitting a new microbatch) only while the rank's
-   live activations are under its limit (later stages always run: their data is in flight);
+   live activations, plus those its admitted microbatches will create on its later stages, stay
+   under its limit (later stages always run: their slots are reserved);
 3. a deferred weight backward ``W`` (it fills what would be a bubble; its order is FIFO).
 
 The result is a fixed order per rank; the executor runs it as is under any real costs.
@@ -56,7 +57,10 @@ def _list_schedule(
                     m = next_f[s]
                     if m >= n_mb or not (s == 0 or ready((ActionKind.FORWARD, s - 1, m))):
                         continue
-                    if s == local[rank][0] and live[rank] >= activation_limit[rank]:
+                    # every admitted microbatch will also occupy the rank's later stages: reserve them
+                    first, later = local[rank][0], local[rank][1:]
+                    reserved = len(later) * next_f[first] - sum(next_f[x] for x in later)
+                    if s == local[rank][0] and live[rank] + reserved >= activation_limit[rank]:
                         continue
                     choice = forward(s, m)
                     break
@@ -89,9 +93,10 @@ def build_interleaved_zero_bubble_program(
 ) -> PipelineProgram:
     """Interleaved zero-bubble: loop placement (rank ``r`` holds ``r, r + p, ...``) with split backward.
 
-    A rank admits a new microbatch into its first stage only while it holds fewer than ``(v + 1) p``
-    live stage activations (later stages always run; the simulated peak is somewhat higher) and
-    fills the remaining bubbles with deferred weight backwards; with
+    A rank admits a new microbatch into its first stage only while its live and reserved stage
+    activations stay under ``(v + 1) p`` (deferred weight backwards keep a few more alive: the
+    simulated peak for ``v = 2`` is 6, 10, 12, 25 on 2, 3, 4, 8 ranks) and fills the remaining
+    bubbles with deferred weight backwards; with
     ``F = I = W`` the only idle time left is the pipeline fill, bubble ``(p - 1) / (3 v m + p - 1)``.
     """
     name = "interleaved_zero_bubble"
@@ -110,14 +115,14 @@ def build_interleaved_zero_bubble_program(
 def build_zbv_program(*, num_ranks: int, num_microbatches: int) -> PipelineProgram:
     """ZBV: two stages per rank in a V (rank ``r`` holds ``r`` and ``2p - 1 - r``) with split backward.
 
-    A rank admits a new microbatch only while it holds fewer than ``2p + 1`` live stage activations
-    (the simulated peak is about ``3p - 1`` half-size stages at p = 4 and 8, against ``2p`` for
+    A rank admits a new microbatch only while its live and reserved stage activations stay under
+    ``2p + 2`` (the simulated peak is ``2p + 3`` half-size stage activations, against ``2p`` for
     1F1B's first rank) and fills bubbles with deferred weight backwards; with ``F = I = W`` the
     only idle time left is the pipeline fill, bubble ``(p - 1) / (6 m + p - 1)``.
     """
     check_counts("zbv", num_ranks=num_ranks, num_microbatches=num_microbatches)
     placement = v_placement(num_ranks)
-    limits = [2 * num_ranks + 1] * num_ranks
+    limits = [2 * num_ranks + 2] * num_ranks
     compute = _list_schedule(
         num_microbatches=num_microbatches, stage_to_rank=placement, activation_limit=limits
     )
