@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from d9d.pipeline import OneFOneBScheduleConfig, PipelineScheduleConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -108,7 +110,8 @@ class TrainerConfig(_Strict):
         microbatch_size: Samples per forward/backward on one rank; gradient accumulation steps are
             ``global_batch_size / (data_parallel * microbatch_size)``.
         seed: Seed of model initialization and every random generator.
-        pipeline_microbatches: Not used without pipeline parallelism.
+        pipeline: The pipeline schedule (used when ``mesh.pipeline_parallel > 1``); the schedule's
+            microbatches are this rank's ``global_batch_size / (data_parallel * microbatch_size)``.
     """
 
     max_steps: int | None = Field(default=None, ge=1)
@@ -123,6 +126,7 @@ class TrainerConfig(_Strict):
     timeouts: TimeoutConfig = TimeoutConfig()
     initialization: InitializationConfig = InitializationConfig()
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    pipeline: PipelineScheduleConfig = Field(default_factory=OneFOneBScheduleConfig)
 
     @model_validator(mode="after")
     def _one_run_length(self) -> TrainerConfig:

@@ -14,6 +14,7 @@ from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import ModelStageFactory
+from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter, meta_copy
 from d9d.loop._providers import (
     DataProvider,
     DataProviderContext,
@@ -26,8 +27,8 @@ from d9d.loop._step_runner import SequentialStepRunner, StepRunner
 from d9d.loop._task import TaskProviderContext, TrainTask
 from d9d.loop._trackers import NoTracker, Tracker, build_tracker
 from d9d.loop._trainer import Trainer, TrainerParts
-from d9d.mesh import BATCH_DOMAIN, DistributedContext, MeshParameters
-from d9d.pipeline import PipelineStageInfo
+from d9d.mesh import BATCH_DOMAIN, FLAT_DOMAIN, DistributedContext, MeshParameters
+from d9d.pipeline import PipelineExecutor, PipelineStageInfo, build_program, stages_for_rank
 
 TaskProvider = Callable[[TaskProviderContext], TrainTask[Any, Any, Any, Any, Any]]
 
@@ -85,17 +86,21 @@ class TrainingConfigurator:
         dist_context.seed(config.seed)
         self._events.publish(ConfigReady(dist_context=dist_context))
 
-        if self._mesh.pipeline_parallel > 1:
-            raise NotImplementedError(
-                "pipeline parallelism in d9d-loop arrives with the pipeline integration"
+        pipelined = self._mesh.pipeline_parallel > 1
+        stage_infos = (
+            stages_for_rank(
+                config.pipeline, num_ranks=self._mesh.pipeline_parallel, rank=dist_context.pipeline_rank
             )
+            if pipelined
+            else [PipelineStageInfo(current_stage=0, num_stages=1)]
+        )
         factory = ModelStageFactory(
             provider=self._model_provider,
             dist_context=dist_context,
             config=config.initialization,
             seed=config.seed,
         )
-        stages = [factory.build(PipelineStageInfo(current_stage=0, num_stages=1))]
+        stages = [factory.build(info, keep_meta_copy=pipelined) for info in stage_infos]
         models = [s.model for s in stages]
         self._events.publish(ModelReady(model_stages=tuple(models)))
 
@@ -132,7 +137,28 @@ class TrainingConfigurator:
             clipping=config.gradient_clipping,
             pp_group=batch_mesh.get_group("pp") if self._mesh.pipeline_parallel > 1 else None,
         )
-        step_runner: StepRunner = SequentialStepRunner(model=models[0], task=task, gradients=gradients)
+        microbatches = local_batch // config.microbatch_size
+        step_runner: StepRunner
+        if pipelined:
+            adapters = {
+                s.stage.current_stage: PipelineStageAdapter(
+                    s.model, s.meta_model or meta_copy(s.model), is_first=s.stage.is_first
+                )
+                for s in stages
+            }
+            executor = PipelineExecutor(
+                build_program(
+                    config.pipeline, num_ranks=self._mesh.pipeline_parallel, num_microbatches=microbatches
+                ),
+                adapters,
+                group=batch_mesh.get_group("pp"),
+                device=dist_context.device,
+            )
+            step_runner = PipelinedStepRunner(
+                executor=executor, adapters=list(adapters.values()), task=task, gradients=gradients
+            )
+        else:
+            step_runner = SequentialStepRunner(model=models[0], task=task, gradients=gradients)
         checkpointer = (
             Checkpointer(config=config.checkpoint, dist_context=dist_context)
             if config.checkpoint.directory is not None
@@ -157,9 +183,9 @@ class TrainingConfigurator:
                 tracker=tracker,
                 events=self._events,
                 total_steps=total_steps,
-                microbatches_per_step=local_batch // config.microbatch_size,
+                microbatches_per_step=microbatches,
                 local_batch_size=local_batch,
-                dp_group=batch_mesh.get_group("dp"),
-                loss_group=batch_mesh.get_group("dp"),
+                loss_group=dist_context.mesh_for(FLAT_DOMAIN).get_group("world"),
+                loss_replication=self._mesh.tensor_parallel * self._mesh.context_parallel,
             )
         )

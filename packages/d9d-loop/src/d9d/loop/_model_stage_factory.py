@@ -29,6 +29,7 @@ class BuiltStage(Generic[ModelT]):
 
     stage: PipelineStageInfo
     model: ModelT
+    meta_model: nn.Module | None = None
 
 
 def _reset(module: nn.Module) -> None:
@@ -68,8 +69,14 @@ class ModelStageFactory(Generic[ModelT]):
         self._config = config
         self._seed = seed
 
-    def build(self, stage: PipelineStageInfo) -> BuiltStage[ModelT]:
-        """Builds, parallelizes and initializes one stage."""
+    def build(self, stage: PipelineStageInfo, *, keep_meta_copy: bool = False) -> BuiltStage[ModelT]:
+        """Builds, parallelizes and initializes one stage.
+
+        Args:
+            stage: Which stage to build.
+            keep_meta_copy: Also return an unparallelized copy on the meta device (for pipeline
+                shape inference).
+        """
         with torch.device("meta"):
             result = self._provider.initialize_model_stage(
                 InitializeModelStageContext(dist_context=self._dist, stage=stage)
@@ -78,6 +85,7 @@ class ModelStageFactory(Generic[ModelT]):
         shadow = (
             copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
         )
+        meta_model = copy.deepcopy(model) if keep_meta_copy else None
         self._provider.parallelize_model_stage(
             ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
         )
@@ -91,7 +99,12 @@ class ModelStageFactory(Generic[ModelT]):
                     f"initialize_model_stage returned no state_mapper"
                 )
             load_module_state(
-                self._config.source, model, result.state_mapper, show_progress=self._dist.is_main_process
+                self._config.source,
+                model,
+                result.state_mapper,
+                # a pipeline stage reads only its own tensors of the whole model's checkpoint
+                strict=stage.num_stages == 1,
+                show_progress=self._dist.is_main_process,
             )
         elif shadow is not None:
             shadow.to_empty(device="cpu")
@@ -99,7 +112,7 @@ class ModelStageFactory(Generic[ModelT]):
             _copy_full_into(model, shadow)
         else:
             _reset(model)
-        return BuiltStage(stage=stage, model=model)
+        return BuiltStage(stage=stage, model=model, meta_model=meta_model)
 
 
 def _copy_full_into(target: nn.Module, full: nn.Module) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._task import ComputeLossContext, TrainTask
+from d9d.mesh import shard_tree
 
 
 @dataclass(kw_only=True)
@@ -26,8 +27,19 @@ class MicrobatchTotals:
 class StepRunner(Protocol):
     """Runs forward and backward for every microbatch of a step on this rank."""
 
-    def run(self, *, inputs: list[Any], states: list[Any], shared: Any, step: int) -> MicrobatchTotals:
-        """Accumulates gradients of ``sum(weight * loss)`` and returns the local totals."""
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes losses (holds the last pipeline stage)."""
+        ...
+
+    def run(
+        self, *, inputs: Any, states: Any, shared: Any, num_microbatches: int, step: int
+    ) -> MicrobatchTotals:
+        """Accumulates gradients of ``sum(weight * loss)`` and returns the local totals.
+
+        ``inputs`` and ``states`` are the rank's whole step; they are split into
+        ``num_microbatches`` along tensor dim 0.
+        """
         ...
 
 
@@ -50,15 +62,23 @@ class SequentialStepRunner:
         self._task = task
         self._gradients = gradients
 
-    def run(self, *, inputs: list[Any], states: list[Any], shared: Any, step: int) -> MicrobatchTotals:
+    @property
+    def has_last_stage(self) -> bool:
+        return True
+
+    def run(
+        self, *, inputs: Any, states: Any, shared: Any, num_microbatches: int, step: int
+    ) -> MicrobatchTotals:
         totals = MicrobatchTotals()
-        for index, (microbatch_input, state) in enumerate(zip(inputs, states, strict=True)):
+        input_chunks = shard_tree(inputs, num_shards=num_microbatches)
+        state_chunks = shard_tree(states, num_shards=num_microbatches)
+        for index, (microbatch_input, state) in enumerate(zip(input_chunks, state_chunks, strict=True)):
             output = self._model(microbatch_input, shared)
             result = self._task.compute_loss(
                 ComputeLossContext(pipeline_results=output, state=state, microbatch_index=index, step=step)
             )
             weight = loss_weight_of(result.loss_weight)
-            self._gradients.begin_microbatch(is_last=index == len(inputs) - 1)
+            self._gradients.begin_microbatch(is_last=index == num_microbatches - 1)
             (result.loss * weight).backward()
             totals.weighted_loss += float(result.loss.detach().item()) * weight
             totals.weight += weight

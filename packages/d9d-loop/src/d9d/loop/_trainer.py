@@ -36,7 +36,7 @@ from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
 from d9d.loop._trackers import Tracker
 from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
-from d9d.mesh import DistributedContext, shard_tree
+from d9d.mesh import DistributedContext
 from d9d.state_mappers import save_module_state
 
 
@@ -60,8 +60,8 @@ class TrainerParts:
     total_steps: int
     microbatches_per_step: int
     local_batch_size: int
-    dp_group: ProcessGroup | None
     loss_group: ProcessGroup | None
+    loss_replication: int
 
 
 class Trainer:
@@ -197,23 +197,30 @@ class Trainer:
         p.events.publish(StepStarted(step=step))
         batch = p.batches.next_batch()
         built = p.task.build_forward_inputs(BuildForwardInputsContext(batch=batch, step=step))
-        inputs = shard_tree(built.input, num_shards=p.microbatches_per_step)
-        states = shard_tree(built.state, num_shards=p.microbatches_per_step)
-
         p.events.publish(ForwardBackwardStarted(step=step))
-        totals = p.step_runner.run(inputs=inputs, states=states, shared=built.shared, step=step)
+        totals = p.step_runner.run(
+            inputs=built.input,
+            states=built.state,
+            shared=built.shared,
+            num_microbatches=p.microbatches_per_step,
+            step=step,
+        )
+        # Only ranks that compute the loss count tokens, once per data-parallel replica.
+        local_tokens = float(built.num_tokens or 0) if p.step_runner.has_last_stage else 0.0
         metric_names = sorted(totals.metric_sums)
         reduced = all_reduce_sum(
             [
                 totals.weighted_loss,
                 totals.weight,
                 float(totals.microbatches),
-                float(built.num_tokens or 0),
+                local_tokens,
                 *(totals.metric_sums[n] for n in metric_names),
             ],
             p.loss_group,
             p.dist_context.device,
         )
+        # Ranks of one tensor/context-parallel group report the same sums: count them once.
+        reduced = [value / p.loss_replication for value in reduced]
         weighted_loss, weight, microbatches, tokens = reduced[:4]
         if weight <= 0:
             raise ValueError(

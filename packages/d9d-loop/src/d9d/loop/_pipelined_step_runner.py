@@ -1,0 +1,107 @@
+"""Forward and backward over one step's microbatches through a pipeline schedule."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9d.loop._gradient_manager import GradientManager
+from d9d.loop._step_runner import MicrobatchTotals, loss_weight_of
+from d9d.loop._task import ComputeLossContext, TrainTask
+from d9d.mesh import map_tree, shard_tree, tree_tensors
+from d9d.pipeline import PipelineExecutor
+
+
+class PipelineStageAdapter(nn.Module):
+    """Presents a user's stage (``forward(inputs, shared)``) to the pipeline executor.
+
+    The first stage's input may be a dataclass; it travels through the executor as a flat dict
+    of tensors (split into microbatches there) and is rebuilt here. Output shapes come from a
+    meta-device copy of the stage taken before parallelization, so the trial forward never
+    touches the sharded parameters.
+    """
+
+    def __init__(self, model: nn.Module, meta_model: nn.Module, *, is_first: bool) -> None:
+        super().__init__()
+        self.model = model
+        self._meta_model = [meta_model]  # a list: not a submodule, so not in parameters()
+        self._is_first = is_first
+        self._template: Any = None
+
+    def set_input_template(self, template: Any) -> None:
+        """The step's full input: its structure and non-tensor leaves rebuild each microbatch."""
+        self._template = template
+
+    def _unflatten(self, inputs: Any) -> Any:
+        if not self._is_first:
+            return inputs
+        flat: dict[str, torch.Tensor] = inputs
+        return map_tree(self._template, lambda _t, path: flat[path])
+
+    def forward(self, inputs: Any, shared: Any = None) -> Any:
+        return self.model(self._unflatten(inputs), shared)
+
+    def pipeline_output_meta(self, inputs: Any, shared: Any) -> Any:
+        """Shapes of the stage's outputs, from the meta-device copy."""
+        return self._meta_model[0](self._unflatten(inputs), shared)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of a stage on the meta device (call before parallelizing it)."""
+    return copy.deepcopy(model).to("meta")
+
+
+class PipelinedStepRunner:
+    """Runs a step's microbatches through the configured schedule (d9d-pipeline's executor)."""
+
+    def __init__(
+        self,
+        *,
+        executor: PipelineExecutor,
+        adapters: list[PipelineStageAdapter],
+        task: TrainTask[Any, Any, Any, Any, Any],
+        gradients: GradientManager,
+    ) -> None:
+        self._executor = executor
+        self._adapters = adapters
+        self._task = task
+        self._gradients = gradients
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self._executor.has_last_stage
+
+    def run(
+        self, *, inputs: Any, states: Any, shared: Any, num_microbatches: int, step: int
+    ) -> MicrobatchTotals:
+        totals = MicrobatchTotals()
+        state_chunks = shard_tree(states, num_shards=num_microbatches)
+        for adapter in self._adapters:
+            adapter.set_input_template(inputs)
+        flat_inputs = dict(tree_tensors(inputs))
+
+        def loss_fn(outputs: Any, microbatch: int) -> torch.Tensor:
+            result = self._task.compute_loss(
+                ComputeLossContext(
+                    pipeline_results=outputs,
+                    state=state_chunks[microbatch],
+                    microbatch_index=microbatch,
+                    step=step,
+                )
+            )
+            weight = loss_weight_of(result.loss_weight)
+            totals.weighted_loss += float(result.loss.detach().item()) * weight
+            totals.weight += weight
+            totals.microbatches += 1
+            for name, value in result.metrics.items():
+                totals.metric_sums[name] += float(value)
+            return result.loss * weight
+
+        # Every microbatch's backward reduces (FSDP reduce-scatters and accumulates the shards).
+        self._gradients.begin_microbatch(is_last=True)
+        self._executor.step(flat_inputs, loss_fn=loss_fn, shared=shared)
+        return totals
