@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from quickstart_job import load_quickstart, quickstart_config
 from safetensors.torch import save_file
 from torch import nn
 
@@ -28,7 +29,6 @@ from d9d.mesh import DENSE_DOMAIN
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import parallelize_hsdp
 from d9d.state_mappers import identity_mapper_from_module
-from quickstart_job import load_quickstart, quickstart_config
 
 
 class TwoStageMLP(nn.Module):

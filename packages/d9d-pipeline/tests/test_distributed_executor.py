@@ -11,6 +11,7 @@ from d9d.pipeline import (
     PipelineScheduleConfig,
     PipelineShapeError,
     StagesOptimizer,
+    ZBVScheduleConfig,
     build_1f1b_program,
     build_program,
     stages_for_rank,
@@ -173,3 +174,55 @@ def _changing_sequence_length() -> list[int]:
 
 def test_shapes_may_change_between_steps() -> None:
     assert run_distributed(_changing_sequence_length, world_size=2, timeout_s=120) == [[3, 5, 3]] * 2
+
+
+def _indivisible_batch() -> None:
+    program = build_1f1b_program(num_ranks=2, num_microbatches=4)
+    executor = PipelineExecutor(program, {dist.get_rank(): nn.Linear(4, 4)})
+    executor.step(torch.randn(6, 4), loss_fn=lambda out, m: out.sum())
+
+
+def test_indivisible_batch_fails_on_every_rank_before_sending() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_indivisible_batch, world_size=2, timeout_s=120, collective_timeout_s=30)
+    text = str(info.value)
+    assert "2 of 2 ranks failed" in text
+    assert (
+        text.count("the batch does not split into microbatches: cannot split tensor '<root>' of shape (6, 4)")
+        == 2
+    )
+
+
+def _wrong_stages() -> None:
+    program = build_program(ZBVScheduleConfig(), num_ranks=2, num_microbatches=2)
+    PipelineExecutor(program, {dist.get_rank(): nn.Linear(2, 2)})  # each rank holds two stages
+
+
+def test_stages_that_do_not_match_the_placement() -> None:
+    with pytest.raises(DistributedTestError, match=r"rank 0 holds stages \[0, 3\] of 4 under this program"):
+        run_distributed(_wrong_stages, world_size=2, timeout_s=60)
+
+
+def _two_pipelines() -> float:
+    """4 ranks as 2 data-parallel replicas of a 2-rank pipeline: pipeline groups {0, 2} and {1, 3}."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    pp_rank = dist.get_rank(group)
+    program = build_program(OneFOneBScheduleConfig(), num_ranks=2, num_microbatches=4)
+    stages = build_stages(2, 4)
+    inputs, shared, target = make_batch(8, seed=rank % 2)  # each replica its own data
+    ref_losses, ref_stages, _ = reference(stages, inputs, shared, target, 4)
+    executor = PipelineExecutor(program, {pp_rank: stages[pp_rank]}, group=group)
+    losses = executor.step(inputs, loss_fn=make_loss_fn(target, 4), shared=shared)
+    if losses is not None:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    return max(
+        (p.grad - q.grad).abs().max().item()
+        for p, q in zip(stages[pp_rank].parameters(), ref_stages[pp_rank].parameters(), strict=True)
+        if p.grad is not None and q.grad is not None
+    )
+
+
+def test_pipeline_group_inside_a_larger_world() -> None:
+    assert max(run_distributed(_two_pipelines, world_size=4, timeout_s=120)) < 1e-6

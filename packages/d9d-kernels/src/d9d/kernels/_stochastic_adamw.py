@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -58,6 +58,12 @@ class StochasticAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._state_dtype = state_dtype
         self._backend = backend
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -134,9 +134,14 @@ class PipelineExecutor:
         return [runner.outputs[m] for m in range(self._program.num_microbatches)]
 
     def _run(self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None) -> RankRunner:
-        holds_first = 0 in self._runtimes
-        microbatches = split_microbatches(inputs, program.num_microbatches) if holds_first else []
-        self._exchange_shapes(microbatches[0] if holds_first else None, shared)
+        microbatches: list[Any] = []
+        input_error: str | None = None
+        if 0 in self._runtimes:
+            try:
+                microbatches = split_microbatches(inputs, program.num_microbatches)
+            except ValueError as e:  # reported on every rank by the shape exchange
+                input_error = f"the batch does not split into microbatches: {e}"
+        self._exchange_shapes(microbatches[0] if microbatches else None, shared, input_error)
         transport = P2PTransport(group=self._group, global_ranks=self._global)
         runner = RankRunner(
             program=program, rank=self._rank, stages=self._runtimes, transport=transport, device=self._device
@@ -163,15 +168,20 @@ class PipelineExecutor:
         del cache[8:]
         return out
 
-    def _exchange_shapes(self, first_microbatch: Any, shared: Any) -> None:
-        """Passes output specs down the pipeline in stage order; every rank learns of any failure."""
+    def _exchange_shapes(self, first_microbatch: Any, shared: Any, input_error: str | None) -> None:
+        """Passes output specs down the pipeline in stage order; every rank learns of any failure.
+
+        Raises:
+            PipelineShapeError: On every rank, if the batch could not be split or a stage's
+                outputs do not fit the next stage.
+        """
         where = self._program.stage_to_rank
         error: str | None = None
         for s in sorted(self._runtimes):
             runtime = self._runtimes[s]
             spec: TreeSpec | str | None
             if s == 0:
-                spec = spec_of(first_microbatch)
+                spec = input_error if input_error is not None else spec_of(first_microbatch)
             elif where[s - 1] == self._rank:
                 spec = self._runtimes[s - 1].output_spec if error is None else error
             else:

@@ -15,8 +15,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
-    pairs = x.unflatten(-1, (-1, 2))
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
 
 
 def apply_rope_reference(

@@ -1,3 +1,6 @@
+# pyright: basic
+# Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
+# reports every expression; the launch wrappers below still carry full annotations.
 """Grouped GEMM Triton kernels (no host sync: programs find their group from the offsets).
 
 The forward (and the input gradient, with transposed weights) launches ``cdiv(M, BLOCK_M) + G``
@@ -10,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import interpreted, next_power_of_2
+from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
 
 
 @triton.jit
@@ -146,11 +149,30 @@ def grouped_mm_forward(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     block_m, block_n, block_k = _tiles(x)
     grid = (triton.cdiv(m, block_m) + g, triton.cdiv(n, block_n))
     _grouped_mm_kernel[grid](
-        x, weight, out, offsets, g, n, k, x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(g),
-        UPCAST=interpreted(), PRECISION=_precision(x), num_warps=8 if block_m == 128 else 4, num_stages=3,
-    )  # fmt: skip
+        x,
+        weight,
+        out,
+        offsets,
+        g,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        weight.stride(2),
+        out.stride(0),
+        **launch_options(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            BLOCK_G=next_power_of_2(g),
+            UPCAST=interpreted(),
+            PRECISION=_precision(x),
+            num_warps=8 if block_m == 128 else 4,
+            num_stages=3,
+        ),
+    )
     return out
 
 
@@ -165,8 +187,22 @@ def grouped_mm_weight_grad(
     block_k, block_n, block_m = _tiles(x)
     grid = (n_groups, triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _grouped_weight_grad_kernel[grid](
-        x, dy, dw, offsets, k, n, x.stride(0), dy.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n, UPCAST=interpreted(), PRECISION=_precision(x),
-        num_warps=8 if block_k == 128 else 4, num_stages=3,
-    )  # fmt: skip
+        x,
+        dy,
+        dw,
+        offsets,
+        k,
+        n,
+        x.stride(0),
+        dy.stride(0),
+        **launch_options(
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            BLOCK_N=block_n,
+            UPCAST=interpreted(),
+            PRECISION=_precision(x),
+            num_warps=8 if block_k == 128 else 4,
+            num_stages=3,
+        ),
+    )
     return dw

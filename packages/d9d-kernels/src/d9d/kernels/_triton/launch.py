@@ -1,6 +1,7 @@
 """Launch-geometry helpers shared by the Triton ops (no Triton import here)."""
 
 import functools
+from typing import Any
 
 import torch
 
@@ -14,14 +15,26 @@ def next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    properties = torch.cuda.get_device_properties(index)
+    count: int = getattr(properties, "multi_processor_count")  # noqa: B009 (untyped in torch's stubs)
+    return count
+
+
+def launch_options(**options: Any) -> dict[str, Any]:
+    """Keyword arguments of a kernel launch (constexprs, num_warps), untyped for the checker.
+
+    Triton's ``JITFunction`` presents the kernel's signature to type checkers, where launch-only
+    keywords (num_warps) do not exist and ``tl.constexpr`` parameters reject plain ints.
+    """
+    return options
 
 
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; a small fixed count in Triton's CPU interpreter."""
     if device.type != "cuda":
         return 2
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    index: Any = device.index
+    return _cuda_sm_count(torch.cuda.current_device() if index is None else int(index))
 
 
 def warps_for_block(block: int) -> int:

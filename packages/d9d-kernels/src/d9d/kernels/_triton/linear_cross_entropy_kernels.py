@@ -1,3 +1,6 @@
+# pyright: basic
+# Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
+# reports every expression; the launch wrappers below still carry full annotations.
 """Chunked linear cross-entropy: cuBLAS matmuls per token chunk and a Triton softmax kernel.
 
 Per chunk of tokens, one matmul writes the chunk's logits into a reused buffer; the kernel turns
@@ -10,6 +13,8 @@ a time.
 import torch
 import triton
 import triton.language as tl
+
+from d9d.kernels._triton.launch import launch_options
 
 # Bytes of one chunk's logits: large enough for efficient matmuls, small against eager's logits.
 _CHUNK_BYTES = 1 << 28
@@ -87,9 +92,17 @@ def _run_rows(
 ) -> None:
     scale_stride = 1 if scale.numel() > 1 else 0
     _cross_entropy_rows_kernel[(logits.shape[0],)](
-        logits, logits.stride(0), labels, loss, lse, scale, scale_stride, logits.shape[1], ignore_index,
-        LSE_GIVEN=lse_given, WRITE_GRAD=write_grad, BLOCK=_BLOCK, num_warps=16,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        labels,
+        loss,
+        lse,
+        scale,
+        scale_stride,
+        logits.shape[1],
+        ignore_index,
+        **launch_options(LSE_GIVEN=lse_given, WRITE_GRAD=write_grad, BLOCK=_BLOCK, num_warps=16),
+    )
 
 
 def linear_cross_entropy_forward(
@@ -165,9 +178,15 @@ def linear_cross_entropy_backward(
         logits = buffer[: end - start]
         torch.mm(h, weight.T, out=logits)
         _run_rows(
-            logits, labels[start:end], unused_loss[start:end], lse[start:end], scale[start:end],
-            ignore_index, True, True,
-        )  # fmt: skip
+            logits,
+            labels[start:end],
+            unused_loss[start:end],
+            lse[start:end],
+            scale[start:end],
+            ignore_index,
+            True,
+            True,
+        )
         if need_hidden_grad:
             torch.mm(logits, weight, out=hidden_grad[start:end])
         if need_weight_grad:

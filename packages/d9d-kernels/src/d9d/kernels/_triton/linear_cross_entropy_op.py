@@ -179,7 +179,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        (grad_loss,) = grad_outputs
         from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_backward
 
         hidden, weight, labels, lse = ctx.saved_tensors

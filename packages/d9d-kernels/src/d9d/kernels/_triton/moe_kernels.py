@@ -1,3 +1,6 @@
+# pyright: basic
+# Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
+# reports every expression; the launch wrappers below still carry full annotations.
 """MoE permutation Triton kernels: row scatter, weighted row gather-sum and its backward.
 
 ``inverse[t * K + k]`` is the permuted row of pair (t, k); every kernel runs one program per token
@@ -8,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import next_power_of_2
+from d9d.kernels._triton.launch import launch_options, next_power_of_2
 
 _MAX_BLOCK = 2048
 
@@ -19,7 +22,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, inverse_ptr, n_cols, TOP_K: tl.conste
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     row = tl.load(src_ptr + t * n_cols + cols, mask=mask)
-    for k in tl.static_range(TOP_K):
+    for k in range(TOP_K):
         dst_row = tl.load(inverse_ptr + t * TOP_K + k)
         tl.store(dst_ptr + dst_row * n_cols + cols, row, mask=mask)
 
@@ -39,7 +42,7 @@ def _gather_sum_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
+    for k in range(TOP_K):
         src_row = tl.load(inverse_ptr + t * TOP_K + k)
         x = tl.load(src_ptr + src_row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if WEIGHTED:
@@ -66,7 +69,7 @@ def _unpermute_backward_kernel(
     cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dout = tl.load(dout_ptr + t * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    for k in tl.static_range(TOP_K):
+    for k in range(TOP_K):
         src_row = tl.load(inverse_ptr + t * TOP_K + k)
         w = tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
         tl.store(dsrc_ptr + src_row * n_cols + cols, (dout * w).to(dsrc_ptr.dtype.element_ty), mask=mask)
@@ -85,7 +88,9 @@ def scatter_rows(src: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.
     dst = torch.empty((n_tokens * top_k, n_cols), dtype=src.dtype, device=src.device)
     grid, block = _geometry(n_tokens, n_cols)
     if dst.numel() > 0:
-        _scatter_rows_kernel[grid](src, dst, inverse, n_cols, TOP_K=top_k, BLOCK=block, num_warps=4)
+        _scatter_rows_kernel[grid](
+            src, dst, inverse, n_cols, **launch_options(TOP_K=top_k, BLOCK=block, num_warps=4)
+        )
     return dst
 
 
@@ -99,9 +104,13 @@ def gather_sum(
     grid, block = _geometry(n_tokens, n_cols)
     if out.numel() > 0:
         _gather_sum_kernel[grid](
-            src, out, inverse, weights if weights is not None else inverse, n_cols,
-            TOP_K=top_k, WEIGHTED=weights is not None, BLOCK=block, num_warps=4,
-        )  # fmt: skip
+            src,
+            out,
+            inverse,
+            weights if weights is not None else inverse,
+            n_cols,
+            **launch_options(TOP_K=top_k, WEIGHTED=weights is not None, BLOCK=block, num_warps=4),
+        )
     return out
 
 
@@ -116,6 +125,14 @@ def unpermute_backward(
     partial = torch.empty((n_tokens * top_k, grid[1]), dtype=torch.float32, device=src.device)
     if dsrc.numel() > 0:
         _unpermute_backward_kernel[grid](
-            dout, src, inverse, weights, dsrc, partial, n_cols, grid[1], TOP_K=top_k, BLOCK=block, num_warps=4
+            dout,
+            src,
+            inverse,
+            weights,
+            dsrc,
+            partial,
+            n_cols,
+            grid[1],
+            **launch_options(TOP_K=top_k, BLOCK=block, num_warps=4),
         )
     return dsrc, partial.sum(dim=1).view(n_tokens, top_k).to(weights.dtype)

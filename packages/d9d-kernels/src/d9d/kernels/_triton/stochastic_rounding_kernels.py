@@ -1,3 +1,6 @@
+# pyright: basic
+# Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
+# reports every expression; the launch wrappers below still carry full annotations.
 """Stochastic rounding to bf16 and the fused AdamW step, as Triton kernels.
 
 Random bits come from Triton's Philox generator keyed by (seed, element index), so a given seed
@@ -7,6 +10,8 @@ gives the same rounding wherever the kernel runs.
 import torch
 import triton
 import triton.language as tl
+
+from d9d.kernels._triton.launch import launch_options
 
 _BLOCK = 2048
 
@@ -80,7 +85,9 @@ def copy_stochastic(target: torch.Tensor, source: torch.Tensor, seed: int) -> No
     """Writes ``source`` (fp32, contiguous) into ``target`` (bf16, contiguous), rounding stochastically."""
     n = source.numel()
     if n > 0:
-        _copy_stochastic_kernel[(triton.cdiv(n, _BLOCK),)](source, target, n, seed, BLOCK=_BLOCK, num_warps=8)
+        _copy_stochastic_kernel[(triton.cdiv(n, _BLOCK),)](
+            source, target, n, seed, **launch_options(BLOCK=_BLOCK, num_warps=8)
+        )
 
 
 def adamw_step(
@@ -103,8 +110,24 @@ def adamw_step(
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, 1.0 - lr * weight_decay,
-        lr / bias_correction1, 1.0 / bias_correction2_sqrt, seed,
-        PARAM_BF16=param.dtype == torch.bfloat16, EXP_AVG_BF16=exp_avg.dtype == torch.bfloat16,
-        EXP_AVG_SQ_BF16=exp_avg_sq.dtype == torch.bfloat16, BLOCK=_BLOCK, num_warps=8,
-    )  # fmt: skip
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        1.0 - lr * weight_decay,
+        lr / bias_correction1,
+        1.0 / bias_correction2_sqrt,
+        seed,
+        **launch_options(
+            PARAM_BF16=param.dtype == torch.bfloat16,
+            EXP_AVG_BF16=exp_avg.dtype == torch.bfloat16,
+            EXP_AVG_SQ_BF16=exp_avg_sq.dtype == torch.bfloat16,
+            BLOCK=_BLOCK,
+            num_warps=8,
+        ),
+    )

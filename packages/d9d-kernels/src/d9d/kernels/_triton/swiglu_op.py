@@ -59,7 +59,8 @@ class _SwigluFunction(torch.autograd.Function):
         return swiglu_forward(gate, up)
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        (dout,) = grad_outputs
         from d9d.kernels._triton.swiglu_kernels import swiglu_backward
 
         gate, up = ctx.saved_tensors
