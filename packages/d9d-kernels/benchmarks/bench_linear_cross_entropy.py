@@ -40,7 +40,7 @@ def run(settings: Settings) -> list[Result]:
 
     def liger() -> Callable[[], object]:
         functional: Any = liger_functional()
-        return step(lambda h, w, y: functional.liger_fused_linear_cross_entropy(h, w, y))
+        return step(functional.liger_fused_linear_cross_entropy)
 
     backend = KernelBackend.REFERENCE if settings.smoke else KernelBackend.AUTO
     iters = {"warmup": 2, "iters": 5}

@@ -74,5 +74,6 @@ def assert_matches_reference(
         reference_error = (r - e).abs().max().item()
         # fp32 rounding order differs between the paths: allow one bf16 half-step at the tensor's scale.
         assert triton_error <= bf16_slack * reference_error + 2**-8 * scale, (
-            f"{name}: triton error {triton_error:.3g} vs bf16 reference error {reference_error:.3g} (scale {scale:.3g})"
+            f"{name}: triton error {triton_error:.3g} vs bf16 reference error {reference_error:.3g} "
+            f"(scale {scale:.3g})"
         )

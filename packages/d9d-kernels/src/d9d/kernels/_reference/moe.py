@@ -34,7 +34,7 @@ def grouped_mm_reference(
     x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor
 ) -> torch.Tensor:
     """One matmul per group of contiguous rows: ``out[rows of g] = x[rows of g] @ weight[g]``."""
-    sizes = [int(n) for n in tokens_per_group.tolist()]
+    sizes = [int(n) for n in tokens_per_group.cpu()]
     pieces = [chunk @ weight[g] for g, chunk in enumerate(torch.split(x, sizes, dim=0))]
     if not pieces:
         return x.new_zeros((x.shape[0], weight.shape[2]))

@@ -1,9 +1,6 @@
 """Launch-geometry helpers shared by the Triton ops (no Triton import here)."""
 
-import functools
 from typing import Any
-
-import torch
 
 from d9d.kernels._backend import triton_interpreter_enabled
 
@@ -13,13 +10,6 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    properties = torch.cuda.get_device_properties(index)
-    count: int = getattr(properties, "multi_processor_count")  # noqa: B009 (untyped in torch's stubs)
-    return count
-
-
 def launch_options(**options: Any) -> dict[str, Any]:
     """Keyword arguments of a kernel launch (constexprs, num_warps), untyped for the checker.
 
@@ -27,14 +17,6 @@ def launch_options(**options: Any) -> dict[str, Any]:
     keywords (num_warps) do not exist and ``tl.constexpr`` parameters reject plain ints.
     """
     return options
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; a small fixed count in Triton's CPU interpreter."""
-    if device.type != "cuda":
-        return 2
-    index: Any = device.index
-    return _cuda_sm_count(torch.cuda.current_device() if index is None else int(index))
 
 
 def warps_for_block(block: int) -> int:

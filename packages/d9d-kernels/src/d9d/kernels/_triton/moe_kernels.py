@@ -1,4 +1,5 @@
 # pyright: basic
+# ruff: noqa: N803 (Triton's convention: compile-time constants are UPPER_CASE)
 # Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
 # reports every expression; the launch wrappers below still carry full annotations.
 """MoE permutation Triton kernels: row scatter, weighted row gather-sum and its backward.

@@ -1,13 +1,28 @@
 # pyright: basic
+# ruff: noqa: N803 (Triton's convention: compile-time constants are UPPER_CASE)
 # Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
 # reports every expression; the launch wrappers below still carry full annotations.
 """RMSNorm forward and backward Triton kernels."""
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import launch_options, multiprocessor_count, next_power_of_2, warps_for_block
+from d9d.kernels._triton.launch import launch_options, next_power_of_2, warps_for_block
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; a small fixed count in Triton's CPU interpreter."""
+    if device.type != "cuda":
+        return 2
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @triton.jit
