@@ -216,6 +216,8 @@ def test_groups_run_as_soon_as_their_inputs_are_read(tmp_path: Path) -> None:
         ]
     )
     convert_checkpoint(checkpoint, tmp_path / "out", mapper)
-    # Each tensor is 16 bytes. Within a file, tensors are read in the order of the first group
-    # needing them (c0, a0, a1 | c1, b0, b1): "a" runs after 3 reads, "c" as soon as c1 arrives.
-    assert log == [("a", 48), ("c", 64), ("b", 96)]
+    # Within a file, tensors are read in the order of the first group needing them
+    # (c0, a0, a1 | c1, b0, b1): "a" runs within file 1, "c" is held until c1 arrives in file 2.
+    # Reads run ahead on a thread, so bytes_read is at least (not exactly) what each run needed.
+    assert [name for name, _ in log] == ["a", "c", "b"]
+    assert [read >= need for (_, read), need in zip(log, [48, 64, 96], strict=True)] == [True] * 3

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from d9d.state_mappers._background_writer import DEFAULT_WRITE_BEHIND_BYTES, BackgroundWriter
 from d9d.state_mappers._checkpoint_reader import INDEX_FILE
 from d9d.state_mappers._errors import format_names
 from d9d.state_mappers._safetensors_format import build_header
@@ -109,6 +110,7 @@ class CheckpointWriter:
         group: ProcessGroup | None = None,
         collective: bool = False,
         progress: tqdm[NoReturn] | None = None,
+        write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
     ) -> None:
         self._target = Path(target)
         self._overwrite = overwrite
@@ -120,7 +122,10 @@ class CheckpointWriter:
         self._files = plan_files(tensors, max_shard_size_bytes)
         self._file_of = {name: f for f in self._files for name in f.specs}
         self._written: set[str] = set()
+        self._unwritten = {f.file_name: len(f.specs) for f in self._files}
+        self._closed: set[str] = set()
         self._handles: dict[str, io.FileIO] = {}
+        self._background = BackgroundWriter(max_bytes=write_behind_bytes)
         self._committed = False
         token = uuid.uuid4().hex[:12]
         if collective:
@@ -143,7 +148,11 @@ class CheckpointWriter:
         return self._file_of[name].owner == self._rank
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Writes one planned tensor (a full, non-distributed tensor owned by this rank)."""
+        """Queues one planned tensor (a full, non-distributed tensor owned by this rank) for writing.
+
+        The bytes go to disk on a background thread; a file is synced and closed as soon as its
+        last tensor is written. ``tensor`` must not be modified until ``commit`` returns.
+        """
         if name not in self._file_of:
             raise KeyError(f"tensor {name!r} is not part of the planned checkpoint")
         planned = self._file_of[name]
@@ -157,14 +166,23 @@ class CheckpointWriter:
         if spec != planned.specs[name]:
             raise ValueError(f"tensor {name!r} is {spec} but was planned as {planned.specs[name]}")
         data = tensor.detach().to("cpu").contiguous()
-        if data.numel() > 0:
-            handle = self._handle(planned)
-            handle.seek(planned.offsets[name])
-            view = data.reshape(-1).view(torch.uint8).numpy().data
-            while view:
-                count = handle.write(view)
-                view = view[count:]
         self._written.add(name)
+        self._unwritten[planned.file_name] -= 1
+        last = self._unwritten[planned.file_name] == 0
+        offset = planned.offsets[name]
+
+        def job() -> None:
+            if data.numel() > 0:
+                handle = self._handle(planned)
+                handle.seek(offset)
+                view = data.reshape(-1).view(torch.uint8).numpy().data
+                while view:
+                    count = handle.write(view)
+                    view = view[count:]
+            if last:
+                self._close_file(planned)
+
+        self._background.submit(job, spec.nbytes)
         if self._progress is not None:
             self._progress.update(spec.nbytes)
 
@@ -177,18 +195,23 @@ class CheckpointWriter:
             self._handles[planned.file_name] = handle
         return handle
 
+    def _close_file(self, planned: _PlannedFile) -> None:
+        handle = self._handle(planned)
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+        del self._handles[planned.file_name]
+        self._closed.add(planned.file_name)
+
     def _finish_own_files(self) -> None:
+        self._background.drain()
         for planned in self._files:
-            if planned.owner != self._rank:
+            if planned.owner != self._rank or planned.file_name in self._closed:
                 continue
             unwritten = set(planned.specs) - self._written
             if unwritten:
                 raise RuntimeError(f"checkpoint incomplete: tensors never written: {format_names(unwritten)}")
-            handle = self._handle(planned)
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-            del self._handles[planned.file_name]
+            self._close_file(planned)
 
     def _publish(self) -> None:
         weight_map = {name: f.file_name for f in self._files for name in f.specs}
@@ -237,6 +260,7 @@ class CheckpointWriter:
                 failures.append(f"rank 0: publishing {self._target}: {problem}")
         if self._collective:
             failures = [str(f) for f in _broadcast_from_first(tuple(failures), self._group)]
+        self._background.close()
         if failures:
             self.abort()
             raise RuntimeError(
@@ -246,6 +270,7 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         """Closes and removes the temporary files; the target is left as it was. Not collective."""
+        self._background.close()
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from d9d.state_mappers._checkpoint_reader import SafetensorsCheckpoint
 from d9d.state_mappers._group import GroupPlan
+from d9d.state_mappers._prefetch import DEFAULT_READ_AHEAD_BYTES, Prefetcher
 from d9d.state_mappers._spec import Box, TensorPiece, box_union_all
 
 
@@ -99,21 +100,28 @@ def run_schedule(
     emit: Callable[[str, torch.Tensor], None],
     *,
     progress: tqdm[NoReturn] | None = None,
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
 ) -> None:
-    """Executes a schedule, handing every produced output to ``emit`` as soon as it exists."""
+    """Executes a schedule, handing every produced output to ``emit`` as soon as it exists.
+
+    Reads run ahead on a background thread, at most ``read_ahead_bytes`` ahead of their use.
+    """
+    reads = [(a.name, a.box) for a in schedule.actions if isinstance(a, _Read)]
+    prefetcher = Prefetcher(checkpoint, reads, max_bytes=read_ahead_bytes)
     pieces: dict[str, TensorPiece] = {}
-    for action in schedule.actions:
-        match action:
-            case _Read(name=name, box=box):
-                data = checkpoint.read(name, box)
-                pieces[name] = TensorPiece(data=data, box=box)
-                if progress is not None:
-                    progress.update(data.numel() * data.element_size())
-            case _Run(group=group):
-                plan = plans[group]
-                outputs = plan.run({n: pieces[n] for n in plan.input_boxes})
-                for name, tensor in outputs.items():
-                    emit(name, tensor)
-                del outputs
-            case _Free(name=name):
-                del pieces[name]
+    try:
+        for action in schedule.actions:
+            match action:
+                case _Read(name=name, box=box):
+                    data = prefetcher.next(name)
+                    pieces[name] = TensorPiece(data=data, box=box)
+                    if progress is not None:
+                        progress.update(data.numel() * data.element_size())
+                case _Run(group=group):
+                    plan = plans[group]
+                    for name, tensor in plan.run({n: pieces[n] for n in plan.input_boxes}).items():
+                        emit(name, tensor)
+                case _Free(name=name):
+                    del pieces[name]
+    finally:
+        prefetcher.close()
