@@ -56,3 +56,49 @@ def test_split_backward_runs_every_node_once_and_matches_full_backward() -> None
     for stage, ref in zip(stages, reference, strict=True):
         for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+class _PassThrough(nn.Module):
+    """A stage with no layers of its own (an uneven layer split): it returns its inputs."""
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h": inputs["h"], "skip": inputs["skip"] * 2}
+
+
+class _Split(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.lin(x)
+        return {"h": h, "skip": h.tanh()}
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(inputs["h"]) + inputs["skip"]
+
+
+def test_stage_that_passes_its_inputs_through() -> None:
+    torch.manual_seed(0)
+    stages = [_Split(), _PassThrough(), _PassThrough(), _Join()]
+    x = torch.randn(4, 4)
+    program = build_zbv_program(num_ranks=2, num_microbatches=2)
+    losses = LocalPipelineExecutor(program, dict(enumerate(stages))).step(
+        x, loss_fn=lambda out, m: out.square().sum()
+    )
+    grads = [p.grad.clone() for s in stages for p in s.parameters() if p.grad is not None]
+    for s in stages:
+        s.zero_grad()
+    ref = sum(stages[3](stages[2](stages[1](stages[0](xm)))).square().sum() for xm in x.chunk(2))
+    ref.backward()
+    torch.testing.assert_close(sum(losses), ref.detach())
+    ref_grads = [p.grad for s in stages for p in s.parameters() if p.grad is not None]
+    assert len(grads) == len(ref_grads) == 4
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from d9d.pipeline._actions import ActionKind
 from d9d.pipeline._program import PipelineProgram, make_program
 
 
@@ -27,7 +28,8 @@ def forward_only_view(program: PipelineProgram) -> PipelineProgram:
         num_microbatches=program.num_microbatches,
         stage_to_rank=program.stage_to_rank,
         compute=[
-            [a for a in program.compute_actions(r) if a.kind.value == "F"] for r in range(program.num_ranks)
+            [a for a in program.compute_actions(r) if a.kind == ActionKind.FORWARD]
+            for r in range(program.num_ranks)
         ],
         training=False,
     )

@@ -74,27 +74,49 @@ def input_backward(
             if nxt not in on_path and nxt not in input_nodes and (nxt, nr) not in seen:
                 seen.add((nxt, nr))
                 frontier.append(GradientEdge(nxt, nr))
-    direct = [i for i, t in enumerate(targets) if t.grad_fn is None or t.grad_fn not in on_path]
+    # an output that is an input itself (a stage passing a tensor through) hands its gradient over
+    input_index = {id(x): i for i, x in enumerate(inputs)}
+    passed = {i: input_index[id(t)] for i, t in enumerate(targets) if id(t) in input_index}
+    direct = [
+        i
+        for i, t in enumerate(targets)
+        if i not in passed and (t.grad_fn is None or t.grad_fn not in on_path)
+    ]
     plan = WeightBackwardPlan(
         edges=[get_gradient_edge(targets[i]) for i in direct], grads=[target_grads[i] for i in direct]
     )
-    on_path_targets = [i for i in range(len(targets)) if i not in direct]
-    if not on_path_targets:
-        return [None] * len(inputs), plan
+    on_path_targets = [i for i in range(len(targets)) if i not in direct and i not in passed]
+    found: list[torch.Tensor | None] = [None] * len(inputs)
+    if on_path_targets:
+        found = _grads_and_frontier(
+            [targets[i] for i in on_path_targets],
+            [target_grads[i] for i in on_path_targets],
+            inputs,
+            frontier,
+            plan,
+        )
+    for target, which in passed.items():
+        known = found[which]
+        found[which] = target_grads[target] if known is None else known + target_grads[target]
+    return found, plan
+
+
+def _grads_and_frontier(
+    targets: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    frontier: list[GradientEdge],
+    plan: WeightBackwardPlan,
+) -> list[torch.Tensor | None]:
+    """One engine run for the input gradients and the frontier gradients (added to ``plan``)."""
     wanted = [*(get_gradient_edge(x) for x in inputs), *frontier]
-    result = torch.autograd.grad(
-        [targets[i] for i in on_path_targets],
-        wanted,
-        [target_grads[i] for i in on_path_targets],
-        retain_graph=True,
-        allow_unused=True,
-    )
+    result = torch.autograd.grad(targets, wanted, grads, retain_graph=True, allow_unused=True)
     found: list[torch.Tensor | None] = list(result)  # allow_unused: None where nothing flows
     for edge, grad in zip(frontier, found[len(inputs) :], strict=True):
         if grad is not None:
             plan.edges.append(edge)
             plan.grads.append(grad)
-    return found[: len(inputs)], plan
+    return found[: len(inputs)]
 
 
 def weight_backward(plan: WeightBackwardPlan, params: list[torch.Tensor]) -> None:
