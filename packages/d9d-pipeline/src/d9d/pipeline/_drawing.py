@@ -69,6 +69,7 @@ def draw_timeline_png(result: SimulationResult, path: Path | str, *, title: str 
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("draw_timeline_png needs matplotlib: pip install 'd9d-pipeline[plot]'") from e
     n = len(result.timeline)
@@ -90,6 +91,9 @@ def draw_timeline_png(result: SimulationResult, path: Path | str, *, title: str 
                 va="center",
                 fontsize=6,
             )
+    kinds = sorted({t.action.kind for row in result.timeline for t in row}, key=list(_COLORS).index)
+    handles = [Patch(facecolor=_COLORS[k], edgecolor="black", label=k.name.lower()) for k in kinds]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
