@@ -141,7 +141,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     qs = load_quickstart()
     cfg = config(args.steps, args.batch, args.micro, args.device)
     d9d_times, hand_times = [], []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -85,7 +85,7 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         if not self._config.shuffle:
             return list(range(n))
         generator = torch.Generator().manual_seed(self._config.seed * 1_000_003 + epoch)
-        return [int(i) for i in torch.randperm(n, generator=generator)]
+        return cast(list[int], torch.randperm(n, generator=generator).tolist())
 
     def _start_epoch_iterator(self) -> Iterator[BatchT]:
         order = self._order(self._epoch)

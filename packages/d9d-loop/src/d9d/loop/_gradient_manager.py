@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,10 @@ from d9d.parallel import GradientSynchronizer, clip_grad_norm
 class GradientManager:
     """Owns what happens to gradients between the first backward and the optimizer step.
 
-    Microbatch backward passes accumulate ``loss_weight * loss``; reductions run only on the last
-    microbatch (overlapped with its backward by d9d-parallel's synchronizer) and average over the
-    data-parallel ranks. ``finish`` then rescales by ``data_parallel / global_weight`` so that the
-    gradient is that of ``sum(weight * loss) / sum(weight)`` over every microbatch of every rank.
+    Microbatch backward passes accumulate ``loss_weight * loss / microbatches``; reductions run
+    only on the last microbatch (overlapped with its backward by d9d-parallel's synchronizer) and
+    average over the data-parallel ranks. ``finish`` then corrects the scale so that the gradient
+    is that of ``sum(weight * loss) / sum(weight)`` over every microbatch of every rank.
     """
 
     def __init__(
@@ -46,16 +47,21 @@ class GradientManager:
         for synchronizer in self._synchronizers:
             synchronizer.begin_microbatch(is_last)
 
-    def finish(self, global_weight: float) -> None:
-        """Waits for the reductions, then scales gradients by ``data_parallel / global_weight``."""
+    def finish(self, *, global_weight: float, microbatches_per_rank: int) -> None:
+        """Waits for the reductions, then corrects the gradient scale to the weighted mean.
+
+        Runners back-propagate ``weight * loss / microbatches_per_rank``, which is already exact
+        when every microbatch weighs 1; otherwise gradients are rescaled here by
+        ``data_parallel * microbatches_per_rank / global_weight``.
+        """
         for synchronizer in self._synchronizers:
             synchronizer.finish()
-        scale = self._dp / global_weight
-        if scale != 1.0:
+        scale = self._dp * microbatches_per_rank / global_weight
+        if abs(scale - 1.0) > 1e-12:
             with torch.no_grad():
-                grads = [p.grad for p in self.parameters() if p.grad is not None]
-                for grad in grads:
-                    grad.mul_(scale)
+                for parameter in self.parameters():
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(scale)
 
     def clip(self) -> float:
         """Clips the global gradient norm (when configured) and returns it."""
@@ -78,4 +84,4 @@ def all_reduce_sum(values: list[float], group: ProcessGroup | None, device: torc
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
-    return [float(v) for v in tensor.cpu()]
+    return cast(list[float], tensor.cpu().tolist())

@@ -99,7 +99,7 @@ class PipelinedStepRunner:
             totals.microbatches += 1
             for name, value in result.metrics.items():
                 totals.metric_sums[name] += float(value)
-            return result.loss * weight
+            return result.loss * (weight / num_microbatches)
 
         # Every microbatch's backward reduces (FSDP reduce-scatters and accumulates the shards).
         self._gradients.begin_microbatch(is_last=True)

@@ -79,7 +79,7 @@ class SequentialStepRunner:
             )
             weight = loss_weight_of(result.loss_weight)
             self._gradients.begin_microbatch(is_last=index == num_microbatches - 1)
-            (result.loss * weight).backward()
+            (result.loss * (weight / num_microbatches)).backward()
             totals.weighted_loss += float(result.loss.detach().item()) * weight
             totals.weight += weight
             totals.microbatches += 1

@@ -229,7 +229,7 @@ class Trainer:
         loss = weighted_loss / weight
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
 
-        p.gradients.finish(weight)
+        p.gradients.finish(global_weight=weight, microbatches_per_rank=p.microbatches_per_step)
         grad_norm = p.gradients.clip()
         p.events.publish(OptimizerStepStarted(step=step, grad_norm=grad_norm))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
