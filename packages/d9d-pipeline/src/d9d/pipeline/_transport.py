@@ -37,7 +37,8 @@ class P2PTransport:
     """Collects a run of sends and receives and posts each as one ``batch_isend_irecv``.
 
     Sends and receives go in separate batches: a receive is waited right before the compute that
-    reads it, a send only at the end of the step, so a slow peer never blocks this rank's sends.
+    reads it, a send only at the end of the step, so a slow peer never blocks this rank's sends;
+    sends found finished at a later flush are released early, freeing their tensors.
     """
 
     def __init__(self, *, group: ProcessGroup, global_ranks: list[int]) -> None:
@@ -65,6 +66,8 @@ class P2PTransport:
         return handle
 
     def flush(self) -> None:
+        # drop finished sends so their tensors can be freed before the end of the step
+        self._send_works = [w for w in self._send_works if not w.is_completed()]
         if self._send_ops:
             self._send_works += list(dist.batch_isend_irecv(self._send_ops))
             self._send_ops = []
