@@ -152,3 +152,21 @@ def test_a_longer_run_continues_from_the_last_checkpoint(tmp_path: Path) -> None
     assert len(losses_a) == 4
     assert len(losses_b) == 2  # steps 4 and 5 only
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006"]  # keep_last=1
+
+
+def _hung_collective() -> None:
+    import torch.distributed as dist
+
+    from d9d.loop import StepFailedError
+
+    config = toy_config(mesh={"data_parallel_replicate": 2}, trainer={"timeouts": {"collective_seconds": 2}})
+    trainer = build_trainer(config, strategy="replicate")
+    if trainer.dist_context.rank == 1:
+        return  # rank 1 never joins the step's collectives
+    with pytest.raises(StepFailedError, match=r"step 0 failed on rank 0"):
+        trainer.train()
+    del dist
+
+
+def test_a_hung_collective_fails_the_step_naming_step_and_rank() -> None:
+    run_distributed(_hung_collective, world_size=2, timeout_s=120)

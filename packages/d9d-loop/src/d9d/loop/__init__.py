@@ -75,7 +75,7 @@ from d9d.loop._task import (
     TrainTask,
 )
 from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
-from d9d.loop._trainer import Trainer
+from d9d.loop._trainer import StepFailedError, Trainer
 
 __all__ = [
     "AdamConfig",
@@ -133,6 +133,7 @@ __all__ = [
     "ProjectConfig",
     "SGDConfig",
     "ShardedBatchSource",
+    "StepFailedError",
     "StepFinished",
     "StepStarted",
     "StochasticAdamWConfig",

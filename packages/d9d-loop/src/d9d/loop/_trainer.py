@@ -40,6 +40,10 @@ from d9d.mesh import DistributedContext
 from d9d.state_mappers import save_module_state
 
 
+class StepFailedError(RuntimeError):
+    """A training step raised (a collective timeout, a bad batch, ...); names the step and rank."""
+
+
 @dataclass(kw_only=True)
 class TrainerParts:
     """Everything a ``Trainer`` is made of; assembled by ``TrainingConfigurator``."""
@@ -165,7 +169,13 @@ class Trainer:
                 self._watchdog.arm(
                     self._step, timeouts.first_step_seconds if first else timeouts.step_seconds
                 )
-                metrics = self._train_step()
+                try:
+                    metrics = self._train_step()
+                except Exception as e:
+                    # e.g. a collective that timed out: say where, then let the job end
+                    raise StepFailedError(
+                        f"step {self._step} failed on rank {p.dist_context.rank}: {type(e).__name__}: {e}"
+                    ) from e
                 self._watchdog.disarm()
                 first = False
                 bar.update(metrics)
