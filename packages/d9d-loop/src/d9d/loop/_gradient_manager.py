@@ -38,6 +38,11 @@ class GradientManager:
         self._pp_group = pp_group
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
+    @property
+    def bucketed_parameter_count(self) -> int:
+        """Parameters reduced by d9d's bucketed all-reduce (not FSDP's)."""
+        return sum(s.num_hooked_parameters for s in self._synchronizers)
+
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter of the local stages."""
         return [p for stage in self._stages for p in stage.parameters()]
