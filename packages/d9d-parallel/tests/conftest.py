@@ -19,6 +19,10 @@ from d9d.parallel import GradientSynchronizer, clip_grad_norm
 
 Batch = tuple[torch.Tensor, ...]
 
+# torch imports its compiler stack lazily, on the first FSDP or DTensor call; importing it here,
+# once, before run_distributed forks the ranks saves every rank of every test seconds of work.
+torch.compiler.disable(lambda: None)()
+
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The global value of a (possibly distributed) tensor."""
