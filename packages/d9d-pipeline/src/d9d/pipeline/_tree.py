@@ -1,12 +1,14 @@
 """Pytrees of tensors: stage inputs and outputs, batches and their microbatches.
 
-A tree is a tensor, or a ``dict``, ``list`` or ``tuple`` of trees; any other value (None, a number,
-a string) is a constant leaf that travels with the structure. Flattening gives the tensors in a
+A tree is a tensor, or a ``dict``, ``list``, ``tuple`` (named tuples included) or dataclass
+instance of trees; any other value (None, a number, a string) is a constant leaf that travels with
+the structure. Flattening gives the tensors in a
 fixed order and a *skeleton*: the structure with each tensor replaced by its position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,6 +19,25 @@ import torch
 @dataclass(frozen=True)
 class _Slot:
     index: int
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A dataclass instance or named tuple in a skeleton: its type and its children by field."""
+
+    kind: type
+    fields: tuple[tuple[str, object], ...]
+
+
+def _namedtuple_fields(obj: object) -> tuple[str, ...] | None:
+    fields: object = getattr(type(obj), "_fields", None)
+    if isinstance(obj, tuple) and isinstance(fields, tuple):
+        return cast(tuple[str, ...], fields)
+    return None
+
+
+def _is_dataclass_instance(obj: object) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def flatten_tree(tree: object) -> tuple[list[torch.Tensor], object, list[str]]:
@@ -32,9 +53,27 @@ def flatten_tree(tree: object) -> tuple[list[torch.Tensor], object, list[str]]:
         if isinstance(node, dict):
             items = cast(dict[Any, Any], node).items()
             return {k: visit(v, f"{path}.{k}" if path else str(k)) for k, v in items}
+        names = _namedtuple_fields(node)
+        if names is not None:
+            values = cast(Sequence[Any], node)
+            return _Node(
+                kind=type(node),
+                fields=tuple(
+                    (n, visit(v, f"{path}.{n}" if path else n)) for n, v in zip(names, values, strict=True)
+                ),
+            )
         if isinstance(node, list | tuple):
             children = [visit(v, f"{path}[{i}]") for i, v in enumerate(cast(Sequence[Any], node))]
             return children if isinstance(node, list) else tuple(children)
+        if _is_dataclass_instance(node):
+            return _Node(
+                kind=type(node),
+                fields=tuple(
+                    (f.name, visit(getattr(node, f.name), f"{path}.{f.name}" if path else f.name))
+                    for f in dataclasses.fields(cast(Any, node))
+                    if f.init
+                ),
+            )
         return node
 
     skeleton = visit(tree, "")
@@ -45,6 +84,8 @@ def unflatten_tree(skeleton: object, tensors: Sequence[torch.Tensor]) -> Any:
     """Rebuilds a tree from its skeleton and tensors (the inverse of :func:`flatten_tree`)."""
     if isinstance(skeleton, _Slot):
         return tensors[skeleton.index]
+    if isinstance(skeleton, _Node):
+        return skeleton.kind(**{name: unflatten_tree(child, tensors) for name, child in skeleton.fields})
     if isinstance(skeleton, dict):
         return {k: unflatten_tree(v, tensors) for k, v in cast(dict[Any, Any], skeleton).items()}
     if isinstance(skeleton, list | tuple):
