@@ -141,3 +141,45 @@ def _bad_expert_count() -> None:
 
 def test_bad_expert_parallel_input_is_named() -> None:
     run_distributed(_bad_expert_count, world_size=4, timeout_s=120)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        self.moe = TinyMoE()
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.moe(torch.tanh(self.inp(x))))
+
+
+def _experts_inside_fsdp(harness) -> None:
+    from d9d.parallel import parallelize_fsdp
+
+    world = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_shard",))
+
+    def parallelize(model: nn.Module) -> None:
+        parallelize_expert_parallel(model.moe, mesh=mesh)
+        # FSDP shards the dense layers; the MoE's parameters are placed already and left to
+        # the synchronizer.
+        parallelize_fsdp(model, mesh=mesh, ignored_params=model.moe.parameters())
+        assert model.inp.weight.placements == (Shard(0),)
+        assert model.moe.experts.w_in.placements == (Shard(0),)
+        assert model.moe.router.weight.placements == (Replicate(),)
+
+    harness.ReferenceCheck(
+        build=MoEBlock,
+        parallelize=parallelize,
+        make_batch=_batch,
+        loss_fn=harness.mse,
+        shard_batch=lambda batch: tuple(t.chunk(world)[dist.get_rank()] for t in batch),
+        microbatches=2,
+        max_norm=0.1,
+    ).run()
+
+
+def test_expert_parallel_inside_an_fsdp_block_matches_single_process(harness) -> None:
+    # EP (2) for the MoE and FSDP (2) for the dense layers of one block, on the same ranks
+    run_distributed(_experts_inside_fsdp, harness, world_size=2, timeout_s=180)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -24,12 +25,15 @@ def _shard(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     gradient_reduction: GradientReduction,
+    ignored_params: Iterable[nn.Parameter],
 ) -> FSDPModule:
+    ignored = set(ignored_params)
     sharded = fully_shard(
         module,
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        ignored_params=ignored or None,
     )
     match gradient_reduction:
         case "mean":
@@ -47,6 +51,7 @@ def parallelize_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     gradient_reduction: GradientReduction = "mean",
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> FSDPModule:
     """Shards ``module``'s parameters over a 1-D mesh with torch's ``fully_shard`` (FSDP2).
 
@@ -63,6 +68,9 @@ def parallelize_fsdp(
         param_dtype: Dtype the gathered parameters and the forward compute use (None: unchanged).
         reduce_dtype: Dtype of the gradient reduce-scatter (None: the gradient's).
         gradient_reduction: Average (default, as torch's FSDP) or sum gradients over the ranks.
+        ignored_params: Parameters FSDP must leave alone, e.g. experts placed by
+            ``parallelize_expert_parallel`` on another mesh (``GradientSynchronizer`` reduces
+            their gradients instead).
 
     Returns:
         The same module, now also an ``FSDPModule``.
@@ -80,6 +88,7 @@ def parallelize_fsdp(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         gradient_reduction=gradient_reduction,
+        ignored_params=ignored_params,
     )
 
 
@@ -137,6 +146,7 @@ def parallelize_hsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     gradient_reduction: GradientReduction = "mean",
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> FSDPModule:
     """Hybrid sharding: shards over the mesh's ``*shard`` dim, replicates over all other dims.
 
@@ -154,6 +164,7 @@ def parallelize_hsdp(
         param_dtype: As in ``parallelize_fsdp``.
         reduce_dtype: As in ``parallelize_fsdp``.
         gradient_reduction: Average (default) or sum gradients over all the mesh's ranks.
+        ignored_params: As in ``parallelize_fsdp``.
 
     Returns:
         The same module, now also an ``FSDPModule``.
@@ -169,4 +180,5 @@ def parallelize_hsdp(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         gradient_reduction=gradient_reduction,
+        ignored_params=ignored_params,
     )

@@ -65,8 +65,9 @@ class GradientSynchronizer:
     by (mesh, pending dims, op, dtype) and packed into buckets of about ``bucket_size_mb``; each
     bucket is launched asynchronously from a post-accumulate-grad hook as soon as it is full, so
     communication runs while backward continues. After reduction a gradient gets its parameter's
-    placements. Gradients that are plain tensors or have no ``Partial`` dim are left alone.
-    Parameters managed by ``fully_shard`` are FSDP's: here only their gradient sync is toggled.
+    placements. Gradients that are plain tensors or have no ``Partial`` dim are left alone, among
+    them those of parameters managed by ``fully_shard`` (FSDP reduce-scatters them itself; here
+    only FSDP's gradient sync is toggled per microbatch).
 
     Use per step: ``begin_microbatch(is_last)`` before each microbatch's backward (reduction
     happens only in the last one's; earlier microbatches just accumulate), then ``finish()``
@@ -75,7 +76,7 @@ class GradientSynchronizer:
     """
 
     def __init__(self, model: nn.Module, *, bucket_size_mb: float = 25.0) -> None:
-        """Hooks every trainable DTensor parameter of ``model`` not managed by FSDP.
+        """Hooks every trainable DTensor parameter of ``model``.
 
         Args:
             model: The parallelized model (or pipeline stage).
@@ -85,13 +86,12 @@ class GradientSynchronizer:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        fsdp_owned = {id(p) for m in self._fsdp_modules for p in m.parameters()}
         self._names: dict[int, str] = {}
         self._handles: list[RemovableHandle] = []
         for name, parameter in model.named_parameters():
-            if not parameter.requires_grad or id(parameter) in fsdp_owned:
-                continue
-            if not isinstance(parameter, DTensor):
+            # FSDP's own parameters are hooked too: their gradients arrive reduce-scattered (no
+            # Partial dim) and are only counted; parameters FSDP ignores are reduced here.
+            if not parameter.requires_grad or not isinstance(parameter, DTensor):
                 continue
             self._names[id(parameter)] = name
             handle = cast(RemovableHandle, parameter.register_post_accumulate_grad_hook(self._on_gradient))
@@ -104,7 +104,7 @@ class GradientSynchronizer:
 
     @property
     def num_hooked_parameters(self) -> int:
-        """How many parameters this synchronizer reduces (DTensor, trainable, not FSDP's)."""
+        """How many parameters this synchronizer hooks (trainable DTensors)."""
         return len(self._names)
 
     @property
