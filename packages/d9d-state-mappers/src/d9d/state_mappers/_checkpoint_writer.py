@@ -18,6 +18,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -126,6 +127,8 @@ class CheckpointWriter:
         self._closed: set[str] = set()
         self._handles: dict[str, io.FileIO] = {}
         self._background = BackgroundWriter(max_bytes=write_behind_bytes)
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d9d-checkpoint-sync")
+        self._syncs: list[Future[None]] = []
         self._committed = False
         token = uuid.uuid4().hex[:12]
         if collective:
@@ -196,12 +199,11 @@ class CheckpointWriter:
         return handle
 
     def _close_file(self, planned: _PlannedFile) -> None:
+        # Syncing waits for the disk; a thread of its own lets the next file's writes go on meanwhile.
         handle = self._handle(planned)
-        handle.flush()
-        os.fsync(handle.fileno())
-        handle.close()
         del self._handles[planned.file_name]
         self._closed.add(planned.file_name)
+        self._syncs.append(self._syncer.submit(_sync_and_close, handle))
 
     def _finish_own_files(self) -> None:
         self._background.drain()
@@ -212,6 +214,8 @@ class CheckpointWriter:
             if unwritten:
                 raise RuntimeError(f"checkpoint incomplete: tensors never written: {format_names(unwritten)}")
             self._close_file(planned)
+        for sync in self._syncs:
+            sync.result()
 
     def _publish(self) -> None:
         weight_map = {name: f.file_name for f in self._files for name in f.specs}
@@ -261,6 +265,7 @@ class CheckpointWriter:
         if self._collective:
             failures = [str(f) for f in _broadcast_from_first(tuple(failures), self._group)]
         self._background.close()
+        self._syncer.shutdown(wait=True)
         if failures:
             self.abort()
             raise RuntimeError(
@@ -271,12 +276,21 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Closes and removes the temporary files; the target is left as it was. Not collective."""
         self._background.close()
+        self._syncer.shutdown(wait=True)
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
         self._committed = True
         if self._rank == 0 and self._tmp.exists():
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _sync_and_close(handle: io.FileIO) -> None:
+    try:
+        handle.flush()
+        os.fsync(handle.fileno())
+    finally:
+        handle.close()
 
 
 def check_target(target: Path, overwrite: bool) -> None:

@@ -11,7 +11,7 @@ import torch
 from d9d.state_mappers._checkpoint_reader import SafetensorsCheckpoint
 from d9d.state_mappers._spec import Box, box_shape
 
-DEFAULT_READ_AHEAD_BYTES = 256 * 2**20
+DEFAULT_READ_AHEAD_BYTES = 128 * 2**20
 
 
 class Prefetcher:
