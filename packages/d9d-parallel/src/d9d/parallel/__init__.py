@@ -20,6 +20,7 @@ from d9d.parallel._local_forward import LocalParameterSlot, install_local_forwar
 from d9d.parallel._reduction import GradientReduction
 from d9d.parallel._replicate import parallelize_replicate
 from d9d.parallel._sequence_parallel_norm import SequenceParallelNorm
+from d9d.parallel._synchronize_replicas import synchronize_replicas
 from d9d.parallel._token_dispatcher import AllToAllTokenDispatcher, TokenDispatcher
 from d9d.parallel._vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from d9d.parallel._vocab_parallel_embedding import VocabParallelEmbedding
@@ -48,5 +49,6 @@ __all__ = [
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
+    "synchronize_replicas",
     "vocab_parallel_cross_entropy",
 ]
