@@ -2,44 +2,42 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from d9d.loop._step_watchdog import StepWatchdog
 
 
-def test_hung_step_exits_with_step_and_rank() -> None:
-    script = textwrap.dedent(
-        """
-        import time
-        from d9d.loop._step_watchdog import StepWatchdog
-        dog = StepWatchdog(rank=3)
-        dog.arm(7, 0.3)
-        time.sleep(30)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 124
-    assert "step 7 did not finish within 0 s on rank 3" in result.stderr
-    assert "rank 3" in result.stderr
-
-
-def test_disarmed_watchdog_stays_quiet() -> None:
-    script = textwrap.dedent(
-        """
-        import time
-        from d9d.loop._step_watchdog import StepWatchdog
-        dog = StepWatchdog(rank=0)
-        dog.arm(1, 0.2)
+def _hang(stderr_path: str, disarm: bool) -> None:
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT)
+    os.dup2(fd, 2)
+    dog = StepWatchdog(rank=3)
+    dog.arm(7, 0.3)
+    if disarm:
         dog.disarm()
-        dog.arm(2, None)
-        time.sleep(0.5)
-        print("ok")
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0
-    assert result.stdout.strip() == "ok"
+        dog.arm(8, None)
+    time.sleep(1.0)
+    os._exit(0)
+
+
+def _run(tmp_path: Path, *, disarm: bool) -> tuple[int | None, str]:
+    stderr_path = tmp_path / "stderr.txt"
+    process = multiprocessing.get_context("fork").Process(target=_hang, args=(str(stderr_path), disarm))
+    process.start()
+    process.join(timeout=30)
+    return process.exitcode, stderr_path.read_text() if stderr_path.exists() else ""
+
+
+def test_hung_step_exits_with_step_and_rank(tmp_path: Path) -> None:
+    code, stderr = _run(tmp_path, disarm=False)
+    assert code == 124
+    assert "step 7 did not finish within 0 s on rank 3" in stderr
+    assert "Stacks of rank 3" in stderr
+
+
+def test_disarmed_watchdog_stays_quiet(tmp_path: Path) -> None:
+    code, stderr = _run(tmp_path, disarm=True)
+    assert code == 0
+    assert stderr == ""
