@@ -50,6 +50,23 @@ def test_single_process_load_then_save_round_trips(layouts, tmp_path: Path) -> N
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
+def test_buffers_and_integer_tensors_round_trip_and_progress_is_quiet_off_a_terminal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    source.train()
+    source(torch.randn(8, 3))  # running statistics and the int64 batch counter move
+    save_module_state(tmp_path / "ckpt", source, identity_mapper_from_module(source), show_progress=True)
+    target = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    load_module_state(tmp_path / "ckpt", target, identity_mapper_from_module(target), show_progress=True)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+    assert int(target.state_dict()["1.num_batches_tracked"]) == 1
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -161,7 +178,26 @@ def _distribute_and_gather(full: torch.Tensor, source: Path) -> None:
     assert checkpoint.bytes_read == reference.to_local().numel() * 4
 
 
+def _replicated_save(target: Path) -> None:
+    torch.manual_seed(0)  # the same plain (replicated) module on every rank
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    save_module_state(target, module, identity_mapper_from_module(module), process_group=dist.group.WORLD)
+
+
 def test_distribute_gather_and_load_on_a_2d_mesh(tmp_path: Path) -> None:
     full = torch.arange(35.0).reshape(5, 7)  # uneven on both tensor dims
     save_file({"w": full}, tmp_path / "w.safetensors")
     run_distributed(_distribute_and_gather, full, tmp_path / "w.safetensors", world_size=4, timeout_s=180)
+
+
+def test_replicated_module_saved_by_a_group_writes_each_tensor_once(tmp_path: Path) -> None:
+    run_distributed(_replicated_save, tmp_path / "out", world_size=2, timeout_s=180)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).state_dict()
+    saved = _read_dir(tmp_path / "out")
+    assert set(saved) == set(reference) and all(torch.equal(saved[n], t) for n, t in reference.items())
+    # Two ranks, each owning some groups: two files, no tensor in both.
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(files) == 2
+    per_file = [set(load_file(f)) for f in files]
+    assert per_file[0].isdisjoint(per_file[1])

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from d9d.state_mappers._checkpoint_reader import SafetensorsCheckpoint
-from d9d.state_mappers._spec import Box, box_shape
+from d9d.state_mappers._spec import Box, box_numel, box_shape
 
 DEFAULT_READ_AHEAD_BYTES = 128 * 2**20
 
@@ -31,7 +31,7 @@ class Prefetcher:
         self._checkpoint = checkpoint
         self._reads = list(reads)
         specs = checkpoint.specs
-        self._sizes = [specs[name].dtype.itemsize * _numel(box) for name, box in self._reads]
+        self._sizes = [specs[name].dtype.itemsize * box_numel(box) for name, box in self._reads]
         self._max_bytes = max_bytes
         self._ahead = 0
         self._stop = False
@@ -80,10 +80,3 @@ class Prefetcher:
             self._stop = True
             self._condition.notify_all()
         self._thread.join()
-
-
-def _numel(box: Box) -> int:
-    count = 1
-    for start, stop in box:
-        count *= stop - start
-    return count

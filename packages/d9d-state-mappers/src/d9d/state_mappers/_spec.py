@@ -53,6 +53,11 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
+def box_numel(box: Box) -> int:
+    """Number of elements a box selects."""
+    return math.prod(stop - start for start, stop in box)
+
+
 def box_union(a: Box, b: Box) -> Box:
     """The smallest box holding both boxes (of the same tensor)."""
     return tuple((min(sa, sb), max(ea, eb)) for (sa, ea), (sb, eb) in zip(a, b, strict=True))

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from d9d.state_mappers._checkpoint_reader import SafetensorsCheckpoint
 from d9d.state_mappers._group import GroupPlan
 from d9d.state_mappers._prefetch import DEFAULT_READ_AHEAD_BYTES, Prefetcher
-from d9d.state_mappers._spec import Box, TensorPiece, box_union_all
+from d9d.state_mappers._spec import Box, TensorPiece, box_numel, box_union_all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ def build_schedule(checkpoint: SafetensorsCheckpoint, plans: Sequence[GroupPlan]
         for name in names:
             actions.append(_Read(name=name, box=boxes[name]))
             box = boxes[name]
-            read_bytes += specs[name].dtype.itemsize * _numel(box)
+            read_bytes += specs[name].dtype.itemsize * box_numel(box)
             for group in users[name]:
                 remaining[group] -= 1
                 if remaining[group] == 0:
@@ -84,13 +84,6 @@ def build_schedule(checkpoint: SafetensorsCheckpoint, plans: Sequence[GroupPlan]
                         if references[used] == 0:
                             actions.append(_Free(name=used))
     return StreamSchedule(actions=tuple(actions), read_bytes=read_bytes)
-
-
-def _numel(box: Box) -> int:
-    count = 1
-    for start, stop in box:
-        count *= stop - start
-    return count
 
 
 def run_schedule(
