@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -11,8 +12,7 @@ from d9d.loop._step_watchdog import StepWatchdog
 
 
 def _hang(stderr_path: str, disarm: bool) -> None:
-    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT)
-    os.dup2(fd, 2)
+    sys.stderr = open(stderr_path, "w")  # noqa: SIM115 (the process ends with os._exit)
     dog = StepWatchdog(rank=3)
     dog.arm(7, 0.3)
     if disarm:
