@@ -98,3 +98,27 @@ def _bad_input() -> None:
 
 def test_bad_meshes_and_modules_are_named() -> None:
     run_distributed(_bad_input, world_size=4, timeout_s=120)
+
+
+def _mixed_precision() -> None:
+    mesh = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    reference = nn.Linear(8, 4)
+    model = nn.Linear(8, 4)
+    model.load_state_dict(reference.state_dict())
+    parallelize_fsdp(model, mesh=mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    seen: list[torch.dtype] = []
+    model.register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = model(x)
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    # Sharded parameters and their gradients stay fp32; the result is close to fp32 maths.
+    assert model.weight.dtype == torch.float32 and model.weight.grad.dtype == torch.float32
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    (sum(reference(xr).square().mean() for xr in xs) / 2).backward()
+    torch.testing.assert_close(model.weight.grad.full_tensor(), reference.weight.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards() -> None:
+    run_distributed(_mixed_precision, world_size=2, timeout_s=120)

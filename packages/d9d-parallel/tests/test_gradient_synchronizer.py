@@ -95,3 +95,27 @@ def test_sum_reduction_adds_replica_gradients() -> None:
 def test_bucket_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_size_mb"):
         GradientSynchronizer(nn.Linear(1, 1), bucket_size_mb=0)
+
+
+def _dtypes_get_their_own_buckets() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp",))
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16)
+    parallelize_replicate(first, mesh=mesh)
+    parallelize_replicate(second, mesh=mesh)
+    model = nn.ModuleList([first, second])
+    sync = GradientSynchronizer(model, bucket_size_mb=100.0)
+    x = torch.full((1, 4), float(rank + 1))
+    second(first(x).to(torch.bfloat16)).float().sum().backward()
+    assert sync.launched_buckets == 2  # one fp32 and one bf16 bucket
+    own = [p.grad.to_local().clone() for p in model.parameters()]
+    sync.finish()
+    for p, mine in zip(model.parameters(), own, strict=True):
+        expected = mine.float()
+        dist.all_reduce(expected)
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad.to_local().float(), expected / world, atol=1e-2, rtol=1e-2)
+
+
+def test_each_dtype_is_reduced_in_its_own_bucket() -> None:
+    run_distributed(_dtypes_get_their_own_buckets, world_size=2, timeout_s=120)
