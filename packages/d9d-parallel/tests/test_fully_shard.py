@@ -48,6 +48,9 @@ def _hsdp(harness, parameters: MeshParameters, microbatches: int) -> None:
 
     def parallelize(model: nn.Module) -> None:
         parallelize_hsdp(model, mesh=mesh)
+        if world == 1:  # nothing to shard: parameters stay plain tensors
+            assert not any(isinstance(p, DTensor) for p in model.parameters())
+            return
         for p in model.parameters():
             assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0))
             replicas = parameters.data_parallel_replicate * parameters.context_parallel_replicate

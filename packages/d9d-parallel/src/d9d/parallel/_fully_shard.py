@@ -43,6 +43,13 @@ def _shard(
     return sharded
 
 
+def _nothing_to_shard(
+    mesh: DeviceMesh, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> bool:
+    # One rank and no dtype policy: fully_shard would only add a gather and a reduce per step.
+    return mesh.size() == 1 and param_dtype is None and reduce_dtype is None
+
+
 def parallelize_fsdp(
     module: nn.Module,
     *,
@@ -52,7 +59,7 @@ def parallelize_fsdp(
     reduce_dtype: torch.dtype | None = None,
     gradient_reduction: GradientReduction = "mean",
     ignored_params: Iterable[nn.Parameter] = (),
-) -> FSDPModule:
+) -> nn.Module | FSDPModule:
     """Shards ``module``'s parameters over a 1-D mesh with torch's ``fully_shard`` (FSDP2).
 
     Parameters not yet managed by an inner ``fully_shard`` call become DTensors placed
@@ -73,7 +80,9 @@ def parallelize_fsdp(
             their gradients instead).
 
     Returns:
-        The same module, now also an ``FSDPModule``.
+        The same module, now also an ``FSDPModule``; on a single-rank mesh with no dtype policy
+        the module is returned unchanged (plain parameters: nothing to shard, no per-step
+        gathers), so the same provider code runs fast in one process.
 
     Raises:
         ValueError: If the mesh is not 1-D, or the module has no parameters.
@@ -81,6 +90,8 @@ def parallelize_fsdp(
     purpose = "parallelize_fsdp"
     require_one_dim(mesh, purpose=purpose)
     require_parameters(module, purpose=purpose)
+    if _nothing_to_shard(mesh, param_dtype, reduce_dtype):
+        return module
     return _shard(
         module,
         mesh,
@@ -147,7 +158,7 @@ def parallelize_hsdp(
     reduce_dtype: torch.dtype | None = None,
     gradient_reduction: GradientReduction = "mean",
     ignored_params: Iterable[nn.Parameter] = (),
-) -> FSDPModule:
+) -> nn.Module | FSDPModule:
     """Hybrid sharding: shards over the mesh's ``*shard`` dim, replicates over all other dims.
 
     ``parallelize_hsdp(model, mesh=mesh["dp_replicate", "dp_cp_shard", "cp_replicate"])`` on
@@ -167,12 +178,16 @@ def parallelize_hsdp(
         ignored_params: As in ``parallelize_fsdp``.
 
     Returns:
-        The same module, now also an ``FSDPModule``.
+        The same module, now also an ``FSDPModule``; unchanged on a single-rank mesh with no
+        dtype policy (as ``parallelize_fsdp``).
 
     Raises:
         ValueError: If the mesh lacks a single ``*shard`` dim, or the module has no parameters.
     """
     require_parameters(module, purpose="parallelize_hsdp")
+    shard_dim_name(mesh, purpose="parallelize_hsdp")
+    if _nothing_to_shard(mesh, param_dtype, reduce_dtype):
+        return module
     return _shard(
         module,
         hsdp_mesh(mesh),
