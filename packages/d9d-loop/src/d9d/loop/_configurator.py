@@ -138,12 +138,6 @@ class TrainingConfigurator:
             pp_group=batch_mesh.get_group("pp") if self._mesh.pipeline_parallel > 1 else None,
         )
         microbatches = local_batch // config.microbatch_size
-        if pipelined and gradients.bucketed_parameter_count > 0:
-            raise NotImplementedError(
-                f"{gradients.bucketed_parameter_count} parameters of the pipeline stages are reduced by "
-                "d9d's bucketed all-reduce (parallelize_replicate or a Partial placement); with pipeline "
-                "parallelism use parallelize_fsdp / parallelize_hsdp for now"
-            )
         step_runner: StepRunner
         if pipelined:
             adapters = {

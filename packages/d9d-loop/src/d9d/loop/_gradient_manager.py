@@ -39,9 +39,9 @@ class GradientManager:
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
     @property
-    def bucketed_parameter_count(self) -> int:
-        """Parameters reduced by d9d's bucketed all-reduce (not FSDP's)."""
-        return sum(s.num_hooked_parameters for s in self._synchronizers)
+    def launched_buckets(self) -> int:
+        """All-reduce buckets launched by d9d's synchronizer in the current step."""
+        return sum(s.launched_buckets for s in self._synchronizers)
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter of the local stages."""

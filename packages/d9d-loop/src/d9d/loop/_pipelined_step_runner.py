@@ -104,4 +104,10 @@ class PipelinedStepRunner:
         # Every microbatch's backward reduces (FSDP reduce-scatters and accumulates the shards).
         self._gradients.begin_microbatch(is_last=True)
         self._executor.step(flat_inputs, loss_fn=loss_fn, shared=shared)
+        if self._gradients.launched_buckets:
+            raise NotImplementedError(
+                "pipeline stages have parameters reduced by d9d's bucketed all-reduce "
+                "(parallelize_replicate or a Partial placement), which pipeline schedules do not "
+                "support yet; use parallelize_fsdp / parallelize_hsdp for pipelined stages"
+            )
         return totals

@@ -8,16 +8,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from d9d.mesh.testing._runner import handle_zygote_request
 from d9d.mesh.testing._zygote import ZYGOTE_ENV, start_zygote, stop_zygote
 
 _STASH_ATTRIBUTE = "_d9d_mesh_zygote"
 
 
+def _nothing() -> None:
+    pass
+
+
 def pytest_collection_finish(session: Any) -> None:
     """Forks the zygote once every test module is imported and before any test runs."""
     if ZYGOTE_ENV in os.environ:
         return
+    # torch imports its compiler stack lazily on first use (FSDP, DTensor); importing it once
+    # here spares every forked rank of every test that cost.
+    disabled: Any = torch.compiler.disable(_nothing)
+    disabled()
     pid, path = start_zygote(handle_zygote_request)
     setattr(session.config, _STASH_ATTRIBUTE, (pid, path))
     os.environ[ZYGOTE_ENV] = path
