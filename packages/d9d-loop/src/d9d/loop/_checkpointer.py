@@ -6,14 +6,12 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from d9d.loop._config_trainer import CheckpointConfig
 from d9d.mesh import DistributedContext
@@ -111,14 +109,11 @@ class Checkpointer:
         dist.barrier(group=self._group)
         if self._config.asynchronous:
             response = cast(
-                "Future[object] | AsyncSaveResponse",
-                dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group),
+                object, dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
             )
-            # torch returns a Future, or (when staging is asynchronous too) a response holding one
-            if isinstance(response, AsyncSaveResponse):
-                self._pending = (step, cast(_Waitable, response.upload_completion))
-            else:
-                self._pending = (step, cast(_Waitable, response))
+            # torch returns a Future, or (newer releases, asynchronous staging) a response holding one
+            upload: object = getattr(response, "upload_completion", None)
+            self._pending = (step, cast(_Waitable, response if upload is None else upload))
             return
         dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
         self._publish(step, on_visible)
