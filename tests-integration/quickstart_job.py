@@ -44,6 +44,7 @@ def quickstart_config(**overrides: Any) -> dict[str, Any]:
             "microbatch_size": 8,
             "seed": 3,
             "logging": {"progress_bar": False},
+            "device": "cpu",  # gloo ranks on CPU even where a GPU exists
         },
         "data": {"seed": 5},
         "optimizer": {"name": "adamw", "lr": 0.003},

@@ -148,6 +148,7 @@ def toy_config(**sections: dict[str, Any]) -> ProjectConfig:
             "global_batch_size": 32,
             "microbatch_size": 8,
             "logging": {"progress_bar": False},
+            "device": "cpu",  # gloo ranks on CPU even where a GPU exists
         },
         "optimizer": {"name": "adamw", "lr": 0.01},
     }

@@ -84,9 +84,17 @@ class GradientManager:
             synchronizer.close()
 
 
-def all_reduce_sum(values: list[float], group: ProcessGroup | None, device: torch.device) -> list[float]:
-    """Sums a few floats over ``group`` in one collective (float64 for exact counts)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce_sum(
+    values: Sequence[float | torch.Tensor], group: ProcessGroup | None, device: torch.device
+) -> list[float]:
+    """Sums a few scalars over ``group`` in one collective (float64 for exact counts).
+
+    Scalars may be device tensors: they are gathered without a host sync, and the result is
+    read back once.
+    """
+    tensor = torch.stack(
+        [torch.as_tensor(v, device=device).detach().to(torch.float64).reshape(()) for v in values]
+    )
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return cast(list[float], tensor.cpu().tolist())

@@ -94,7 +94,7 @@ class PipelinedStepRunner:
                 )
             )
             weight = loss_weight_of(result.loss_weight)
-            totals.weighted_loss += float(result.loss.detach().item()) * weight
+            totals.weighted_loss = totals.weighted_loss + result.loss.detach().float() * weight
             totals.weight += weight
             totals.microbatches += 1
             for name, value in result.metrics.items():

@@ -18,7 +18,7 @@ from d9d.mesh import shard_tree
 class MicrobatchTotals:
     """Sums over this rank's microbatches of a step."""
 
-    weighted_loss: float = 0.0
+    weighted_loss: torch.Tensor | float = 0.0  # stays on the device: no sync per microbatch
     weight: float = 0.0
     metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     microbatches: int = 0
@@ -80,7 +80,7 @@ class SequentialStepRunner:
             weight = loss_weight_of(result.loss_weight)
             self._gradients.begin_microbatch(is_last=index == num_microbatches - 1)
             (result.loss * (weight / num_microbatches)).backward()
-            totals.weighted_loss += float(result.loss.detach().item()) * weight
+            totals.weighted_loss = totals.weighted_loss + result.loss.detach().float() * weight
             totals.weight += weight
             totals.microbatches += 1
             for name, value in result.metrics.items():

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,8 +36,15 @@ from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
 from d9d.loop._trackers import Tracker
 from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
-from d9d.mesh import DistributedContext
+from d9d.mesh import DistributedContext, map_tree
 from d9d.state_mappers import save_module_state
+
+TreeT = TypeVar("TreeT")
+
+
+def _to_device(tree: TreeT, device: torch.device) -> TreeT:
+    """Moves every tensor of a batch tree to the job's device (pinned memory copies asynchronously)."""
+    return map_tree(tree, lambda t, _path: t.to(device, non_blocking=True))
 
 
 class StepFailedError(RuntimeError):
@@ -205,13 +212,16 @@ class Trainer:
         step = self._step
         started = time.perf_counter()
         p.events.publish(StepStarted(step=step))
-        batch = p.batches.next_batch()
+        batch = _to_device(p.batches.next_batch(), p.dist_context.device)
         built = p.task.build_forward_inputs(BuildForwardInputsContext(batch=batch, step=step))
+        built_input = _to_device(built.input, p.dist_context.device)
+        built_state = _to_device(built.state, p.dist_context.device)
+        built_shared = _to_device(built.shared, p.dist_context.device)
         p.events.publish(ForwardBackwardStarted(step=step))
         totals = p.step_runner.run(
-            inputs=built.input,
-            states=built.state,
-            shared=built.shared,
+            inputs=built_input,
+            states=built_state,
+            shared=built_shared,
             num_microbatches=p.microbatches_per_step,
             step=step,
         )
