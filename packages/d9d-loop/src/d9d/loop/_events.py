@@ -54,15 +54,15 @@ class OptimizerStepStarted:
     """Gradients are synchronized and clipped; the optimizer is about to step."""
 
     step: int
-    grad_norm: float
 
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerStepFinished:
-    """The optimizer and LR scheduler stepped."""
+    """The optimizer and LR scheduler stepped; ``grad_norm`` is the norm before clipping."""
 
     step: int
     learning_rate: float
+    grad_norm: float
 
 
 @dataclass(kw_only=True, frozen=True)

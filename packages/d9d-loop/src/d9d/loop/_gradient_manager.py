@@ -68,15 +68,15 @@ class GradientManager:
                     if parameter.grad is not None:
                         parameter.grad.mul_(scale)
 
-    def clip(self) -> float:
-        """Clips the global gradient norm (when configured) and returns it."""
+    def clip(self) -> torch.Tensor:
+        """Clips the global gradient norm (when configured) and returns it (a device scalar)."""
         norm = clip_grad_norm(
             self.parameters(),
             self._clipping.max_norm,
             norm_type=self._clipping.norm_type,
             pp_group=self._pp_group,
         )
-        return float(norm.item())
+        return norm
 
     def close(self) -> None:
         """Removes gradient hooks."""

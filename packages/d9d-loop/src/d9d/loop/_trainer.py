@@ -250,13 +250,15 @@ class Trainer:
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
 
         p.gradients.finish(global_weight=weight, microbatches_per_rank=p.microbatches_per_step)
-        grad_norm = p.gradients.clip()
-        p.events.publish(OptimizerStepStarted(step=step, grad_norm=grad_norm))
+        grad_norm_tensor = p.gradients.clip()
+        p.events.publish(OptimizerStepStarted(step=step))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
         p.optimizer.step()
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
-        p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate))
+        # Read only now, so the optimizer's kernels are queued before the host waits.
+        grad_norm = float(grad_norm_tensor.item())
+        p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate, grad_norm=grad_norm))
 
         self._step += 1
         elapsed = time.perf_counter() - started
