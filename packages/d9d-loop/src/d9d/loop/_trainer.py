@@ -44,6 +44,8 @@ TreeT = TypeVar("TreeT")
 
 def _to_device(tree: TreeT, device: torch.device) -> TreeT:
     """Moves every tensor of a batch tree to the job's device (pinned memory copies asynchronously)."""
+    if device.type == "cpu":
+        return tree  # batches are built on the host: nothing to move
     return map_tree(tree, lambda t, _path: t.to(device, non_blocking=True))
 
 

@@ -75,7 +75,9 @@ def shard_tree(tree: TreeT, *, num_shards: int, dim: int = 0) -> list[TreeT]:
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    for path, tensor in tree_tensors(tree):
+    tensors = tree_tensors(tree)
+    pieces: list[tuple[torch.Tensor, ...]] = []
+    for path, tensor in tensors:
         if tensor.ndim <= dim:
             raise ValueError(f"cannot split tensor '{path}' of shape {tuple(tensor.shape)} along dim {dim}")
         if tensor.shape[dim] % num_shards != 0:
@@ -83,7 +85,14 @@ def shard_tree(tree: TreeT, *, num_shards: int, dim: int = 0) -> list[TreeT]:
                 f"tensor '{path}' has size {tensor.shape[dim]} along dim {dim}, "
                 f"not divisible into {num_shards} shards"
             )
-    return [shard_tree_at(tree, index=i, num_shards=num_shards, dim=dim) for i in range(num_shards)]
+        pieces.append(tuple(torch.split(tensor, tensor.shape[dim] // num_shards, dim=dim)))
+    if num_shards == 1:
+        return [tree]
+    shards: list[TreeT] = []
+    for index in range(num_shards):
+        shard_pieces = iter([p[index] for p in pieces])
+        shards.append(map_tree(tree, lambda _t, _p, it=shard_pieces: next(it)))
+    return shards
 
 
 def shard_tree_at(tree: TreeT, *, index: int, num_shards: int, dim: int = 0) -> TreeT:
