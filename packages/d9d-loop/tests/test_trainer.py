@@ -170,3 +170,36 @@ def _hung_collective() -> None:
 
 def test_a_hung_collective_fails_the_step_naming_step_and_rank() -> None:
     run_distributed(_hung_collective, world_size=2, timeout_s=120)
+
+
+def _losses(mesh: dict[str, int], directory: str | None, max_steps: int) -> list[float]:
+    trainer_section: dict[str, Any] = {"max_steps": max_steps}
+    if directory is not None:
+        trainer_section["checkpoint"] = {"directory": directory, "every_steps": 3}
+    trainer = build_trainer(toy_config(mesh=mesh, trainer=trainer_section), strategy="fsdp")
+    losses: list[float] = []
+    trainer.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+    trainer.train()
+    trainer.close()
+    trainer.dist_context.close()
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"data_parallel_shard": 2}, {"data_parallel_shard": 4}),  # resume on more ranks
+        ({"data_parallel_shard": 4}, {}),  # resume on a single process
+    ],
+)
+def test_resume_reshards_onto_another_mesh(
+    tmp_path: Path, first: dict[str, int], second: dict[str, int]
+) -> None:
+    def world(mesh: dict[str, int]) -> int:
+        return max(1, *mesh.values()) if mesh else 1
+
+    reference = run_distributed(_losses, {}, None, 6, world_size=1)[0]
+    run_distributed(_losses, first, str(tmp_path), 3, world_size=world(first), timeout_s=240)
+    resumed = run_distributed(_losses, second, str(tmp_path), 6, world_size=world(second), timeout_s=240)[0]
+    assert len(resumed) == 3  # steps 3, 4, 5 only
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[3:]), rtol=1e-5, atol=1e-7)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -86,9 +86,32 @@ class Checkpointer:
                 found.append(CheckpointLocation(step=int(match.group(1)), path=entry))
         return sorted(found, key=lambda c: c.step)
 
-    def load(self, location: CheckpointLocation, state: dict[str, Any]) -> None:
-        """Loads ``location`` into ``state`` (values that are ``Stateful`` are restored in place)."""
-        dcp.load(state, checkpoint_id=str(location.path), process_group=self._group)
+    def load(
+        self, location: CheckpointLocation, state: dict[str, Any], *, optional: Sequence[str] = ()
+    ) -> list[str]:
+        """Loads ``location`` into ``state`` (values that are ``Stateful`` are restored in place).
+
+        Args:
+            location: The checkpoint.
+            state: What to restore.
+            optional: Top-level keys that may be absent (e.g. the RNG state of a rank that did
+                not exist when the checkpoint was written, after resharding to more ranks).
+
+        Returns:
+            The optional keys that were absent and left untouched.
+
+        Raises:
+            ValueError: If a required key is absent, naming it and the checkpoint.
+        """
+        saved = dcp.FileSystemReader(str(location.path)).read_metadata().state_dict_metadata
+        prefixes = {key.split(".", 1)[0] for key in saved}
+        absent = [key for key in state if key not in prefixes]
+        required = [key for key in absent if key not in optional]
+        if required:
+            raise ValueError(f"checkpoint {location.path} has no {required}; it holds {sorted(prefixes)}")
+        present = {key: value for key, value in state.items() if key not in absent}
+        dcp.load(present, checkpoint_id=str(location.path), process_group=self._group)
+        return absent
 
     def save(
         self, step: int, state: dict[str, Any], on_visible: Callable[[CheckpointLocation], None]

@@ -156,7 +156,13 @@ class Trainer:
         location = checkpointer.latest()
         if location is None:
             return None
-        checkpointer.load(location, self._checkpoint_state())
+        rng_key = f"rng_rank{self._p.dist_context.rank}"
+        absent = checkpointer.load(location, self._checkpoint_state(), optional=(rng_key,))
+        if absent:
+            # The checkpoint was written by fewer ranks (resharded resume): this rank keeps its seed.
+            self._p.dist_context.logger.warning(
+                "%s has no random state for this rank; keeping the seeded one", location.path
+            )
         if self._p.dist_context.is_main_process:
             self._p.tracker.on_resume(self._step)
         self._p.dist_context.logger.info("resumed from %s at step %d", location.path, self._step)
