@@ -54,3 +54,47 @@ def test_four_ranks_match_single_process_loss_curve(mesh: dict[str, int]) -> Non
     assert len(reference) == 12
     for rank_curve in curves:
         torch.testing.assert_close(torch.tensor(rank_curve), torch.tensor(reference), rtol=1e-4, atol=0)
+
+
+def test_the_script_under_torchrun_gives_the_single_process_curve(tmp_path: Path) -> None:
+    # The real launcher, once: 4 CPU processes started by torchrun run the unchanged script.
+    config = (REPO / "examples" / "quickstart" / "config.yaml").read_text()
+    config = config.replace("mesh: {}", "mesh: {data_parallel_shard: 4}").replace(
+        "max_steps: 300", "max_steps: 12"
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    config = config.replace(
+        "  seed: 0\n  gradient_clipping",
+        f"  seed: 0\n  device: cpu\n  logging: {{tracker: {{name: jsonl, path: {metrics}}}}}\n  gradient_clipping",
+        1,
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        str(QUICKSTART),
+        str(path),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun_losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    single = yaml_config(config.replace("mesh: {data_parallel_shard: 4}", "mesh: {}"))
+    reference = run_distributed(_curve_from_raw, single, world_size=1)[0]
+    torch.testing.assert_close(torch.tensor(torchrun_losses), torch.tensor(reference), rtol=1e-4, atol=0)
+
+
+def yaml_config(text: str) -> dict[str, object]:
+    import yaml
+
+    raw = yaml.safe_load(text)
+    raw["trainer"]["logging"] = {"progress_bar": False}
+    return raw
+
+
+def _curve_from_raw(raw: dict[str, object]) -> list[float]:
+    return run_quickstart(raw, num_samples=65536)["losses"]
