@@ -65,7 +65,8 @@ def test_the_script_under_torchrun_gives_the_single_process_curve(tmp_path: Path
     metrics = tmp_path / "metrics.jsonl"
     config = config.replace(
         "  seed: 0\n  gradient_clipping",
-        f"  seed: 0\n  device: cpu\n  logging: {{tracker: {{name: jsonl, path: {metrics}}}}}\n  gradient_clipping",
+        "  seed: 0\n  device: cpu\n"
+        f"  logging: {{tracker: {{name: jsonl, path: {metrics}}}}}\n  gradient_clipping",
         1,
     )
     path = tmp_path / "config.yaml"
