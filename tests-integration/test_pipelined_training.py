@@ -1,4 +1,4 @@
-"""A two-stage model trained with pipeline parallelism (pp=2, 1F1B) matches its non-pipelined run."""
+"""A model trained with pipeline parallelism (pp=2, several schedules) matches its non-pipelined run."""
 
 from __future__ import annotations
 
@@ -27,45 +27,55 @@ from d9d.loop import (
 )
 from d9d.mesh import DENSE_DOMAIN
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import parallelize_hsdp
+from d9d.parallel import parallelize_hsdp, parallelize_replicate
+from d9d.pipeline import PipelineStageInfo, layers_of_stage
 from d9d.state_mappers import identity_mapper_from_module
 
+WIDTHS = [16, 32, 32, 32, 1]  # four linear layers, GELU between them
 
-class TwoStageMLP(nn.Module):
-    """The quickstart MLP cut in two: stage 0 holds ``fc1``, stage 1 ``fc2`` and ``out``."""
 
-    def __init__(self, *, first: bool, last: bool) -> None:
+class StagedMLP(nn.Module):
+    """The quickstart-style MLP cut into pipeline stages; layer ``i`` is ``layers.<i>`` everywhere."""
+
+    def __init__(self, stage: PipelineStageInfo) -> None:
         super().__init__()
-        self.first, self.last = first, last
-        self.fc1 = nn.Linear(16, 32) if first else None
-        self.fc2 = nn.Linear(32, 32) if last else None
-        self.out = nn.Linear(32, 1) if last else None
+        self.owned = list(layers_of_stage(stage, len(WIDTHS) - 1))
+        self.last = stage.is_last
+        self.layers = nn.ModuleDict({str(i): nn.Linear(WIDTHS[i], WIDTHS[i + 1]) for i in self.owned})
 
     def forward(self, inputs: Any, shared: None) -> torch.Tensor:
-        h = F.gelu(self.fc1(inputs.x)) if self.fc1 is not None else inputs
-        if self.fc2 is None or self.out is None:
-            return h
-        return self.out(F.gelu(self.fc2(h)))
+        h = inputs.x if self.owned[0] == 0 else inputs
+        for i in self.owned:
+            h = self.layers[str(i)](h)
+            if i < len(WIDTHS) - 2:
+                h = F.gelu(h)
+        return h
 
     def reset_parameters(self) -> None:
-        for layer in (self.fc1, self.fc2, self.out):
-            if layer is not None:
-                layer.reset_parameters()
+        for layer in self.layers.values():
+            assert isinstance(layer, nn.Linear)
+            layer.reset_parameters()
 
 
-class TwoStageProvider(ModelProvider[TwoStageMLP]):
+class StagedProvider(ModelProvider[StagedMLP]):
+    def __init__(self, strategy: str) -> None:
+        self.strategy = strategy
+
     def initialize_model_stage(
         self, context: InitializeModelStageContext
-    ) -> InitializeModelStageResult[TwoStageMLP]:
-        model = TwoStageMLP(first=context.stage.is_first, last=context.stage.is_last)
+    ) -> InitializeModelStageResult[StagedMLP]:
+        model = StagedMLP(context.stage)
         return InitializeModelStageResult(model=model, state_mapper=identity_mapper_from_module(model))
 
-    def parallelize_model_stage(self, context: ParallelizeModelStageContext[TwoStageMLP]) -> None:
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[StagedMLP]) -> None:
         mesh = context.dist_context.mesh_for(DENSE_DOMAIN)
-        parallelize_hsdp(context.model, mesh=mesh["dp_replicate", "dp_cp_shard", "cp_replicate"])
+        if self.strategy == "replicate":  # d9d's bucketed all-reduce instead of FSDP
+            parallelize_replicate(context.model, mesh=mesh["dp_replicate"])
+        else:
+            parallelize_hsdp(context.model, mesh=mesh["dp_replicate", "dp_cp_shard", "cp_replicate"])
 
 
-def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str) -> list[float]:
+def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str, strategy: str) -> list[float]:
     qs = load_quickstart()
     raw = quickstart_config(
         mesh=mesh, trainer={"pipeline": schedule, "max_steps": 6, "initialization": {"source": source}}
@@ -77,7 +87,7 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str) -> list[
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=TwoStageProvider(),
+        model_provider=StagedProvider(strategy),
         task_provider=lambda ctx: qs.RegressionTask(),
         data_provider=AutoDataProvider(
             dataset_factory=lambda d: qs.RegressionDataset(2048, 16),
@@ -95,24 +105,28 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str) -> list[
 
 
 @pytest.mark.parametrize(
-    ("mesh", "schedule", "world"),
+    ("mesh", "schedule", "world", "strategy"),
     [
-        ({"pipeline_parallel": 2}, {"name": "1f1b"}, 2),  # the issue's pp=2, 1F1B
-        ({"pipeline_parallel": 2}, {"name": "gpipe"}, 2),
-        ({"pipeline_parallel": 2, "data_parallel_shard": 2}, {"name": "1f1b"}, 4),  # pp x FSDP
+        ({"pipeline_parallel": 2}, {"name": "1f1b"}, 2, "hsdp"),  # the issue's pp=2, 1F1B
+        ({"pipeline_parallel": 2}, {"name": "gpipe"}, 2, "hsdp"),
+        ({"pipeline_parallel": 2, "data_parallel_shard": 2}, {"name": "1f1b"}, 4, "hsdp"),  # pp x FSDP
+        # pp x replicated data parallelism (bucketed all-reduce in each stage's last backward)
+        ({"pipeline_parallel": 2, "data_parallel_replicate": 2}, {"name": "1f1b"}, 4, "replicate"),
+        # split backward: weight gradients accumulate in separate actions
+        ({"pipeline_parallel": 2, "data_parallel_replicate": 2}, {"name": "zbv"}, 4, "replicate"),
     ],
 )
 def test_pipelined_run_matches_non_pipelined(
-    tmp_path: Path, mesh: dict[str, int], schedule: dict[str, Any], world: int
+    tmp_path: Path, mesh: dict[str, int], schedule: dict[str, Any], world: int, strategy: str
 ) -> None:
     # Both runs start from the same weights, loaded through the stages' state mappers: each
     # pipeline stage reads only its own tensors from the file.
     torch.manual_seed(0)
-    full = TwoStageMLP(first=True, last=True)
+    full = StagedMLP(PipelineStageInfo(current_stage=0, num_stages=1))
     source = tmp_path / "init.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(source))
-    reference = run_distributed(_train, {}, {"name": "1f1b"}, str(source), world_size=1)[0]
-    curves = run_distributed(_train, mesh, schedule, str(source), world_size=world, timeout_s=240)
+    reference = run_distributed(_train, {}, {"name": "1f1b"}, str(source), "hsdp", world_size=1)[0]
+    curves = run_distributed(_train, mesh, schedule, str(source), strategy, world_size=world, timeout_s=240)
     assert len(reference) == 6
     for curve in curves:
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(reference), rtol=1e-4, atol=0)

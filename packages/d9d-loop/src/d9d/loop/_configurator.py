@@ -155,7 +155,11 @@ class TrainingConfigurator:
                 device=dist_context.device,
             )
             step_runner = PipelinedStepRunner(
-                executor=executor, adapters=list(adapters.values()), task=task, gradients=gradients
+                executor=executor,
+                adapters=list(adapters.values()),
+                stage_positions={s.stage.current_stage: i for i, s in enumerate(stages)},
+                task=task,
+                gradients=gradients,
             )
         else:
             step_runner = SequentialStepRunner(model=models[0], task=task, gradients=gradients)

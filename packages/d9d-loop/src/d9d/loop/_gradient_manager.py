@@ -38,17 +38,15 @@ class GradientManager:
         self._pp_group = pp_group
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
-    @property
-    def launched_buckets(self) -> int:
-        """All-reduce buckets launched by d9d's synchronizer in the current step."""
-        return sum(s.launched_buckets for s in self._synchronizers)
-
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter of the local stages."""
         return [p for stage in self._stages for p in stage.parameters()]
 
-    def begin_microbatch(self, *, is_last: bool) -> None:
-        """Call before each microbatch's backward."""
+    def begin_microbatch(self, *, is_last: bool, stage_position: int | None = None) -> None:
+        """Call before each microbatch's backward (of one local stage, or of all of them)."""
+        if stage_position is not None:
+            self._synchronizers[stage_position].begin_microbatch(is_last)
+            return
         for synchronizer in self._synchronizers:
             synchronizer.begin_microbatch(is_last)
 

@@ -62,11 +62,13 @@ class PipelinedStepRunner:
         *,
         executor: PipelineExecutor,
         adapters: list[PipelineStageAdapter],
+        stage_positions: dict[int, int],
         task: TrainTask[Any, Any, Any, Any, Any],
         gradients: GradientManager,
     ) -> None:
         self._executor = executor
         self._adapters = adapters
+        self._stage_positions = stage_positions
         self._task = task
         self._gradients = gradients
 
@@ -101,13 +103,13 @@ class PipelinedStepRunner:
                 totals.metric_sums[name] += float(value)
             return result.loss * (weight / num_microbatches)
 
-        # Every microbatch's backward reduces (FSDP reduce-scatters and accumulates the shards).
-        self._gradients.begin_microbatch(is_last=True)
-        self._executor.step(flat_inputs, loss_fn=loss_fn, shared=shared)
-        if self._gradients.launched_buckets:
-            raise NotImplementedError(
-                "pipeline stages have parameters reduced by d9d's bucketed all-reduce "
-                "(parallelize_replicate or a Partial placement), which pipeline schedules do not "
-                "support yet; use parallelize_fsdp / parallelize_hsdp for pipelined stages"
-            )
+        def before_weight_gradients(stage: int, microbatch: int, is_last: bool) -> None:
+            # Reductions (FSDP's and d9d's bucketed all-reduce) run only in a stage's last
+            # backward of the step, overlapped with it, as without pipelining.
+            del microbatch
+            self._gradients.begin_microbatch(is_last=is_last, stage_position=self._stage_positions[stage])
+
+        self._executor.step(
+            flat_inputs, loss_fn=loss_fn, shared=shared, weight_gradient_hook=before_weight_gradients
+        )
         return totals

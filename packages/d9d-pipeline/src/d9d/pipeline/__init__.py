@@ -39,7 +39,7 @@ from d9d.pipeline._schedules._zero_bubble import build_interleaved_zero_bubble_p
 from d9d.pipeline._shapes import PipelineOutputMeta, PipelineShapeError
 from d9d.pipeline._simulator import ActionCosts, SimulationResult, TimedAction, simulate_program
 from d9d.pipeline._stage_info import PipelineStageInfo, assign_layers, layers_of_stage
-from d9d.pipeline._stage_runtime import LossFn
+from d9d.pipeline._stage_runtime import LossFn, WeightGradientHook
 from d9d.pipeline._tree import TensorSpec, TreeSpec, split_microbatches
 from d9d.pipeline._validator import PipelineProgramError, validate_program
 
@@ -69,6 +69,7 @@ __all__ = [
     "TensorSpec",
     "TimedAction",
     "TreeSpec",
+    "WeightGradientHook",
     "ZBVScheduleConfig",
     "assign_layers",
     "backward",

@@ -14,7 +14,7 @@ from d9d.pipeline._executor_base import check_stage_modules, forward_only_view
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._runner import RankRunner
 from d9d.pipeline._shapes import PipelineShapeError, infer_output_spec
-from d9d.pipeline._stage_runtime import LossFn, StageRuntime
+from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._transport import P2PTransport
 from d9d.pipeline._tree import TreeSpec, spec_of, split_microbatches
 from d9d.pipeline._validator import validate_program
@@ -95,7 +95,14 @@ class PipelineExecutor:
         """Whether this rank holds the last stage (where losses and outputs appear)."""
         return self._program.num_stages - 1 in self._runtimes
 
-    def step(self, inputs: Any, *, loss_fn: LossFn, shared: Any = None) -> list[torch.Tensor] | None:
+    def step(
+        self,
+        inputs: Any,
+        *,
+        loss_fn: LossFn,
+        shared: Any = None,
+        weight_gradient_hook: WeightGradientHook | None = None,
+    ) -> list[torch.Tensor] | None:
         """Runs forward and backward of every microbatch of ``inputs``.
 
         Args:
@@ -105,6 +112,9 @@ class PipelineExecutor:
                 tensor, already weighted (for a mean over the batch, divide by the microbatch count
                 or by the batch's token count); its backward is what the step runs.
             shared: Passed unchanged to every stage on every microbatch (rotary tables, masks).
+            weight_gradient_hook: ``hook(stage, microbatch, is_last)`` before each action that
+                accumulates a local stage's parameter gradients; ``is_last`` marks the stage's last
+                one of the step (where a gradient synchronizer should reduce).
 
         Returns:
             On the rank holding the last stage, the detached loss of every microbatch in order;
@@ -112,7 +122,7 @@ class PipelineExecutor:
         """
         if not self._program.training:
             raise ValueError("step() needs a training program; this one is forward-only, use forward()")
-        runner = self._run(self._program, inputs, shared, loss_fn)
+        runner = self._run(self._program, inputs, shared, loss_fn, weight_gradient_hook)
         if not self.has_last_stage:
             return None
         return [runner.losses[m] for m in range(self._program.num_microbatches)]
@@ -133,7 +143,14 @@ class PipelineExecutor:
             return None
         return [runner.outputs[m] for m in range(self._program.num_microbatches)]
 
-    def _run(self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None) -> RankRunner:
+    def _run(
+        self,
+        program: PipelineProgram,
+        inputs: Any,
+        shared: Any,
+        loss_fn: LossFn | None,
+        weight_hook: WeightGradientHook | None = None,
+    ) -> RankRunner:
         microbatches: list[Any] = []
         input_error: str | None = None
         if 0 in self._runtimes:
@@ -146,7 +163,7 @@ class PipelineExecutor:
         runner = RankRunner(
             program=program, rank=self._rank, stages=self._runtimes, transport=transport, device=self._device
         )
-        runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn)
+        runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn, weight_hook=weight_hook)
         try:
             for action in program.actions[self._rank]:
                 runner.execute(action)

@@ -13,7 +13,7 @@ from d9d.pipeline._executor_base import forward_only_view
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._runner import RankRunner
 from d9d.pipeline._shapes import infer_output_spec
-from d9d.pipeline._stage_runtime import LossFn, StageRuntime
+from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._tree import spec_of, split_microbatches
 from d9d.pipeline._validator import validate_program
 
@@ -82,7 +82,14 @@ class LocalPipelineExecutor:
         """The program this executor runs."""
         return self._program
 
-    def step(self, inputs: Any, *, loss_fn: LossFn, shared: Any = None) -> list[torch.Tensor]:
+    def step(
+        self,
+        inputs: Any,
+        *,
+        loss_fn: LossFn,
+        shared: Any = None,
+        weight_gradient_hook: WeightGradientHook | None = None,
+    ) -> list[torch.Tensor]:
         """Forward and backward of every microbatch; see :meth:`PipelineExecutor.step`.
 
         Returns:
@@ -90,7 +97,7 @@ class LocalPipelineExecutor:
         """
         if not self._program.training:
             raise ValueError("step() needs a training program; this one is forward-only, use forward()")
-        runners = self._run(self._program, inputs, shared, loss_fn)
+        runners = self._run(self._program, inputs, shared, loss_fn, weight_gradient_hook)
         last = runners[self._program.stage_to_rank[-1]]
         return [last.losses[m] for m in range(self._program.num_microbatches)]
 
@@ -103,7 +110,12 @@ class LocalPipelineExecutor:
         return [last.outputs[m] for m in range(self._program.num_microbatches)]
 
     def _run(
-        self, program: PipelineProgram, inputs: Any, shared: Any, loss_fn: LossFn | None
+        self,
+        program: PipelineProgram,
+        inputs: Any,
+        shared: Any,
+        loss_fn: LossFn | None,
+        weight_hook: WeightGradientHook | None = None,
     ) -> list[RankRunner]:
         microbatches = split_microbatches(inputs, program.num_microbatches)
         spec = spec_of(microbatches[0])
@@ -120,7 +132,7 @@ class LocalPipelineExecutor:
             runner = RankRunner(
                 program=program, rank=rank, stages=local, transport=_Mailbox(rank, boxes), device=self._device
             )
-            runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn)
+            runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn, weight_hook=weight_hook)
             runners.append(runner)
         pointer = [0] * program.num_ranks
         try:

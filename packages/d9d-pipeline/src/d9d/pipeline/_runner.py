@@ -9,7 +9,7 @@ import torch
 
 from d9d.pipeline._actions import Action, ActionKind
 from d9d.pipeline._program import PipelineProgram
-from d9d.pipeline._stage_runtime import LossFn, StageRuntime
+from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._tree import TreeSpec, flatten_tree
 
 
@@ -52,6 +52,11 @@ class RankRunner:
         self._stages = stages
         self._transport = transport
         self._device = device
+        self._weight_hook: WeightGradientHook | None = None
+        self._last_weight_action: dict[int, Action] = {}
+        for action in program.actions[rank]:
+            if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                self._last_weight_action[action.stage] = action
         self._microbatches: Sequence[Any] = ()
         self._shared: Any = None
         self._loss_fn: LossFn | None = None
@@ -62,9 +67,17 @@ class RankRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
 
-    def start(self, *, microbatches: Sequence[Any], shared: Any, loss_fn: LossFn | None) -> None:
+    def start(
+        self,
+        *,
+        microbatches: Sequence[Any],
+        shared: Any,
+        loss_fn: LossFn | None,
+        weight_hook: WeightGradientHook | None = None,
+    ) -> None:
         """Resets the per-step state."""
         self._microbatches, self._shared, self._loss_fn = microbatches, shared, loss_fn
+        self._weight_hook = weight_hook
         self._activations.clear()
         self._recv_trees.clear()
         self._output_grads.clear()
@@ -102,10 +115,19 @@ class RankRunner:
                 self._forward(s, m)
             case ActionKind.BACKWARD | ActionKind.BACKWARD_INPUT:
                 self._transport.flush()
+                if action.kind == ActionKind.BACKWARD:
+                    self._before_weight_gradients(action)
                 self._backward(s, m, split=action.kind == ActionKind.BACKWARD_INPUT)
             case ActionKind.BACKWARD_WEIGHT:
                 self._transport.flush()
+                self._before_weight_gradients(action)
                 self._stages[s].backward_weight(m)
+
+    def _before_weight_gradients(self, action: Action) -> None:
+        if self._weight_hook is not None:
+            self._weight_hook(
+                action.stage, action.microbatch, self._last_weight_action.get(action.stage) == action
+            )
 
     def _forward(self, s: int, m: int) -> None:
         runtime = self._stages[s]

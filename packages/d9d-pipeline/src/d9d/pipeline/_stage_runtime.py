@@ -14,6 +14,11 @@ from d9d.pipeline._split_backward import WeightBackwardPlan, input_backward, wei
 from d9d.pipeline._tree import TreeSpec, flatten_tree, unflatten_tree
 
 LossFn = Callable[[Any, int], torch.Tensor]
+WeightGradientHook = Callable[[int, int, bool], None]
+"""Called as ``hook(stage, microbatch, is_last)`` before each action that accumulates a stage's
+parameter gradients (a full backward, or the weight half of a split backward); ``is_last`` is
+true for the stage's last such action of the step. Gradient synchronizers use it to reduce only
+once, overlapped with the last backward."""
 """Loss callback: ``(last stage outputs, microbatch index) -> loss tensor`` (already weighted)."""
 
 
