@@ -130,3 +130,58 @@ def test_pipelined_run_matches_non_pipelined(
     assert len(reference) == 6
     for curve in curves:
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(reference), rtol=1e-4, atol=0)
+
+
+def _train_with_checkpoints(
+    schedule: dict[str, Any], source: str, directory: str, max_steps: int
+) -> list[float]:
+    qs = load_quickstart()
+    raw = quickstart_config(
+        mesh={"pipeline_parallel": 2},
+        trainer={
+            "pipeline": schedule,
+            "max_steps": max_steps,
+            "initialization": {"source": source},
+            "checkpoint": {"directory": directory, "every_steps": 2},
+        },
+    )
+    raw["lr_scheduler"] = {"name": "constant"}  # the same schedule for runs of different lengths
+    config = ProjectConfig.model_validate(raw)
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=StagedProvider("hsdp"),
+        task_provider=lambda ctx: qs.RegressionTask(),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda d: qs.RegressionDataset(2048, 16),
+            collator=qs.RegressionDataset.collate,
+            config=config.data,
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    losses: list[float] = []
+    trainer.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+    trainer.train()
+    trainer.close()
+    trainer.dist_context.close()
+    return losses
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"name": "1f1b"},
+        {"name": "interleaved_1f1b", "stages_per_rank": 2},  # two stages per rank
+    ],
+)
+def test_pipelined_run_checkpoints_and_resumes_exactly(tmp_path: Path, schedule: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    full = StagedMLP(PipelineStageInfo(current_stage=0, num_stages=1))
+    source = tmp_path / "init.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(source))
+    args = (schedule, str(source))
+    straight = run_distributed(_train_with_checkpoints, *args, str(tmp_path / "a"), 6, world_size=2)
+    run_distributed(_train_with_checkpoints, *args, str(tmp_path / "b"), 4, world_size=2)
+    resumed = run_distributed(_train_with_checkpoints, *args, str(tmp_path / "b"), 6, world_size=2)
+    assert resumed[0] == straight[0][4:]

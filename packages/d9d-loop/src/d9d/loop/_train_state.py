@@ -50,18 +50,27 @@ class ModelState:
             set_model_state_dict(stage, own, options=StateDictOptions(strict=True))
 
 
+# Keys per parameter ("param_groups.<name>.lr"), not one param_groups list per rank: pipeline
+# ranks hold different parameters, and DCP would keep only one rank's copy of a shared key.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class OptimizerState:
-    """The optimizer's state over all local stages."""
+    """The optimizer's state over all local stages, keyed by parameter name.
+
+    With several stages per rank the names carry the stage's position on the rank, so such a
+    checkpoint resumes on the same pipeline layout only.
+    """
 
     def __init__(self, stages: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
         self._module = _container(stages)
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self._module, self._optimizer)
+        return get_optimizer_state_dict(self._module, self._optimizer, options=_FLAT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self._module, self._optimizer, state_dict)
+        set_optimizer_state_dict(self._module, self._optimizer, state_dict, options=_FLAT)
 
 
 class RandomState:
