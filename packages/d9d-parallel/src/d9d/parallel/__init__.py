@@ -16,6 +16,7 @@ from d9d.parallel._expert_parallel import MoELayerLike, parallelize_expert_paral
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
+from d9d.parallel._grouped_tensor_parallel import parallelize_grouped_tensor_parallel
 from d9d.parallel._local_forward import LocalParameterSlot, install_local_forward
 from d9d.parallel._reduction import GradientReduction
 from d9d.parallel._replicate import parallelize_replicate
@@ -47,6 +48,7 @@ __all__ = [
     "parallelize_context_parallel",
     "parallelize_expert_parallel",
     "parallelize_fsdp",
+    "parallelize_grouped_tensor_parallel",
     "parallelize_hsdp",
     "parallelize_replicate",
     "synchronize_replicas",
