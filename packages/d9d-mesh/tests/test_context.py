@@ -187,3 +187,18 @@ def test_world_of_one_rejects_bigger_mesh_before_starting_groups() -> None:
     with pytest.raises(ValueError, match="world size is 1"):
         DistributedContext(MeshParameters(tensor_parallel=2))
     assert not dist.is_initialized()
+
+
+def _count_created_groups() -> int:
+    ctx = DistributedContext(MeshParameters(pipeline_parallel=2, data_parallel_shard=2))
+    for domain in ALL_DOMAINS:
+        ctx.mesh_for(domain)
+    created = ctx.process_groups_created
+    ctx.close()
+    return created
+
+
+def test_domains_share_process_groups() -> None:
+    # 18 mesh dims over five domains split 4 ranks only 4 ways: by pp ({0,2},{1,3}), by data
+    # ({0,1},{2,3}), into singletons (every size-1 dim) and all together (the default group).
+    assert run_distributed(_count_created_groups, world_size=4) == [3, 3, 3, 3]

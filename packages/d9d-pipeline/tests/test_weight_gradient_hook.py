@@ -45,6 +45,9 @@ def test_hook_marks_each_stages_last_weight_gradient(program) -> None:  # type: 
         assert [last for _, _, last in mine] == [False] * (len(mine) - 1) + [True]
         assert grads_at_last[stage]  # earlier microbatches already accumulated
     weight_actions = [
-        a for acts in program.actions for a in acts if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
+        a
+        for acts in program.actions
+        for a in acts
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
     ]
     assert len(calls) == len(weight_actions)

@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh._domains import BATCH_DOMAIN, MeshDomain, domain_layout
+from d9d.mesh._group_cache import ProcessGroupCache, partition_along
 from d9d.mesh._parameters import MeshParameters
 from d9d.mesh._seeding import seed_everything
 
@@ -74,6 +75,7 @@ class DistributedContext:
         self._backend = "nccl" if self._device_type == "cuda" else "gloo"
         self._timeout = timeout
         self._meshes: dict[MeshDomain, DeviceMesh] = {}
+        self._groups = ProcessGroupCache(timeout=timeout)
 
         if dist.is_initialized():
             world_size = dist.get_world_size()
@@ -179,14 +181,23 @@ class DistributedContext:
         """Returns the device mesh of ``domain``, building it on first use.
 
         Every process must ask for a domain the first time in the same order, since building a
-        mesh creates process groups collectively.
+        mesh may create process groups collectively. Mesh dims that split the ranks the same way
+        as a dim of an earlier domain reuse its process groups.
         """
         mesh = self._meshes.get(domain)
         if mesh is None:
             layout = domain_layout(domain, self._parameters)
-            mesh = DeviceMesh(self._device_type, layout.ranks, mesh_dim_names=layout.dim_names)
+            groups = [self._groups.group(partition_along(layout.ranks, d)) for d in range(layout.ranks.ndim)]
+            mesh = DeviceMesh.from_group(
+                groups, self._device_type, mesh=layout.ranks, mesh_dim_names=layout.dim_names
+            )
             self._meshes[domain] = mesh
         return mesh
+
+    @property
+    def process_groups_created(self) -> int:
+        """Distinct rank partitions for which the domains built so far created process groups."""
+        return self._groups.created
 
     @property
     def pipeline_rank(self) -> int:
