@@ -1,3 +1,5 @@
+"""DistributedContext on CPU ranks (device forced to CPU: gloo ranks, also on a GPU host)."""
+
 import math
 from datetime import timedelta
 
@@ -72,7 +74,7 @@ def _sizes(p: MeshParameters) -> dict[MeshDomain, dict[str, int]]:
 
 def _check_all_domains(fields: dict[str, int]) -> None:
     params = MeshParameters(**fields)
-    ctx = DistributedContext(params)
+    ctx = DistributedContext(params, device_type="cpu")
     assert ctx.device == torch.device("cpu") and ctx.backend == "gloo"
     rank = dist.get_rank()
     for domain in ALL_DOMAINS:
@@ -111,7 +113,9 @@ def test_domains_on_four_ranks(fields: dict[str, int]) -> None:
 
 
 def _hand_checked_hsdp_groups() -> None:
-    ctx = DistributedContext(MeshParameters(data_parallel_replicate=2, data_parallel_shard=2))
+    ctx = DistributedContext(
+        MeshParameters(data_parallel_replicate=2, data_parallel_shard=2), device_type="cpu"
+    )
     dense = ctx.mesh_for(DENSE_DOMAIN)
     rank = dist.get_rank()
     replicate = dist.get_process_group_ranks(dense.get_group("dp_replicate"))
@@ -127,7 +131,7 @@ def test_hsdp_groups_by_hand() -> None:
 
 
 def _pipeline_and_seed() -> tuple[int, int, float]:
-    ctx = DistributedContext(MeshParameters(pipeline_parallel=2, tensor_parallel=2))
+    ctx = DistributedContext(MeshParameters(pipeline_parallel=2, tensor_parallel=2), device_type="cpu")
     used = ctx.seed(7)
     return ctx.pipeline_rank, used, torch.rand(1).item()
 
@@ -142,7 +146,7 @@ def test_seed_is_shared_within_a_stage_and_differs_across_stages() -> None:
 
 def _wrong_world() -> None:
     with pytest.raises(ValueError, match=r"mesh needs 4 ranks .* world size is 2"):
-        DistributedContext(MeshParameters(data_parallel_shard=4))
+        DistributedContext(MeshParameters(data_parallel_shard=4), device_type="cpu")
 
 
 def test_world_size_mismatch_raises() -> None:
@@ -150,7 +154,7 @@ def test_world_size_mismatch_raises() -> None:
 
 
 def _main_first_and_timeout() -> None:
-    ctx = DistributedContext(MeshParameters(data_parallel_shard=2))
+    ctx = DistributedContext(MeshParameters(data_parallel_shard=2), device_type="cpu")
     order: list[str] = []
     with ctx.main_process_first():
         order.append("body")
@@ -170,7 +174,7 @@ def test_main_process_first_and_timeout() -> None:
 
 def test_world_of_one_without_torchrun() -> None:
     assert not dist.is_initialized()
-    ctx = DistributedContext(MeshParameters())
+    ctx = DistributedContext(MeshParameters(), device_type="cpu")
     try:
         assert ctx.world_size == 1 and ctx.rank == 0 and ctx.is_main_process
         for domain in ALL_DOMAINS:
@@ -185,12 +189,12 @@ def test_world_of_one_without_torchrun() -> None:
 
 def test_world_of_one_rejects_bigger_mesh_before_starting_groups() -> None:
     with pytest.raises(ValueError, match="world size is 1"):
-        DistributedContext(MeshParameters(tensor_parallel=2))
+        DistributedContext(MeshParameters(tensor_parallel=2), device_type="cpu")
     assert not dist.is_initialized()
 
 
 def _count_created_groups() -> int:
-    ctx = DistributedContext(MeshParameters(pipeline_parallel=2, data_parallel_shard=2))
+    ctx = DistributedContext(MeshParameters(pipeline_parallel=2, data_parallel_shard=2), device_type="cpu")
     for domain in ALL_DOMAINS:
         ctx.mesh_for(domain)
     created = ctx.process_groups_created
