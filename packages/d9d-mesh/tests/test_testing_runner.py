@@ -1,4 +1,5 @@
 import os
+import sys
 import time
 
 import pytest
@@ -67,3 +68,15 @@ def test_ranks_can_use_autograd_after_the_parent_did() -> None:
     y = torch.ones(2, requires_grad=True)
     (y * 3).sum().backward()
     assert run_distributed(_backward_works, world_size=2) == [6.0, 6.0]
+
+
+def _backward_with_module(module: object) -> float:
+    assert module is sys.modules[__name__]  # the same module object, resolved by name
+    return _backward_works()
+
+
+def test_module_arguments_travel_by_name_to_the_clean_zygote() -> None:
+    # e.g. a conftest module handed to ranks as a fixture; the parent has already run backward
+    y = torch.ones(2, requires_grad=True)
+    (y * 3).sum().backward()
+    assert run_distributed(_backward_with_module, sys.modules[__name__], world_size=2) == [6.0, 6.0]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -141,12 +145,28 @@ class _Request:
     collective_timeout_s: float
 
 
+def _module_by_name(name: str) -> types.ModuleType:
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
+
+
+class _RequestPickler(pickle.Pickler):
+    """Pickles modules (e.g. a test's conftest passed as a fixture) by name: the zygote has them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType):
+            return _module_by_name, (obj.__name__,)
+        return NotImplemented
+
+
 def _run_through_zygote(request: _Request) -> list[_RankOutcome] | None:
     path = os.environ.get(ZYGOTE_ENV)
     if path is None:
         return None
     try:
-        payload = pickle.dumps(request)
+        buffer = io.BytesIO()
+        _RequestPickler(buffer).dump(request)
+        payload = buffer.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         return None  # e.g. a closure: fork from the caller instead
     status, value = ask_zygote(path, payload, request.timeout_s + 60.0)
