@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import statistics
 import time
 from pathlib import Path
 from types import ModuleType
@@ -140,23 +141,34 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=64)
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     qs = load_quickstart()
     cfg = config(args.steps, args.batch, args.micro, args.device)
-    d9d_times, hand_times = [], []
-    for _ in range(args.repeats):  # interleaved, best of N: robust to a noisy shared machine
-        hand_times.append(run_hand_written(qs, cfg, args.hidden, args.samples, args.device))
-        d9d_times.append(run_d9d(qs, cfg, args.hidden, args.samples))
-    hand, ours = min(hand_times), min(d9d_times)
+    ratios, hand_rates, d9d_rates = [], [], []
+    # Pairs of runs in alternating order; the median of the per-pair ratios is robust to a
+    # shared machine's slow drifts, which a best-of-N over separate runs is not.
+    for pair in range(args.repeats):
+        if pair % 2 == 0:
+            hand = run_hand_written(qs, cfg, args.hidden, args.samples, args.device)
+            ours = run_d9d(qs, cfg, args.hidden, args.samples)
+        else:
+            ours = run_d9d(qs, cfg, args.hidden, args.samples)
+            hand = run_hand_written(qs, cfg, args.hidden, args.samples, args.device)
+        ratios.append(hand / ours)
+        hand_rates.append(args.steps / hand)
+        d9d_rates.append(args.steps / ours)
     print(
         f"device={args.device} hidden={args.hidden} steps={args.steps} batch={args.batch} micro={args.micro}"
     )
-    print(f"hand-written loop: {args.steps / hand:8.1f} steps/s")
-    print(f"d9d Trainer:       {args.steps / ours:8.1f} steps/s")
-    print(f"d9d / hand-written throughput ratio: {hand / ours:.3f}")
+    print(f"hand-written loop: {statistics.median(hand_rates):8.1f} steps/s (median of {args.repeats})")
+    print(f"d9d Trainer:       {statistics.median(d9d_rates):8.1f} steps/s (median of {args.repeats})")
+    print(
+        f"d9d / hand-written throughput ratio: {statistics.median(ratios):.3f} "
+        f"(median of {args.repeats} alternating pairs; min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -87,12 +87,20 @@ def all_reduce_sum(
 ) -> list[float]:
     """Sums a few scalars over ``group`` in one collective (float64 for exact counts).
 
-    Scalars may be device tensors: they are gathered without a host sync, and the result is
-    read back once.
+    On an accelerator, scalars that are device tensors are gathered without a host sync and the
+    result is read back once; on the CPU reading them is free, so plain floats are used.
     """
-    tensor = torch.stack(
-        [torch.as_tensor(v, device=device).detach().to(torch.float64).reshape(()) for v in values]
-    )
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+    alone = group is None or dist.get_world_size(group) == 1
+    if device.type == "cpu":
+        floats = [float(v) for v in values]
+        if alone:
+            return floats
+        tensor = torch.tensor(floats, dtype=torch.float64)
+    else:
+        tensor = torch.stack(
+            [torch.as_tensor(v, device=device).detach().to(torch.float64).reshape(()) for v in values]
+        )
+        if alone:
+            return cast(list[float], tensor.cpu().tolist())
+    dist.all_reduce(tensor, group=group)
     return cast(list[float], tensor.cpu().tolist())

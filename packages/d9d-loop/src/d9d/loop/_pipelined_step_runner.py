@@ -96,9 +96,7 @@ class PipelinedStepRunner:
                 )
             )
             weight = loss_weight_of(result.loss_weight)
-            totals.weighted_loss = totals.weighted_loss + result.loss.detach().float() * weight
-            totals.weight += weight
-            totals.microbatches += 1
+            totals.add(result.loss, weight)
             for name, value in result.metrics.items():
                 totals.metric_sums[name] += float(value)
             return result.loss * (weight / num_microbatches)

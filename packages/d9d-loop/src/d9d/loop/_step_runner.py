@@ -18,10 +18,27 @@ from d9d.mesh import shard_tree
 class MicrobatchTotals:
     """Sums over this rank's microbatches of a step."""
 
-    weighted_loss: torch.Tensor | float = 0.0  # stays on the device: no sync per microbatch
+    losses: list[torch.Tensor] = field(default_factory=list[torch.Tensor])  # detached, on the device
+    loss_weights: list[float] = field(default_factory=list[float])
     weight: float = 0.0
     metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     microbatches: int = 0
+
+    def add(self, loss: torch.Tensor, weight: float) -> None:
+        """Records one microbatch's loss without waiting for it (no host sync)."""
+        self.losses.append(loss.detach())
+        self.loss_weights.append(weight)
+        self.weight += weight
+        self.microbatches += 1
+
+    def weighted_loss(self, device: torch.device) -> torch.Tensor | float:
+        """``sum(weight * loss)``: a float on the CPU, a device scalar elsewhere (read once later)."""
+        if not self.losses:
+            return 0.0
+        if device.type == "cpu":
+            return sum(float(loss) * w for loss, w in zip(self.losses, self.loss_weights, strict=True))
+        weights = torch.tensor(self.loss_weights, dtype=torch.float32, device=device)
+        return (torch.stack(self.losses).float().reshape(-1) * weights).sum()
 
 
 class StepRunner(Protocol):
@@ -80,9 +97,7 @@ class SequentialStepRunner:
             weight = loss_weight_of(result.loss_weight)
             self._gradients.begin_microbatch(is_last=index == num_microbatches - 1)
             (result.loss * (weight / num_microbatches)).backward()
-            totals.weighted_loss = totals.weighted_loss + result.loss.detach().float() * weight
-            totals.weight += weight
-            totals.microbatches += 1
+            totals.add(result.loss, weight)
             for name, value in result.metrics.items():
                 totals.metric_sums[name] += float(value)
         return totals

@@ -238,7 +238,7 @@ class Trainer:
         metric_names = sorted(totals.metric_sums)
         reduced = all_reduce_sum(
             [
-                totals.weighted_loss,
+                totals.weighted_loss(p.dist_context.device),
                 totals.weight,
                 float(totals.microbatches),
                 local_tokens,

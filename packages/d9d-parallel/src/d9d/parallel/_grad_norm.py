@@ -69,6 +69,17 @@ def clip_grad_norm(
         raise ValueError(f"norm_type must be > 0, got {norm_type}")
     is_max = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+    parameters = list(parameters)
+    with_grads = [p for p in parameters if p.grad is not None]
+    if pp_group is None and not any(isinstance(p.grad, DTensor) for p in with_grads):
+        # Plain tensors on one stage: exactly torch's own clipping (multi-tensor kernels).
+        if not with_grads:
+            return torch.zeros((), dtype=torch.float32)
+        grads = [p.grad for p in with_grads if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+        return norm
     groups = _local_gradients(parameters)
     device = next((g[0].device for g in groups.values() if g), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -76,6 +87,9 @@ def clip_grad_norm(
         if is_max:
             part = torch.stack([g.detach().abs().max().float() for g in locals_ if g.numel() > 0] or [total])
             value = part.max()
+        elif all(g.dtype == torch.float32 for g in locals_):
+            # torch's multi-tensor norm: one kernel launch for the whole group
+            value = torch.nn.utils.get_total_norm([g.detach() for g in locals_], norm_type) ** norm_type
         else:
             value = torch.stack(
                 [torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in locals_]
@@ -88,8 +102,14 @@ def clip_grad_norm(
         dist.all_reduce(total, op=op, group=pp_group)
     norm = total if is_max else total ** (1.0 / norm_type)
     if max_norm is not None:
+        plain = [p for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
+        if plain:
+            # the same coefficient, max_norm / (norm + 1e-6) capped at 1, in one multi-tensor op
+            torch.nn.utils.clip_grads_with_norm_(plain, max_norm, norm)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for locals_ in groups.values():
+        for key, locals_ in groups.items():
+            if key[0] is None:
+                continue
             for grad in locals_:
                 grad.mul_(coefficient.to(grad.dtype))
     return norm
