@@ -67,11 +67,6 @@ class Checkpointer:
             raise RuntimeError(f"rank {dist_context.rank} is not part of the checkpoint process group")
         self._group: dist.ProcessGroup = group
 
-    @property
-    def directory(self) -> Path:
-        """The checkpoint root directory."""
-        return self._directory
-
     def latest(self) -> CheckpointLocation | None:
         """The most recent complete checkpoint, if any."""
         return self._complete()[-1] if self._complete() else None

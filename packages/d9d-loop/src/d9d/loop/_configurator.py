@@ -14,7 +14,7 @@ from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import ModelStageFactory
-from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter, meta_copy
+from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
 from d9d.loop._providers import (
     DataProvider,
     DataProviderContext,
@@ -140,12 +140,13 @@ class TrainingConfigurator:
         microbatches = local_batch // config.microbatch_size
         step_runner: StepRunner
         if pipelined:
-            adapters = {
-                s.stage.current_stage: PipelineStageAdapter(
-                    s.model, s.meta_model or meta_copy(s.model), is_first=s.stage.is_first
+            adapters: dict[int, PipelineStageAdapter] = {}
+            for s in stages:
+                if s.meta_model is None:  # built with keep_meta_copy=pipelined above
+                    raise RuntimeError(f"stage {s.stage.current_stage} was built without its meta copy")
+                adapters[s.stage.current_stage] = PipelineStageAdapter(
+                    s.model, s.meta_model, is_first=s.stage.is_first
                 )
-                for s in stages
-            }
             executor = PipelineExecutor(
                 build_program(
                     config.pipeline, num_ranks=self._mesh.pipeline_parallel, num_microbatches=microbatches
@@ -188,7 +189,6 @@ class TrainingConfigurator:
                 events=self._events,
                 total_steps=total_steps,
                 microbatches_per_step=microbatches,
-                local_batch_size=local_batch,
                 loss_group=dist_context.mesh_for(FLAT_DOMAIN).get_group("world"),
                 loss_replication=self._mesh.tensor_parallel * self._mesh.context_parallel,
             )

@@ -32,7 +32,8 @@ class GradientManager:
         clipping: GradientClippingConfig,
         pp_group: ProcessGroup | None,
     ) -> None:
-        self._stages = stages
+        # Parameter objects are fixed once the stages are materialized: list them once, not per step.
+        self._parameters = [p for stage in stages for p in stage.parameters()]
         self._dp = data_parallel_size
         self._clipping = clipping
         self._pp_group = pp_group
@@ -40,7 +41,7 @@ class GradientManager:
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter of the local stages."""
-        return [p for stage in self._stages for p in stage.parameters()]
+        return self._parameters
 
     def begin_microbatch(self, *, is_last: bool, stage_position: int | None = None) -> None:
         """Call before each microbatch's backward (of one local stage, or of all of them)."""

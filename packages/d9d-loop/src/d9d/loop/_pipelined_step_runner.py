@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -47,11 +46,6 @@ class PipelineStageAdapter(nn.Module):
     def pipeline_output_meta(self, inputs: Any, shared: Any) -> Any:
         """Shapes of the stage's outputs, from the meta-device copy."""
         return self._meta_model[0](self._unflatten(inputs), shared)
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of a stage on the meta device (call before parallelizing it)."""
-    return copy.deepcopy(model).to("meta")
 
 
 class PipelinedStepRunner:

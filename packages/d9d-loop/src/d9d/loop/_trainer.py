@@ -72,7 +72,6 @@ class TrainerParts:
     events: EventBus
     total_steps: int
     microbatches_per_step: int
-    local_batch_size: int
     loss_group: ProcessGroup | None
     loss_replication: int
 

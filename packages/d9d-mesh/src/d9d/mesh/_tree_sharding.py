@@ -58,6 +58,18 @@ def tree_tensors(tree: object) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+def _shard_size(tensor: torch.Tensor, path: str, num_shards: int, dim: int) -> int:
+    """The size of one of ``num_shards`` equal pieces along ``dim``; raises naming the tensor's path."""
+    if tensor.ndim <= dim:
+        raise ValueError(f"cannot split tensor '{path}' of shape {tuple(tensor.shape)} along dim {dim}")
+    if tensor.shape[dim] % num_shards != 0:
+        raise ValueError(
+            f"tensor '{path}' has size {tensor.shape[dim]} along dim {dim}, "
+            f"not divisible into {num_shards} shards"
+        )
+    return tensor.shape[dim] // num_shards
+
+
 def shard_tree(tree: TreeT, *, num_shards: int, dim: int = 0) -> list[TreeT]:
     """Splits every tensor of a tree into ``num_shards`` equal pieces along ``dim``.
 
@@ -76,16 +88,10 @@ def shard_tree(tree: TreeT, *, num_shards: int, dim: int = 0) -> list[TreeT]:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     tensors = tree_tensors(tree)
-    pieces: list[tuple[torch.Tensor, ...]] = []
-    for path, tensor in tensors:
-        if tensor.ndim <= dim:
-            raise ValueError(f"cannot split tensor '{path}' of shape {tuple(tensor.shape)} along dim {dim}")
-        if tensor.shape[dim] % num_shards != 0:
-            raise ValueError(
-                f"tensor '{path}' has size {tensor.shape[dim]} along dim {dim}, "
-                f"not divisible into {num_shards} shards"
-            )
-        pieces.append(tuple(torch.split(tensor, tensor.shape[dim] // num_shards, dim=dim)))
+    pieces = [
+        tuple(torch.split(tensor, _shard_size(tensor, path, num_shards, dim), dim=dim))
+        for path, tensor in tensors
+    ]
     if num_shards == 1:
         return [tree]
     shards: list[TreeT] = []
@@ -99,12 +105,7 @@ def shard_tree_at(tree: TreeT, *, index: int, num_shards: int, dim: int = 0) -> 
     """Returns piece ``index`` of ``num_shards`` equal pieces of every tensor along ``dim``."""
 
     def take(tensor: torch.Tensor, path: str) -> torch.Tensor:
-        size = tensor.shape[dim]
-        if size % num_shards != 0:
-            raise ValueError(
-                f"tensor '{path}' has size {size} along dim {dim}, not divisible into {num_shards} shards"
-            )
-        step = size // num_shards
+        step = _shard_size(tensor, path, num_shards, dim)
         return tensor.narrow(dim, index * step, step)
 
     return map_tree(tree, take)

@@ -111,6 +111,22 @@ def _backward_fake(
     return hidden_grad, weight_grad
 
 
+def _scale_in_place(
+    hidden_grad: torch.Tensor, weight_grad: torch.Tensor, scale: torch.Tensor, need_h: bool, need_w: bool
+) -> None:
+    if need_h:
+        hidden_grad.mul_(scale)
+    if need_w:
+        weight_grad.mul_(scale)
+
+
+def _input_gradients(
+    hidden_grad: torch.Tensor, weight_grad: torch.Tensor, need_h: bool, need_w: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients for (hidden, weight, labels, ignore_index, reduction, chunk_size, need_h, need_w)."""
+    return (hidden_grad if need_h else None, weight_grad if need_w else None, *(None,) * 6)
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, labels, ignore_index, reduction, need_hidden_grad, need_weight_grad, chunk_size = inputs
     _, lse, hidden_grad, weight_grad = output
@@ -134,21 +150,8 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ..
         # The forward computed the gradients of the reduced loss; scale them by the upstream scalar
         # in place (the saved tensors are ours alone; a second backward fails the version check).
         need_h, need_w = ctx.need_hidden_grad, ctx.need_weight_grad
-        scale = grad_loss.to(hidden.dtype)
-        if need_h:
-            hidden_grad.mul_(scale)
-        if need_w:
-            weight_grad.mul_(scale)
-    return (
-        hidden_grad if need_h else None,
-        weight_grad if need_w else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+        _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w)
+    return _input_gradients(hidden_grad, weight_grad, need_h, need_w)
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -193,21 +196,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             hidden_grad, weight_grad = ctx.grads
             ctx.grads = None  # hand the only references to autograd
-            scale = grad_loss.to(hidden.dtype)
-            if need_h:
-                hidden_grad.mul_(scale)
-            if need_w:
-                weight_grad.mul_(scale)
-        return (
-            hidden_grad if need_h else None,
-            weight_grad if need_w else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w)
+        return _input_gradients(hidden_grad, weight_grad, need_h, need_w)
 
 
 def linear_cross_entropy_triton(
