@@ -1,6 +1,10 @@
-"""pytest plugin (auto-registered by d9d-mesh): starts the test zygote after collection.
+"""Opt-in pytest plugin: starts the test zygote after collection.
 
-See ``_zygote``: it keeps ``run_distributed`` working after tests ran autograd in the parent.
+Installing d9d-mesh changes nobody's pytest; a project whose tests call ``run_distributed`` after
+running autograd in the test process activates this plugin itself, with ``-p
+d9d.mesh.testing.pytest_plugin`` in its pytest options (or ``pytest_plugins`` in its root
+``conftest.py``). See ``_zygote``: the zygote keeps ``run_distributed`` working after tests ran
+autograd in the parent (PyTorch forbids autograd in children forked after that).
 """
 
 from __future__ import annotations
