@@ -18,17 +18,20 @@ HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, SEQ = 8, 4, 2, 4, 16
 
 
 class ReferenceAttention:
-    """Full-sequence attention written independently: an explicit mask over global positions."""
+    """Full-sequence attention written independently: an explicit mask over global positions.
+
+    The slot's mask: ``j <= i`` when causal, ``|i - j| < w`` with a window, same document.
+    """
 
     def attend(self, query, key, value, *, causal, softmax_scale, sliding_window=None, document_ids=None):
         seq = query.shape[1]
         i = torch.arange(seq).unsqueeze(1)
         j = torch.arange(seq).unsqueeze(0)
         mask = torch.ones(seq, seq, dtype=torch.bool)
-        if causal or sliding_window is not None:
+        if causal:
             mask &= j <= i
         if sliding_window is not None:
-            mask &= i - j < sliding_window
+            mask &= (i - j < sliding_window) & (j - i < sliding_window)
         mask = mask.unsqueeze(0)
         if document_ids is not None:
             mask = mask & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
@@ -44,12 +47,13 @@ class ReferenceAttention:
 class TinyAttention(nn.Module):
     """GQA with positions mixed into queries and keys, and a replaceable attention backend."""
 
-    def __init__(self, sliding_window: int | None) -> None:
+    def __init__(self, causal: bool, sliding_window: int | None) -> None:
         super().__init__()
         self.q = nn.Linear(HIDDEN, Q_HEADS * HEAD_DIM)
         self.k = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
         self.v = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
         self.o = nn.Linear(Q_HEADS * HEAD_DIM, HIDDEN)
+        self.causal = causal
         self.sliding_window = sliding_window
         self.attention_backend = ReferenceAttention()
 
@@ -63,7 +67,7 @@ class TinyAttention(nn.Module):
             q,
             k,
             v,
-            causal=True,
+            causal=self.causal,
             softmax_scale=HEAD_DIM**-0.5,
             sliding_window=self.sliding_window,
             document_ids=document_ids,
@@ -87,7 +91,7 @@ def _loss(model, batch):
     return nn.functional.mse_loss(model(x, positions, documents), target)
 
 
-def _context_parallel(harness, sliding_window, with_documents) -> None:
+def _context_parallel(harness, causal, sliding_window, with_documents) -> None:
     world = dist.get_world_size()
     mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("cp",))
 
@@ -104,7 +108,7 @@ def _context_parallel(harness, sliding_window, with_documents) -> None:
         return local[0], local[1], positions, local[2]
 
     harness.ReferenceCheck(
-        build=lambda: TinyAttention(sliding_window),
+        build=lambda: TinyAttention(causal, sliding_window),
         parallelize=parallelize,
         make_batch=lambda g: _batch(g, with_documents),
         loss_fn=_loss,
@@ -116,18 +120,19 @@ def _context_parallel(harness, sliding_window, with_documents) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "sliding_window", "with_documents"),
+    ("world", "causal", "sliding_window", "with_documents"),
     [
-        (2, None, False),  # causal, cp=2 (4 chunks of 4 tokens)
-        (4, None, False),  # causal, cp=4 (8 chunks of 2 tokens)
-        (2, 6, True),  # causal with a sliding window and packed documents, cp=2
+        (2, True, None, False),  # causal, cp=2 (4 chunks of 4 tokens)
+        (4, True, None, False),  # causal, cp=4 (8 chunks of 2 tokens)
+        (2, True, 6, True),  # causal with a sliding window and packed documents, cp=2
+        (2, False, 6, True),  # two-sided sliding window (not causal) and packed documents, cp=2
     ],
 )
 def test_context_parallel_attention_matches_full_sequence(
-    harness, world, sliding_window, with_documents
+    harness, world, causal, sliding_window, with_documents
 ) -> None:
     run_distributed(
-        _context_parallel, harness, sliding_window, with_documents, world_size=world, timeout_s=180
+        _context_parallel, harness, causal, sliding_window, with_documents, world_size=world, timeout_s=180
     )
 
 
@@ -145,6 +150,8 @@ def _sharding_round_trip_and_errors() -> None:
     q = torch.zeros(1, 3, 2, 4)
     with pytest.raises(ValueError, match="local sequence length 3 is odd"):
         ContextParallelAttention(mesh=mesh).attend(q, q, q, causal=True, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window=0 must be positive"):
+        ContextParallelAttention(mesh=mesh).attend(q, q, q, causal=True, softmax_scale=1.0, sliding_window=0)
 
 
 def test_sharding_helpers_round_trip_and_bad_lengths_are_named() -> None:

@@ -19,13 +19,13 @@ def _skip_without_cuda() -> None:
         pytest.skip("needs a CUDA GPU")
 
 
-def _reference(query, key, value, *, sliding_window, document_ids, scale):
+def _reference(query, key, value, *, causal, sliding_window, document_ids, scale):
     seq = query.shape[1]
     i = torch.arange(seq, device=query.device).unsqueeze(1)
     j = torch.arange(seq, device=query.device).unsqueeze(0)
-    mask = (j <= i).unsqueeze(0)
+    mask = ((j <= i) | (not causal)).unsqueeze(0)
     if sliding_window is not None:
-        mask = mask & (i - j < sliding_window)
+        mask = mask & ((i - j).abs() < sliding_window)
     mask = mask & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
     repeat = query.shape[2] // key.shape[2]
     q = query.transpose(1, 2).float()
@@ -36,7 +36,7 @@ def _reference(query, key, value, *, sliding_window, document_ids, scale):
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def _on_gpu(dtype, sliding_window, tolerance) -> None:
+def _on_gpu(dtype, causal, sliding_window, tolerance) -> None:
     # Ranks share the one GPU; gloo moves the CUDA tensors (CUDA all-gather and all-reduce).
     device = torch.device("cuda", 0)
     mesh = DeviceMesh("cpu", torch.arange(dist.get_world_size()), mesh_dim_names=("cp",))
@@ -51,13 +51,15 @@ def _on_gpu(dtype, sliding_window, tolerance) -> None:
     scale = dim**-0.5
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    expected = _reference(*full, sliding_window=sliding_window, document_ids=documents, scale=scale)
+    expected = _reference(
+        *full, causal=causal, sliding_window=sliding_window, document_ids=documents, scale=scale
+    )
     expected.backward(grad_out.float())
 
     local = [context_parallel_shard(t, mesh=mesh).requires_grad_(True) for t in (q, k, v)]
     out = ContextParallelAttention(mesh=mesh).attend(
         *local,
-        causal=True,
+        causal=causal,
         softmax_scale=scale,
         sliding_window=sliding_window,
         document_ids=context_parallel_shard(documents, mesh=mesh),
@@ -73,12 +75,13 @@ def _on_gpu(dtype, sliding_window, tolerance) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "sliding_window", "tolerance"),
+    ("dtype", "causal", "sliding_window", "tolerance"),
     [
-        (torch.float32, None, {"atol": 1e-4, "rtol": 1e-4}),  # fp32 causal with packed documents
-        (torch.bfloat16, 64, {"atol": 3e-2, "rtol": 3e-2}),  # bf16 with a sliding window
+        (torch.float32, True, None, {"atol": 1e-4, "rtol": 1e-4}),  # fp32 causal with packed documents
+        (torch.bfloat16, True, 64, {"atol": 3e-2, "rtol": 3e-2}),  # bf16 with a causal sliding window
+        (torch.bfloat16, False, 64, {"atol": 3e-2, "rtol": 3e-2}),  # bf16, two-sided sliding window
     ],
 )
-def test_context_parallel_attention_on_gpu(dtype, sliding_window, tolerance) -> None:
+def test_context_parallel_attention_on_gpu(dtype, causal, sliding_window, tolerance) -> None:
     _skip_without_cuda()
-    run_distributed(_on_gpu, dtype, sliding_window, tolerance, world_size=2, timeout_s=300)
+    run_distributed(_on_gpu, dtype, causal, sliding_window, tolerance, world_size=2, timeout_s=300)

@@ -85,10 +85,18 @@ def test_eager_matches_definition(causal: bool, window: int | None, packed: bool
     torch.testing.assert_close(out, _naive_attention(q, k, v, allowed))
 
 
-def test_mask_has_documented_shape_and_meaning() -> None:
-    mask = build_attention_mask(4, causal=True, sliding_window=2)
-    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
-    torch.testing.assert_close(mask, expected[None, None])
+@pytest.mark.parametrize(
+    ("causal", "expected"),
+    [
+        # causal window of 2: the query and the token before it (i - 2 < j <= i)
+        (True, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]),
+        # two-sided window of 2: one token on each side (|i - j| < 2)
+        (False, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]),
+    ],
+)
+def test_mask_has_documented_shape_and_meaning(causal: bool, expected: list[list[int]]) -> None:
+    mask = build_attention_mask(4, causal=causal, sliding_window=2)
+    torch.testing.assert_close(mask, torch.tensor(expected, dtype=torch.bool)[None, None])
 
 
 # (q_heads, kv_heads): MHA, GQA, MQA

@@ -17,9 +17,10 @@ class AttentionBackend(Protocol):
     """The attention slot of an attention layer (its ``attention_backend``), as d9d-parallel sees it.
 
     query (batch, seq, q_heads, head_dim); key and value (batch, seq, kv_heads, head_dim) with
-    ``q_heads % kv_heads == 0``; ``document_ids`` (batch, seq): tokens attend only within their
-    document; ``sliding_window`` w: token i attends to j with i - w < j <= i. Returns
-    (batch, seq, q_heads, head_dim).
+    ``q_heads % kv_heads == 0``; returns (batch, seq, q_heads, head_dim). ``causal``,
+    ``sliding_window`` and ``document_ids`` mean exactly what d9d-kernels' ``AttentionBackend``
+    defines (docs/kernels-layers.md, "Attention masks"); in short, query ``i`` sees key ``j`` iff
+    ``j <= i`` when causal, ``|i - j| < sliding_window``, and both are of the same document.
     """
 
     def attend(
@@ -36,19 +37,31 @@ class AttentionBackend(Protocol):
 
 
 class AttentionLayerLike(Protocol):
-    """An attention layer with a replaceable ``attention_backend`` (d9d-kernels' GQA fits)."""
+    """An attention layer with a replaceable ``attention_backend`` (d9d-kernels' GQA fits).
 
-    attention_backend: AttentionBackend
+    The slot is a settable property rather than an attribute: a mutable attribute member would be
+    invariant, and a layer that declares its slot with its own (structurally equal) Protocol
+    would not fit.
+    """
+
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        """The backend the layer calls; ``parallelize_context_parallel`` replaces it."""
+        ...
+
+    @attention_backend.setter
+    def attention_backend(self, backend: AttentionBackend) -> None: ...
 
 
 class ContextParallelAttention:
     """Attention over this rank's load-balanced sequence part that equals full-sequence attention.
 
     Keys, values (and document ids) of all cp ranks are all-gathered and put back in sequence
-    order; each local query then attends to exactly the keys it would see in the full sequence
-    (causal, sliding-window and document masks use global positions). The all-gather is
-    differentiable (its backward reduce-scatters key and value gradients), so forward and
-    backward are exact. Inputs are the local parts from ``context_parallel_shard``.
+    order; each local query then attends to exactly the keys it would see in the full sequence:
+    the mask of d9d-kernels' ``AttentionBackend`` (causal, causal or two-sided sliding window,
+    packed documents) over global positions. The all-gather is differentiable (its backward
+    reduce-scatters key and value gradients), so forward and backward are exact. Inputs are the
+    local parts from ``context_parallel_shard``.
     """
 
     def __init__(self, *, mesh: DeviceMesh) -> None:
@@ -69,7 +82,14 @@ class ContextParallelAttention:
         sliding_window: int | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attends this rank's queries to the whole sequence; see the class docstring."""
+        """Attends this rank's queries to the whole sequence; see the class docstring.
+
+        Raises:
+            ValueError: If the local length is odd, the head counts do not divide or
+                ``sliding_window`` is not positive.
+        """
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"ContextParallelAttention: sliding_window={sliding_window} must be positive")
         cp = self._mesh.size()
         local_len = query.shape[1]
         length = local_len * cp
@@ -84,12 +104,12 @@ class ContextParallelAttention:
         full_key = gather_sequence(key, mesh=self._mesh)
         full_value = gather_sequence(value, mesh=self._mesh)
         q_pos = local_positions(length, cp, self._mesh.get_local_rank(), device=query.device)
-        k_pos = torch.arange(length, device=query.device)
+        distance = q_pos.unsqueeze(1) - torch.arange(length, device=query.device).unsqueeze(0)
         allowed = torch.ones(local_len, length, dtype=torch.bool, device=query.device)
-        if causal or sliding_window is not None:
-            allowed &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if causal:
+            allowed &= distance >= 0
         if sliding_window is not None:
-            allowed &= q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < sliding_window
+            allowed &= distance.abs() < sliding_window
         mask = allowed.unsqueeze(0)
         if document_ids is not None:
             full_docs = gather_sequence(document_ids, mesh=self._mesh)

@@ -20,17 +20,43 @@ from d9d.parallel._token_dispatcher import AllToAllTokenDispatcher, TokenDispatc
 class MoELayerLike(Protocol):
     """What ``parallelize_expert_parallel`` needs of a MoE layer (d9d-kernels' ``MoELayer`` fits).
 
-    ``experts``' parameters lead with the expert dim (``num_experts`` rows); its forward takes
-    tokens grouped by expert and their counts. ``dispatcher`` is the replaceable token
-    dispatcher the layer calls around ``experts``.
+    Members are read-only properties, so a layer whose attributes have narrower types
+    (``router: TopKRouter``) fits; only the ``dispatcher`` slot is written, and it is a settable
+    property because a mutable attribute member would be invariant.
     """
 
-    num_experts: int
-    top_k: int
-    router: nn.Module
-    shared_expert: nn.Module | None
-    experts: nn.Module
-    dispatcher: TokenDispatcher
+    @property
+    def num_experts(self) -> int:
+        """Global expert count."""
+        ...
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token."""
+        ...
+
+    @property
+    def router(self) -> nn.Module:
+        """Picks experts per token; replicated."""
+        ...
+
+    @property
+    def shared_expert(self) -> nn.Module | None:
+        """An always-on dense expert, if any; replicated."""
+        ...
+
+    @property
+    def experts(self) -> nn.Module:
+        """Parameters lead with the expert dim; forward takes tokens grouped by expert and counts."""
+        ...
+
+    @property
+    def dispatcher(self) -> TokenDispatcher:
+        """The token dispatcher the layer calls around ``experts``; replaced here."""
+        ...
+
+    @dispatcher.setter
+    def dispatcher(self, dispatcher: TokenDispatcher) -> None: ...
 
 
 def parallelize_expert_parallel(

@@ -15,11 +15,12 @@ from d9d.parallel._all_to_all import all_to_all
 class TokenDispatcher(Protocol):
     """Moves routed tokens to their experts and the results back (a MoE layer's ``dispatcher``).
 
-    ``dispatch`` takes hidden states (T, H), global expert ids (T, K) and routing weights (T, K)
-    and returns the tokens this rank's experts must process, grouped contiguously by local
-    expert, with their counts (E_local,). ``combine`` takes the experts' output rows in that
-    order and returns (T, H): for each token, the routing-weighted sum of its K results. A
-    dispatcher keeps the state of one call between ``dispatch`` and ``combine``.
+    The meaning is d9d-kernels' ``TokenDispatcher`` (docs/kernels-layers.md, "Mixture of
+    experts"); in short: ``dispatch`` takes hidden states (T, H), global expert ids (T, K) and
+    routing weights (T, K) and returns the tokens this rank's experts must process, grouped
+    contiguously by local expert, with their counts (E_local,). ``combine`` takes the experts'
+    output rows in that order and returns (T, H): for each token, the routing-weighted sum of its
+    K results. A dispatcher keeps the state of one call between ``dispatch`` and ``combine``.
     """
 
     def dispatch(

@@ -10,6 +10,12 @@ def needs_explicit_mask(*, sliding_window: int | None, document_ids: torch.Tenso
     return sliding_window is not None or document_ids is not None
 
 
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raises unless ``sliding_window`` is None or positive (a window always holds the query)."""
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window} must be positive")
+
+
 def build_attention_mask(
     seq: int,
     *,
@@ -20,19 +26,20 @@ def build_attention_mask(
 ) -> torch.Tensor:
     """Builds the boolean mask of allowed (query, key) pairs; True means attend.
 
+    The mask is the one ``AttentionBackend`` defines: ``causal`` allows ``j <= i``,
+    ``sliding_window=w`` allows ``|i - j| < w``, ``document_ids`` allows equal ids.
+
     Args:
         seq: Sequence length (queries and keys).
         causal: Keys after the query are masked.
-        sliding_window: ``w``: keys with ``query - key >= w`` are masked (and, when not causal,
-            ``key - query >= w``).
+        sliding_window: ``w``: keys with ``|query - key| >= w`` are masked.
         document_ids: ``(batch, seq)``; keys of another document are masked.
         device: Where to build the mask (defaults to ``document_ids``' device).
 
     Returns:
         ``(batch or 1, 1, seq, seq)`` bool mask, broadcastable over heads.
     """
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window={sliding_window} must be positive")
+    check_sliding_window(sliding_window)
     if document_ids is not None:
         device = document_ids.device
         if document_ids.ndim != 2 or document_ids.shape[1] != seq:
@@ -43,9 +50,7 @@ def build_attention_mask(
     if causal:
         allowed &= key_index <= query_index
     if sliding_window is not None:
-        allowed &= (query_index - key_index) < sliding_window
-        if not causal:
-            allowed &= (key_index - query_index) < sliding_window
+        allowed &= (query_index - key_index).abs() < sliding_window
     mask = allowed[None, None]
     if document_ids is not None:
         same_document = document_ids[:, :, None] == document_ids[:, None, :]

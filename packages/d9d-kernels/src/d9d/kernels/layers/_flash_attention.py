@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import torch
 
+from d9d.kernels.layers._attention_mask import check_sliding_window
 from d9d.kernels.layers._eager_attention import check_attention_shapes
 from d9d.kernels.layers._positions import cu_seqlens_from_document_ids
 
@@ -42,7 +43,12 @@ def _first(result: Any) -> torch.Tensor:
 
 
 class _FlashAttentionBackend:
-    """Shared dense/varlen dispatch; subclasses say how a window is spelt."""
+    """Shared dense/varlen dispatch; subclasses say how a window is spelt.
+
+    FlashAttention's ``window_size=(left, right)`` counts keys on each side of the query, so
+    ``AttentionBackend``'s ``|i - j| < w`` is ``(w - 1, 0)`` when causal and ``(w - 1, w - 1)``
+    when not.
+    """
 
     _dense: Callable[..., Any]
     _varlen: Callable[..., Any]
@@ -67,6 +73,7 @@ class _FlashAttentionBackend:
         document (documents must be contiguous, as packing makes them).
         """
         check_attention_shapes(query, key, value)
+        check_sliding_window(sliding_window)
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FlashAttention needs float16 or bfloat16 inputs, got {query.dtype}")
         window = self._window(causal=causal, sliding_window=sliding_window)
