@@ -108,3 +108,25 @@ def test_program_prints_one_line_per_rank() -> None:
     program = build_program(OneFOneBScheduleConfig(), num_ranks=2, num_microbatches=2)
     assert program.format().splitlines()[1:] == ["rank 0: F0.0 F0.1 B0.0 B0.1", "rank 1: F1.0 B1.0 F1.1 B1.1"]
     assert "SA0.0->r1" in str(program)
+
+
+def test_a_user_schedule_plugs_in_without_editing_d9d() -> None:
+    from d9d.pipeline import PipelineProgram, PipelineScheduleBuilder, backward, forward, make_program
+
+    class ReversedGPipe:
+        """All forwards, then backwards in reverse microbatch order."""
+
+        def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+            compute = [
+                [forward(r, m) for m in range(num_microbatches)]
+                + [backward(r, m) for m in reversed(range(num_microbatches))]
+                for r in range(num_ranks)
+            ]
+            return make_program(
+                num_microbatches=num_microbatches, stage_to_rank=range(num_ranks), compute=compute
+            )
+
+    schedule: PipelineScheduleBuilder = ReversedGPipe()
+    program = build_program(schedule, num_ranks=2, num_microbatches=3)
+    validate_program(program)
+    assert [i.current_stage for i in program.stage_infos(1)] == [1]

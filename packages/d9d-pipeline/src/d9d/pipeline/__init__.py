@@ -8,7 +8,7 @@ from d9d.pipeline._actions import (
     backward_weight,
     forward,
 )
-from d9d.pipeline._communication import insert_communication
+from d9d.pipeline._communication import insert_communication, make_program
 from d9d.pipeline._config import (
     DualPipeVScheduleConfig,
     ForwardOnlyScheduleConfig,
@@ -17,6 +17,7 @@ from d9d.pipeline._config import (
     InterleavedZeroBubbleScheduleConfig,
     LoopedBFSScheduleConfig,
     OneFOneBScheduleConfig,
+    PipelineScheduleBuilder,
     PipelineScheduleConfig,
     ZBVScheduleConfig,
     build_program,
@@ -27,7 +28,7 @@ from d9d.pipeline._drawing import draw_timeline_png, draw_timeline_text
 from d9d.pipeline._executor import PipelineExecutor
 from d9d.pipeline._local_executor import LocalPipelineExecutor
 from d9d.pipeline._optim import StagesLRScheduler, StagesOptimizer
-from d9d.pipeline._program import PipelineProgram, make_program
+from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._dualpipev import build_dualpipev_program
 from d9d.pipeline._schedules._interleaved import build_interleaved_1f1b_program, build_looped_bfs_program
 from d9d.pipeline._schedules._simple import (
@@ -37,9 +38,10 @@ from d9d.pipeline._schedules._simple import (
 )
 from d9d.pipeline._schedules._zero_bubble import build_interleaved_zero_bubble_program, build_zbv_program
 from d9d.pipeline._shapes import PipelineOutputMeta, PipelineShapeError
-from d9d.pipeline._simulator import ActionCosts, SimulationResult, TimedAction, simulate_program
+from d9d.pipeline._simulator import ActionCosts, SimulationResult, simulate_program
 from d9d.pipeline._stage_info import PipelineStageInfo, assign_layers, layers_of_stage
 from d9d.pipeline._stage_runtime import LossFn, WeightGradientHook
+from d9d.pipeline._timed_action import TimedAction
 from d9d.pipeline._tree import TensorSpec, TreeSpec, split_microbatches
 from d9d.pipeline._validator import PipelineProgramError, validate_program
 
@@ -60,6 +62,7 @@ __all__ = [
     "PipelineOutputMeta",
     "PipelineProgram",
     "PipelineProgramError",
+    "PipelineScheduleBuilder",
     "PipelineScheduleConfig",
     "PipelineShapeError",
     "PipelineStageInfo",

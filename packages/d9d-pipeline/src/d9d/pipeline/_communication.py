@@ -19,6 +19,8 @@ compute action that reads them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from d9d.pipeline._actions import Action, ActionKind
 from d9d.pipeline._program import PipelineProgram
 
@@ -33,14 +35,15 @@ def _sends_after(action: Action, program: PipelineProgram, rank: int) -> list[Ac
     return []
 
 
-def _recv_needed(action: Action, program: PipelineProgram, rank: int) -> list[Action]:
+def receive_needed(action: Action, program: PipelineProgram, rank: int) -> Action | None:
+    """The receive a compute action of ``rank`` reads its data from, or None when the data is local."""
     s, m = action.stage, action.microbatch
     where = program.stage_to_rank
     if action.kind == ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
-        return [Action(kind=ActionKind.RECV_ACTIVATION, stage=s, microbatch=m, peer=where[s - 1])]
+        return Action(kind=ActionKind.RECV_ACTIVATION, stage=s, microbatch=m, peer=where[s - 1])
     if action.kind.is_backward and s + 1 < program.num_stages and where[s + 1] != rank:
-        return [Action(kind=ActionKind.RECV_GRAD, stage=s, microbatch=m, peer=where[s + 1])]
-    return []
+        return Action(kind=ActionKind.RECV_GRAD, stage=s, microbatch=m, peer=where[s + 1])
+    return None
 
 
 def insert_communication(program: PipelineProgram) -> PipelineProgram:
@@ -61,9 +64,8 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
         next_index: dict[int, int] = {}
         out: list[Action] = []
         for action in acts:
-            for recv in _recv_needed(action, program, rank):
-                if recv in posted:
-                    continue
+            recv = receive_needed(action, program, rank)
+            if recv is not None and recv not in posted:
                 order = send_order.get((recv.peer_rank, rank), [])
                 if recv in order:
                     stop = order.index(recv)
@@ -85,3 +87,30 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
         actions=tuple(result),
         training=program.training,
     )
+
+
+def make_program(
+    *,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    compute: Sequence[Sequence[Action]],
+    training: bool = True,
+) -> PipelineProgram:
+    """Builds a program from compute actions alone, inserting the communication they need.
+
+    Args:
+        num_microbatches: Number of microbatches.
+        stage_to_rank: The rank of every stage.
+        compute: For every rank, its compute actions in order.
+        training: Whether the program runs backward.
+
+    Returns:
+        The program with sends and receives inserted (see :func:`insert_communication`).
+    """
+    bare = PipelineProgram(
+        num_microbatches=num_microbatches,
+        stage_to_rank=tuple(stage_to_rank),
+        actions=tuple(tuple(acts) for acts in compute),
+        training=training,
+    )
+    return insert_communication(bare)

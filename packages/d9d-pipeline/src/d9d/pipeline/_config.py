@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,20 @@ from d9d.pipeline._schedules._zero_bubble import build_interleaved_zero_bubble_p
 from d9d.pipeline._stage_info import PipelineStageInfo
 
 
+@runtime_checkable
+class PipelineScheduleBuilder(Protocol):
+    """Anything that builds a pipeline program: every built-in schedule config, or a user's own.
+
+    A new schedule needs no change to d9d: write a function that returns a ``PipelineProgram``
+    (``make_program`` inserts the communication) and an object with this method; pass it to the
+    trainer, or call ``build_program`` on it.
+    """
+
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """The program for ``num_ranks`` pipeline ranks and ``num_microbatches`` per step."""
+        ...
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,11 +41,19 @@ class GPipeScheduleConfig(_Config):
 
     name: Literal["gpipe"] = "gpipe"
 
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_gpipe_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
+
 
 class OneFOneBScheduleConfig(_Config):
     """1F1B: one forward, one backward after a warm-up; one stage per rank."""
 
     name: Literal["1f1b"] = "1f1b"
+
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_1f1b_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
 
 
 class Interleaved1F1BScheduleConfig(_Config):
@@ -40,12 +62,24 @@ class Interleaved1F1BScheduleConfig(_Config):
     name: Literal["interleaved_1f1b"] = "interleaved_1f1b"
     stages_per_rank: int = Field(default=2, ge=1)
 
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_interleaved_1f1b_program(
+            num_ranks=num_ranks, num_microbatches=num_microbatches, stages_per_rank=self.stages_per_rank
+        )
+
 
 class LoopedBFSScheduleConfig(_Config):
     """Looped breadth-first; ``stages_per_rank`` stages per rank on a loop placement."""
 
     name: Literal["looped_bfs"] = "looped_bfs"
     stages_per_rank: int = Field(default=2, ge=1)
+
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_looped_bfs_program(
+            num_ranks=num_ranks, num_microbatches=num_microbatches, stages_per_rank=self.stages_per_rank
+        )
 
 
 class InterleavedZeroBubbleScheduleConfig(_Config):
@@ -54,11 +88,21 @@ class InterleavedZeroBubbleScheduleConfig(_Config):
     name: Literal["interleaved_zero_bubble"] = "interleaved_zero_bubble"
     stages_per_rank: int = Field(default=2, ge=1)
 
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_interleaved_zero_bubble_program(
+            num_ranks=num_ranks, num_microbatches=num_microbatches, stages_per_rank=self.stages_per_rank
+        )
+
 
 class ZBVScheduleConfig(_Config):
     """ZBV: two stages per rank in a V, split backward."""
 
     name: Literal["zbv"] = "zbv"
+
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_zbv_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
 
 
 class DualPipeVScheduleConfig(_Config):
@@ -66,11 +110,19 @@ class DualPipeVScheduleConfig(_Config):
 
     name: Literal["dualpipev"] = "dualpipev"
 
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_dualpipev_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
+
 
 class ForwardOnlyScheduleConfig(_Config):
     """Inference: forwards only, one stage per rank."""
 
     name: Literal["forward_only"] = "forward_only"
+
+    def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
+        """Builds this schedule's program."""
+        return build_forward_only_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
 
 
 PipelineScheduleConfig = Annotated[
@@ -103,38 +155,15 @@ def stages_per_rank(config: PipelineScheduleConfig) -> int:
 
 
 def build_program(
-    config: PipelineScheduleConfig, *, num_ranks: int, num_microbatches: int
+    schedule: PipelineScheduleBuilder, *, num_ranks: int, num_microbatches: int
 ) -> PipelineProgram:
-    """Builds the program ``config`` describes for ``num_ranks`` pipeline ranks.
+    """Builds the program ``schedule`` describes for ``num_ranks`` pipeline ranks.
 
     Raises:
         ValueError: If the schedule cannot use ``num_microbatches`` (the message names the schedule
             and the counts).
     """
-    p, m = num_ranks, num_microbatches
-    match config:
-        case GPipeScheduleConfig():
-            return build_gpipe_program(num_ranks=p, num_microbatches=m)
-        case OneFOneBScheduleConfig():
-            return build_1f1b_program(num_ranks=p, num_microbatches=m)
-        case Interleaved1F1BScheduleConfig():
-            return build_interleaved_1f1b_program(
-                num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank
-            )
-        case LoopedBFSScheduleConfig():
-            return build_looped_bfs_program(
-                num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank
-            )
-        case InterleavedZeroBubbleScheduleConfig():
-            return build_interleaved_zero_bubble_program(
-                num_ranks=p, num_microbatches=m, stages_per_rank=config.stages_per_rank
-            )
-        case ZBVScheduleConfig():
-            return build_zbv_program(num_ranks=p, num_microbatches=m)
-        case DualPipeVScheduleConfig():
-            return build_dualpipev_program(num_ranks=p, num_microbatches=m)
-        case ForwardOnlyScheduleConfig():
-            return build_forward_only_program(num_ranks=p, num_microbatches=m)
+    return schedule.build_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
 
 
 def stages_for_rank(config: PipelineScheduleConfig, *, num_ranks: int, rank: int) -> list[PipelineStageInfo]:

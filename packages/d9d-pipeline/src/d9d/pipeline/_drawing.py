@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from d9d.pipeline._actions import ActionKind
+from d9d.pipeline._timed_action import TimedAction
 
-if TYPE_CHECKING:
-    from d9d.pipeline._simulator import SimulationResult
+
+class SimulatedTimeline(Protocol):
+    """What the drawings read of a simulation (``SimulationResult`` fits)."""
+
+    @property
+    def timeline(self) -> Sequence[Sequence[TimedAction]]: ...
+
+    @property
+    def makespan(self) -> float: ...
+
+    @property
+    def bubble_fraction(self) -> float: ...
+
+    @property
+    def peak_live_activations(self) -> Sequence[int]: ...
+
 
 _COLORS = {
     ActionKind.FORWARD: "#4c72b0",
@@ -18,7 +34,7 @@ _COLORS = {
 }
 
 
-def draw_timeline_text(result: SimulationResult, *, width: int | None = None) -> str:
+def draw_timeline_text(result: SimulatedTimeline, *, width: int | None = None) -> str:
     """Draws one row per rank; two cells per time unit of the shortest action.
 
     A compute action prints as its kind letter and microbatch, padded with ``-`` to its length
@@ -56,7 +72,7 @@ def draw_timeline_text(result: SimulationResult, *, width: int | None = None) ->
     return "\n".join(lines)
 
 
-def draw_timeline_png(result: SimulationResult, path: Path | str, *, title: str | None = None) -> Path:
+def draw_timeline_png(result: SimulatedTimeline, path: Path | str, *, title: str | None = None) -> Path:
     """Saves the timeline as a PNG (Gantt chart: ranks as rows, actions as labelled bars).
 
     Needs matplotlib (install ``d9d-pipeline[plot]``).

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from d9d.pipeline._actions import ActionKind
-from d9d.pipeline._program import PipelineProgram, make_program
+from d9d.pipeline._communication import make_program
+from d9d.pipeline._program import PipelineProgram
 
 
 def check_stage_modules(program: PipelineProgram, rank: int, stages: Mapping[int, nn.Module]) -> None:

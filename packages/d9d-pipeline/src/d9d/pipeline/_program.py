@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from d9d.pipeline._actions import Action, ActionKind
@@ -68,35 +67,6 @@ class PipelineProgram:
             shown = [str(a) for a in acts if show_communication or a.kind.is_compute]
             lines.append(f"rank {rank}: " + " ".join(shown))
         return "\n".join(lines)
-
-
-def make_program(
-    *,
-    num_microbatches: int,
-    stage_to_rank: Sequence[int],
-    compute: Sequence[Sequence[Action]],
-    training: bool = True,
-) -> PipelineProgram:
-    """Builds a program from compute actions alone, inserting the communication they need.
-
-    Args:
-        num_microbatches: Number of microbatches.
-        stage_to_rank: The rank of every stage.
-        compute: For every rank, its compute actions in order.
-        training: Whether the program runs backward.
-
-    Returns:
-        The program with sends and receives inserted (see :func:`insert_communication`).
-    """
-    from d9d.pipeline._communication import insert_communication
-
-    bare = PipelineProgram(
-        num_microbatches=num_microbatches,
-        stage_to_rank=tuple(stage_to_rank),
-        actions=tuple(tuple(acts) for acts in compute),
-        training=training,
-    )
-    return insert_communication(bare)
 
 
 def is_backward_kind(kind: ActionKind) -> bool:

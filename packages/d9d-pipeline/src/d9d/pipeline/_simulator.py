@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from d9d.pipeline._actions import Action, ActionKind
+from d9d.pipeline._drawing import draw_timeline_text
 from d9d.pipeline._program import PipelineProgram
+from d9d.pipeline._timed_action import TimedAction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,16 +44,6 @@ class ActionCosts:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TimedAction:
-    """A compute action placed on the timeline."""
-
-    action: Action
-    rank: int
-    start: float
-    end: float
-
-
-@dataclass(frozen=True, kw_only=True)
 class SimulationResult:
     """The simulated timeline of a program.
 
@@ -75,8 +67,6 @@ class SimulationResult:
 
     def draw_text(self, *, width: int | None = None) -> str:
         """The timeline as text; see :func:`draw_timeline_text`."""
-        from d9d.pipeline._drawing import draw_timeline_text
-
         return draw_timeline_text(self, width=width)
 
 

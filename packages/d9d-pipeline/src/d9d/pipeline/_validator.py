@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from d9d.pipeline._actions import Action, ActionKind
+from d9d.pipeline._communication import receive_needed
 from d9d.pipeline._program import PipelineProgram
 
 
@@ -141,16 +142,6 @@ def _check_communication(program: PipelineProgram) -> list[str]:
     return problems
 
 
-def _needs(program: PipelineProgram, rank: int, action: Action) -> Action | None:
-    """The receive a compute action reads its data from, or None when the data is local."""
-    s, m, where = action.stage, action.microbatch, program.stage_to_rank
-    if action.kind == ActionKind.FORWARD and s > 0 and where[s - 1] != rank:
-        return Action(kind=ActionKind.RECV_ACTIVATION, stage=s, microbatch=m, peer=where[s - 1])
-    if action.kind.is_backward and s + 1 < program.num_stages and where[s + 1] != rank:
-        return Action(kind=ActionKind.RECV_GRAD, stage=s, microbatch=m, peer=where[s + 1])
-    return None
-
-
 def _local_input_ready(
     program: PipelineProgram, action: Action, done: set[tuple[ActionKind, int, int]]
 ) -> bool:
@@ -170,7 +161,7 @@ def _check_execution(program: PipelineProgram) -> list[str]:
             if action.kind.is_recv:
                 seen.add(action)
             elif action.kind.is_compute:
-                need = _needs(program, rank, action)
+                need = receive_needed(action, program, rank)
                 if need is not None and need not in seen:
                     problems.append(
                         f"{_where(rank, action)}: reads data from rank {need.peer} "

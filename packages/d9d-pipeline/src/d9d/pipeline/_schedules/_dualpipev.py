@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 
 from d9d.pipeline._actions import Action, backward, backward_input, backward_weight, forward
-from d9d.pipeline._program import PipelineProgram, make_program
+from d9d.pipeline._communication import make_program
+from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._checks import check_counts, v_placement
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from d9d.pipeline._actions import Action, backward, forward
-from d9d.pipeline._program import PipelineProgram, make_program
+from d9d.pipeline._communication import make_program
+from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._checks import check_counts, loop_placement
 
 

@@ -18,7 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from d9d.pipeline._actions import Action, ActionKind, backward_input, backward_weight, forward
-from d9d.pipeline._program import PipelineProgram, make_program
+from d9d.pipeline._communication import make_program
+from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._checks import check_counts, loop_placement, v_placement
 
 
