@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from d9d.loop._config_data import DataConfig
 from d9d.loop._providers import BatchSource, DataProviderContext
-from d9d.mesh import DistributedContext
+from d9d.mesh import DistributedContext, derived_seed
 
 SampleT = TypeVar("SampleT")
 SampleT_co = TypeVar("SampleT_co", covariant=True)
@@ -84,7 +84,7 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         n = len(self._dataset)
         if not self._config.shuffle:
             return list(range(n))
-        generator = torch.Generator().manual_seed(self._config.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(derived_seed(epoch, self._config.seed))
         return cast(list[int], torch.randperm(n, generator=generator).tolist())
 
     def _start_epoch_iterator(self) -> Iterator[BatchT]:

@@ -18,7 +18,7 @@ from d9d.loop._model_provider import (
     ModelT,
     ParallelizeModelStageContext,
 )
-from d9d.mesh import DistributedContext
+from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import load_module_state
 
@@ -91,7 +91,7 @@ class ModelStageFactory(Generic[ModelT]):
         )
         model.to_empty(device=self._dist.device)
         # Seed per stage: stages must not draw the same numbers, while every rank of one stage must.
-        torch.manual_seed(self._seed + 1_000_003 * stage.current_stage)
+        torch.manual_seed(derived_seed(self._seed, stage.current_stage))
         if self._config.source is not None:
             if result.state_mapper is None:
                 raise ValueError(

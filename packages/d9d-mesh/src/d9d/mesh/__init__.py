@@ -19,7 +19,7 @@ from d9d.mesh._domains import (
     domain_layout,
 )
 from d9d.mesh._parameters import MeshParameters
-from d9d.mesh._seeding import seed_everything
+from d9d.mesh._seeding import derived_seed, seed_everything
 from d9d.mesh._tree_sharding import map_tree, shard_tree, shard_tree_at, tree_tensors, unshard_tree
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "gather_object",
     "gather_variable_shape",
     "map_tree",
+    "derived_seed",
     "seed_everything",
     "shard_tree",
     "shard_tree_at",

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from d9d.mesh._domains import BATCH_DOMAIN, MeshDomain, domain_layout
 from d9d.mesh._group_cache import ProcessGroupCache, partition_along
 from d9d.mesh._parameters import MeshParameters
-from d9d.mesh._seeding import seed_everything
+from d9d.mesh._seeding import derived_seed, seed_everything
 
 DeviceType = Literal["cpu", "cuda"]
 
@@ -252,7 +252,7 @@ class DistributedContext:
         Returns:
             The seed used on this rank.
         """
-        stage_seed = seed + 1_000_003 * self.pipeline_rank
+        stage_seed = derived_seed(seed, self.pipeline_rank)
         seed_everything(stage_seed)
         return stage_seed
 

@@ -6,6 +6,21 @@ import random
 
 import torch
 
+_STREAM_STRIDE = 1_000_003  # a prime well above any stage or epoch count: streams never overlap
+
+
+def derived_seed(seed: int, stream: int) -> int:
+    """The seed of one of several independent random streams drawn from one run seed.
+
+    Used for per-pipeline-stage model initialization and per-epoch data shuffling, so that no two
+    streams of a run (nor of two runs with nearby seeds) start from the same seed.
+
+    Args:
+        seed: The run's seed.
+        stream: Which stream (a pipeline stage, an epoch).
+    """
+    return seed + _STREAM_STRIDE * stream
+
 
 def seed_everything(seed: int) -> None:
     """Seeds Python's ``random``, torch (CPU and every CUDA device) and numpy when installed.
