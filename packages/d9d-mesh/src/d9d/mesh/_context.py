@@ -76,6 +76,7 @@ class DistributedContext:
         self._timeout = timeout
         self._meshes: dict[MeshDomain, DeviceMesh] = {}
         self._groups = ProcessGroupCache(timeout=timeout)
+        self._background_group: ProcessGroup | None = None
 
         if dist.is_initialized():
             world_size = dist.get_world_size()
@@ -206,11 +207,47 @@ class DistributedContext:
 
     @property
     def data_parallel_rank(self) -> int:
-        """This process's coordinate on the ``dp`` dim of the batch domain (its data shard)."""
-        coordinate = self.mesh_for(BATCH_DOMAIN).get_coordinate()
-        if coordinate is None:
-            raise RuntimeError(f"rank {self._rank} is not part of the batch mesh")
-        return coordinate[1]
+        """This process's coordinate on the ``dp`` dim of the batch domain (its data shard).
+
+        Computed from the rank alone (no mesh is built, nothing collective happens).
+        """
+        p = self._parameters
+        return (self._rank // (p.context_parallel * p.tensor_parallel)) % p.data_parallel
+
+    def pipeline_group(self) -> ProcessGroup:
+        """The group of this rank's pipeline (one rank per stage), for point-to-point transfers."""
+        return self.mesh_for(BATCH_DOMAIN).get_group("pp")
+
+    def world_group(self) -> ProcessGroup:
+        """The group of every rank (loss and metric reductions)."""
+        group = dist.group.WORLD
+        if not isinstance(group, ProcessGroup):
+            raise RuntimeError("the default process group is not initialized")
+        return group
+
+    def stage_group(self) -> ProcessGroup:
+        """The group of every rank holding this rank's pipeline stage(s): all ranks but other stages'.
+
+        A stage's parameters are sharded and replicated only within it, so whatever reads or
+        writes one whole stage (an export) collects over this group.
+        """
+        per_stage, stages = self._parameters.ranks_per_stage, self._parameters.pipeline_parallel
+        partition = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(stages))
+        return self._groups.group(partition)
+
+    def background_group(self) -> ProcessGroup:
+        """A gloo group of every rank for work that runs beside training (asynchronous checkpoints).
+
+        Its collectives may run in a background thread without interleaving with the training
+        step's; it obeys the context's timeout like every other group. Created collectively on
+        the first call (every rank must call it at the same point), then cached.
+        """
+        if self._background_group is None:
+            group = dist.new_group(backend="gloo", timeout=self._timeout)
+            if not isinstance(group, ProcessGroup):
+                raise RuntimeError(f"rank {self._rank} is not part of the background process group")
+            self._background_group = group
+        return self._background_group
 
     def barrier(self) -> None:
         """Waits until every process reaches this point."""
@@ -241,6 +278,8 @@ class DistributedContext:
         for mesh in self._meshes.values():
             for group in mesh.get_all_groups():
                 set_pg_timeout(timeout, group)
+        if self._background_group is not None:
+            set_pg_timeout(timeout, self._background_group)
         self._timeout = timeout
 
     def seed(self, seed: int) -> int:
