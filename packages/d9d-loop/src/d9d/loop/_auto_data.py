@@ -118,12 +118,29 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The next batch's position: ``epoch`` and ``step_in_epoch``."""
-        return {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch}
+        """The next batch's position: ``epoch``, ``step_in_epoch`` and the global batch it counts in."""
+        return {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch, "global_batch_size": self._global}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues at the saved position, converted in samples when the global batch changed.
+
+        Raises:
+            ValueError: If the samples already consumed in the epoch are not a whole number of
+                this run's global batches, naming both batch sizes.
+        """
         self._epoch = int(state["epoch"])
-        self._step_in_epoch = int(state["step_in_epoch"])
+        step_in_epoch = int(state["step_in_epoch"])
+        saved_global = int(state.get("global_batch_size", self._global))
+        if saved_global != self._global:
+            samples = step_in_epoch * saved_global
+            if samples % self._global != 0:
+                raise ValueError(
+                    f"cannot resume the data position: the checkpoint consumed {samples} samples of "
+                    f"epoch {self._epoch} with trainer.global_batch_size={saved_global}, not a whole "
+                    f"number of batches of this run's trainer.global_batch_size={self._global}"
+                )
+            step_in_epoch = samples // self._global
+        self._step_in_epoch = step_in_epoch
         self._iterator = None
 
 

@@ -1,4 +1,4 @@
-"""Distributed checkpoints with PyTorch DCP: atomic visibility, keep-last-N, optional async."""
+"""Distributed checkpoints with PyTorch DCP: atomic visibility, manifests, keep-last-N, optional async."""
 
 from __future__ import annotations
 
@@ -8,16 +8,39 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from d9d.loop._checkpoint_manifest import (
+    FileRecord,
+    Manifest,
+    RunLayout,
+    check_files,
+    list_files,
+    read_manifest,
+    record_files,
+    share,
+    write_manifest,
+)
 from d9d.loop._config_trainer import CheckpointConfig
+from d9d.loop._directory_checks import check_checkpoint_directory, describe_write_failure
 from d9d.mesh import DistributedContext
 
 _COMPLETE = re.compile(r"^step_(\d{9})$")
 _PARTIAL_SUFFIX = ".partial"
+_DAMAGED_SUFFIX = ".damaged"
+_T = TypeVar("_T")
+
+
+class CheckpointWriteError(RuntimeError):
+    """Saving a checkpoint failed; names the directory, the OS error (ENOSPC, EROFS, ...) and free space."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """Loading a checkpoint failed (an ``Exception``, unlike DCP's ``CheckpointException``); names it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,26 +73,98 @@ class Checkpointer:
     A checkpoint is written to ``step_NNNNNNNNN.partial`` and renamed to ``step_NNNNNNNNN`` by the
     main rank only after every rank finished writing, so a directory without the suffix is always
     complete; a crash mid-save leaves only a ``.partial`` directory, which is ignored and removed
-    by the next save.
+    by the next save. The last file written before the rename is the manifest
+    (``d9d_manifest.json``: every file's size and CRC-32, the run layout), which resume checks.
     """
 
-    def __init__(self, *, config: CheckpointConfig, dist_context: DistributedContext) -> None:
+    def __init__(
+        self,
+        *,
+        config: CheckpointConfig,
+        dist_context: DistributedContext,
+        expected_bytes: int = 0,
+    ) -> None:
+        """Checks the directory (a writable directory with room for ``expected_bytes``; collective).
+
+        Raises:
+            DirectoryCheckError: On every rank, if the directory is unusable, naming it and why.
+        """
         if config.directory is None:
             raise ValueError("Checkpointer needs trainer.checkpoint.directory")
         self._config = config
         self._directory = config.directory
         self._dist = dist_context
-        self._pending: tuple[int, _Waitable] | None = None
+        self._pending: tuple[int, _Waitable, RunLayout] | None = None
         # A group of its own: an asynchronous save finishes its collectives in a background
         # thread, which must not interleave with the training step's collectives.
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=dist_context.timeout)
         if not isinstance(group, dist.ProcessGroup):
             raise RuntimeError(f"rank {dist_context.rank} is not part of the checkpoint process group")
         self._group: dist.ProcessGroup = group
+        check_checkpoint_directory(
+            self._directory,
+            dist_context=dist_context,
+            required_bytes=expected_bytes * dist_context.parameters.pipeline_parallel,
+            group_broadcast=self._broadcast,
+        )
+
+    def _broadcast(self, value: _T) -> _T:
+        box: list[_T] = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return box[0]
+
+    def _gather(self, value: _T) -> list[_T]:
+        out: list[_T] = [value] * dist.get_world_size(self._group)
+        dist.all_gather_object(out, value, group=self._group)
+        return out
 
     def latest(self) -> CheckpointLocation | None:
         """The most recent complete checkpoint, if any."""
         return self._complete()[-1] if self._complete() else None
+
+    def candidates(self) -> list[CheckpointLocation]:
+        """Complete checkpoints, newest first (collective: every rank sees the main rank's list)."""
+        return self._broadcast(list(reversed(self._complete())))
+
+    def manifest(self, location: CheckpointLocation) -> Manifest | None:
+        """The checkpoint's manifest (None for one written before manifests existed)."""
+        return read_manifest(location.path)
+
+    def verify(self, location: CheckpointLocation) -> list[str]:
+        """What is wrong with a checkpoint's files against its manifest; empty when intact.
+
+        Collective: ranks check shares of the files in parallel (sizes, and CRC-32 when
+        ``checkpoint.verify`` is ``checksums``); every rank returns the same list.
+        """
+        problems: list[str] = []
+        try:
+            manifest = read_manifest(location.path)
+            if manifest is not None:
+                mine = share(manifest.files, self._dist.rank, self._dist.world_size)
+                problems = check_files(location.path, mine, self._config.verify)
+        except ValueError as e:
+            problems = [str(e)]
+        return sorted({p for rank_problems in self._gather(problems) for p in rank_problems})
+
+    def set_aside(self, locations: Sequence[CheckpointLocation]) -> list[Path]:
+        """Renames unusable checkpoints to ``step_N.damaged`` (collective).
+
+        They stay for inspection but no longer count as complete: resume skips them and
+        ``keep_last`` never deletes a usable checkpoint to keep one of them.
+
+        Returns:
+            Their new paths.
+        """
+        moved = [Path(f"{location.path}{_DAMAGED_SUFFIX}") for location in locations]
+        if self._dist.is_main_process:
+            for location, target in zip(locations, moved, strict=True):
+                if target.exists():
+                    shutil.rmtree(target, ignore_errors=True)
+                os.replace(location.path, target)
+            if locations:
+                _fsync_dir(self._directory)
+        dist.barrier(group=self._group)
+        return moved
 
     def _complete(self) -> list[CheckpointLocation]:
         if not self._directory.is_dir():
@@ -105,11 +200,24 @@ class Checkpointer:
         if required:
             raise ValueError(f"checkpoint {location.path} has no {required}; it holds {sorted(prefixes)}")
         present = {key: value for key, value in state.items() if key not in absent}
-        dcp.load(present, checkpoint_id=str(location.path), process_group=self._group)
+        error = ""
+        try:
+            dcp.load(present, checkpoint_id=str(location.path), process_group=self._group)
+        except (CheckpointException, OSError, EOFError, RuntimeError) as e:
+            # CheckpointException is a BaseException: `except Exception` in user code misses it
+            error = f"rank {self._dist.rank}: {type(e).__name__}: {e}"
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            raise CheckpointLoadError(f"loading {location.path} failed: " + "; ".join(errors))
         return absent
 
     def save(
-        self, step: int, state: dict[str, Any], on_visible: Callable[[CheckpointLocation], None]
+        self,
+        step: int,
+        state: dict[str, Any],
+        on_visible: Callable[[CheckpointLocation], None],
+        *,
+        layout: RunLayout,
     ) -> None:
         """Saves ``state`` as the checkpoint after ``step`` steps (collective).
 
@@ -117,39 +225,62 @@ class Checkpointer:
             step: Number of optimizer steps the state holds.
             state: What to save; ``Stateful`` values are asked for their state dict.
             on_visible: Called on every rank once the checkpoint is complete and visible.
+            layout: Recorded in the manifest, checked when a run resumes from it.
+
+        Raises:
+            CheckpointWriteError: Naming the directory and the OS error.
         """
         self.finalize(on_visible)
-        partial = Path(f"{_step_dir(self._directory, step)}{_PARTIAL_SUFFIX}")
+        partial = self._partial(step)
         if self._dist.is_main_process:
             self._directory.mkdir(parents=True, exist_ok=True)
             for stale in self._directory.glob(f"*{_PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier(group=self._group)
-        if self._config.asynchronous:
-            response = cast(
-                object, dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
-            )
-            # torch returns a Future, or (newer releases, asynchronous staging) a response holding one
-            upload: object = getattr(response, "upload_completion", None)
-            self._pending = (step, cast(_Waitable, response if upload is None else upload))
-            return
-        dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
-        self._publish(step, on_visible)
+        try:
+            if self._config.asynchronous:
+                response = cast(
+                    object, dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
+                )
+                # torch returns a Future, or (newer releases, asynchronous staging) a response holding one
+                upload: object = getattr(response, "upload_completion", None)
+                self._pending = (step, cast(_Waitable, response if upload is None else upload), layout)
+                return
+            dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
+        except (CheckpointException, OSError, RuntimeError) as e:
+            raise CheckpointWriteError(describe_write_failure(partial, e)) from e
+        self._publish(step, on_visible, layout)
+
+    def _partial(self, step: int) -> Path:
+        return Path(f"{_step_dir(self._directory, step)}{_PARTIAL_SUFFIX}")
 
     def finalize(self, on_visible: Callable[[CheckpointLocation], None]) -> None:
         """Waits for an asynchronous save in flight and makes it visible (collective)."""
         if self._pending is None:
             return
-        step, future = self._pending
+        step, future, layout = self._pending
         self._pending = None
-        future.result()
-        self._publish(step, on_visible)
+        try:
+            future.result()
+        except (CheckpointException, OSError, RuntimeError) as e:
+            raise CheckpointWriteError(describe_write_failure(self._partial(step), e)) from e
+        self._publish(step, on_visible, layout)
 
-    def _publish(self, step: int, on_visible: Callable[[CheckpointLocation], None]) -> None:
+    def _publish(
+        self, step: int, on_visible: Callable[[CheckpointLocation], None], layout: RunLayout
+    ) -> None:
         dist.barrier(group=self._group)  # every rank has written its shards
         final = _step_dir(self._directory, step)
+        partial = self._partial(step)
+        # Ranks checksum shares of the files in parallel; the manifest is written last, so a
+        # directory renamed to its final name always has one.
+        names = list_files(partial) if self._dist.is_main_process else []
+        names = self._broadcast(names)
+        mine = share(names, self._dist.rank, self._dist.world_size)
+        records: list[FileRecord] = [r for part in self._gather(record_files(partial, mine)) for r in part]
         if self._dist.is_main_process:
-            partial = Path(f"{final}{_PARTIAL_SUFFIX}")
+            write_manifest(partial, Manifest(step=step, layout=layout, files=tuple(records)))
+            _fsync_dir(partial)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)

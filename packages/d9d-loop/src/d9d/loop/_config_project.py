@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.loop._config_data import DataConfig
-from d9d.loop._config_lr import ConstantLRSchedulerConfig, LRSchedulerConfig
+from d9d.loop._config_lr import ConstantLRSchedulerConfig, LRSchedulerConfig, PiecewiseLRSchedulerConfig
 from d9d.loop._config_optimizer import AdamWConfig, OptimizerConfig
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.mesh import MeshParameters
@@ -45,15 +45,39 @@ class ProjectConfig(BaseModel):
         check_batch_layout(self.mesh, self.trainer)
         return self
 
+    @model_validator(mode="after")
+    def _check_warmup_fits(self) -> Self:
+        # with `epochs` the run length is known only once the dataset is: checked when built
+        if self.trainer.max_steps is not None and isinstance(self.lr_scheduler, PiecewiseLRSchedulerConfig):
+            self.lr_scheduler.check_run_length(self.trainer.max_steps)
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> Self:
-        """Loads and validates a YAML file; errors name the file and the offending keys."""
+        """Loads and validates a YAML file; every error names the file (and the offending keys).
+
+        Raises:
+            ConfigFileError: If the file is missing, unreadable, empty, not YAML, not a mapping,
+                or does not validate.
+        """
         path = Path(path)
         try:
-            raw: Any = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ValueError(f"cannot read config {path}: {e}") from e
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigFileError(f"cannot read config {path}: {e.strerror or e}") from e
+        try:
+            raw: Any = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigFileError(f"config {path} is not valid YAML: {e}") from e
+        if raw is None:
+            raise ConfigFileError(f"config {path} is empty")
+        if not isinstance(raw, dict):
+            raise ConfigFileError(f"config {path} must be a mapping of sections, not {type(raw).__name__}")
         try:
             return cls.model_validate(raw)
         except ValueError as e:
-            raise ValueError(f"invalid config {path}:\n{e}") from e
+            raise ConfigFileError(f"invalid config {path}:\n{e}") from e
+
+
+class ConfigFileError(ValueError):
+    """A config file could not be loaded; the message names the file."""

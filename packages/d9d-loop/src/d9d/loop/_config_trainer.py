@@ -5,13 +5,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from d9d.pipeline import OneFOneBScheduleConfig, PipelineScheduleConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _non_empty(value: object) -> object:
+    if isinstance(value, str) and not value.strip():
+        # Path("") is the working directory: almost never what an empty value meant
+        raise ValueError("an empty path is not allowed (use '.' for the working directory)")
+    return value
+
+
+NonEmptyPath = Annotated[Path, BeforeValidator(_non_empty)]
+"""A filesystem path; an empty string is refused instead of meaning the working directory."""
+
+
+class ResumeConfig(_Strict):
+    """How a run resumes from its latest usable checkpoint.
+
+    Attributes:
+        optimizer_state: ``load`` restores the optimizer's state (a checkpoint of another
+            optimizer is refused); ``reset`` starts the optimizer afresh, e.g. after switching it.
+    """
+
+    optimizer_state: Literal["load", "reset"] = "load"
 
 
 class CheckpointConfig(_Strict):
@@ -23,14 +45,30 @@ class CheckpointConfig(_Strict):
         keep_last: Keep only this many complete checkpoints (older ones are deleted).
         asynchronous: Write in the background (``dcp.async_save``); the checkpoint becomes visible
             at the next step boundary once every rank has finished writing.
-        resume: Resume from the latest complete checkpoint in ``directory`` when one exists.
+        resume: Resume from the newest usable checkpoint in ``directory`` when one exists:
+            ``true`` (the defaults of ``ResumeConfig``), ``false``, or a ``ResumeConfig``.
+        verify: What resume checks against each checkpoint's manifest before loading it:
+            ``sizes`` (every file present with its recorded size; costs a ``stat`` per file) or
+            ``checksums`` (also every file's CRC-32; reads the whole checkpoint once).
     """
 
-    directory: Path | None = None
+    directory: NonEmptyPath | None = None
     every_steps: int = Field(default=100, ge=1)
     keep_last: int = Field(default=2, ge=1)
     asynchronous: bool = False
-    resume: bool = True
+    resume: bool | ResumeConfig = True
+    verify: Literal["sizes", "checksums"] = "sizes"
+
+    @property
+    def resume_options(self) -> ResumeConfig | None:
+        """The resume settings, or None when resume is off."""
+        match self.resume:
+            case True:
+                return ResumeConfig()
+            case False:
+                return None
+            case ResumeConfig():
+                return self.resume
 
 
 class NoTrackerConfig(_Strict):
@@ -43,7 +81,7 @@ class JsonlTrackerConfig(_Strict):
     """Append one JSON object per logged step to ``path`` (main rank only)."""
 
     name: Literal["jsonl"] = "jsonl"
-    path: Path
+    path: NonEmptyPath
 
 
 TrackerConfig = Annotated[NoTrackerConfig | JsonlTrackerConfig, Field(discriminator="name")]
@@ -97,7 +135,40 @@ class InitializationConfig(_Strict):
     """
 
     layout_invariant: bool = True
-    source: Path | None = None
+    source: NonEmptyPath | None = None
+
+
+class SkipNonFinite(_Strict):
+    """Skip the optimizer step of a non-finite loss or gradient norm (the batch is lost).
+
+    The gradient norm is then read before the optimizer step instead of after it (still one
+    host read per step). ``max_consecutive`` skipped steps in a row stop the run.
+    """
+
+    policy: Literal["skip"] = "skip"
+    max_consecutive: int = Field(default=5, ge=1)
+
+
+class StopOnNonFinite(_Strict):
+    """End the run with ``NonFiniteError`` naming the step (the checkpoints stay as they are)."""
+
+    policy: Literal["stop"] = "stop"
+
+
+class RollbackOnNonFinite(_Strict):
+    """Reload the newest checkpoint and go on; ``max_rollbacks`` rollbacks in one run stop it.
+
+    The same data then reaches the same state again, so a deterministic divergence (a learning
+    rate too high) stops after ``max_rollbacks``; a transient one (a flipped bit in memory) passes.
+    """
+
+    policy: Literal["rollback"] = "rollback"
+    max_rollbacks: int = Field(default=3, ge=1)
+
+
+NonFiniteConfig = Annotated[
+    SkipNonFinite | StopOnNonFinite | RollbackOnNonFinite, Field(discriminator="policy")
+]
 
 
 class TrainerConfig(_Strict):
@@ -110,6 +181,7 @@ class TrainerConfig(_Strict):
         microbatch_size: Samples per forward/backward on one rank; gradient accumulation steps are
             ``global_batch_size / (data_parallel * microbatch_size)``.
         seed: Seed of model initialization and every random generator.
+        nonfinite: What a non-finite loss or gradient norm does (``stop`` by default).
         pipeline: The pipeline schedule (used when ``mesh.pipeline_parallel > 1``); the schedule's
             microbatches are this rank's ``global_batch_size / (data_parallel * microbatch_size)``.
     """
@@ -125,6 +197,7 @@ class TrainerConfig(_Strict):
     logging: LoggingConfig = LoggingConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     initialization: InitializationConfig = InitializationConfig()
+    nonfinite: NonFiniteConfig = StopOnNonFinite()
     device: Literal["auto", "cpu", "cuda"] = "auto"
     pipeline: PipelineScheduleConfig = Field(default_factory=OneFOneBScheduleConfig)
 

@@ -10,6 +10,7 @@ from d9d.loop._auto_data import AutoDataProvider
 from d9d.loop._checkpointer import Checkpointer
 from d9d.loop._config_project import check_batch_layout
 from d9d.loop._config_trainer import TrainerConfig
+from d9d.loop._directory_checks import estimate_checkpoint_bytes
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider
@@ -165,7 +166,11 @@ class TrainingConfigurator:
         else:
             step_runner = SequentialStepRunner(model=models[0], task=task, gradients=gradients)
         checkpointer = (
-            Checkpointer(config=config.checkpoint, dist_context=dist_context)
+            Checkpointer(
+                config=config.checkpoint,
+                dist_context=dist_context,
+                expected_bytes=estimate_checkpoint_bytes(models, optimizer),
+            )
             if config.checkpoint.directory is not None
             else None
         )

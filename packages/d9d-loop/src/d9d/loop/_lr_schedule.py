@@ -87,6 +87,7 @@ class AutoLRSchedulerProvider:
         config = self._config
         match config:
             case PiecewiseLRSchedulerConfig():
+                config.check_run_length(context.total_steps)
                 return LambdaLR(context.optimizer, PiecewiseSchedule(config, context.total_steps))
             case ConstantLRSchedulerConfig():
                 return LambdaLR(context.optimizer, _constant_one)

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LRScheduler
 
+from d9d.loop._checkpoint_manifest import RunLayout
+from d9d.loop._checkpoint_resume import load_newest_usable
 from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._events import (
@@ -29,6 +31,7 @@ from d9d.loop._events import (
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
 from d9d.loop._model_provider import ModelProvider, PrepareExportModelStageContext
 from d9d.loop._model_stage_factory import BuiltStage
+from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource
 from d9d.loop._step_runner import StepRunner
@@ -90,6 +93,8 @@ class Trainer:
         self._p = parts
         self._step = 0
         self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
+        self._guard = NonFiniteGuard(parts.config.nonfinite, parts.dist_context.logger)
+        self._rollback_due = False
 
     @property
     def dist_context(self) -> DistributedContext:
@@ -121,14 +126,22 @@ class Trainer:
         """Optimizer steps of the whole run."""
         return self._p.total_steps
 
-    def _checkpoint_state(self) -> dict[str, Any]:
+    def _checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
         p = self._p
-        return {
+        state: dict[str, Any] = {
             "model": ModelState(self.model_stages),
             "optimizer": OptimizerState(self.model_stages, p.optimizer),
             "trainer": ObjectState(self._trainer_state, self._load_trainer_state),
             f"rng_rank{p.dist_context.rank}": RandomState(),
         }
+        if not with_optimizer:
+            del state["optimizer"]
+        return state
+
+    def _layout(self) -> RunLayout:
+        return RunLayout(
+            global_batch_size=self._p.config.global_batch_size, optimizer=type(self._p.optimizer).__name__
+        )
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -148,15 +161,22 @@ class Trainer:
         self._p.tracker.load_state_dict(state["tracker"])
 
     def resume(self) -> CheckpointLocation | None:
-        """Loads the latest complete checkpoint if checkpointing and resume are on."""
+        """Loads the newest usable checkpoint (verified, else the next older) if resume is on."""
         checkpointer = self._p.checkpointer
-        if checkpointer is None or not self._p.config.checkpoint.resume:
+        options = self._p.config.checkpoint.resume_options
+        if checkpointer is None or options is None:
             return None
-        location = checkpointer.latest()
-        if location is None:
+        resumed = load_newest_usable(
+            checkpointer,
+            state=self._checkpoint_state,
+            optional=(f"rng_rank{self._p.dist_context.rank}",),
+            layout=self._layout(),
+            options=options,
+            logger=self._p.dist_context.logger,
+        )
+        if resumed is None:
             return None
-        rng_key = f"rng_rank{self._p.dist_context.rank}"
-        absent = checkpointer.load(location, self._checkpoint_state(), optional=(rng_key,))
+        location, absent = resumed.location, resumed.absent
         if absent:
             # The checkpoint was written by fewer ranks (resharded resume): this rank keeps its seed.
             self._p.dist_context.logger.warning(
@@ -185,6 +205,8 @@ class Trainer:
                 )
                 try:
                     metrics = self._train_step()
+                except NonFiniteError:
+                    raise  # names the step already
                 except Exception as e:
                     # e.g. a collective that timed out: say where, then let the job end
                     raise StepFailedError(
@@ -192,6 +214,9 @@ class Trainer:
                     ) from e
                 self._watchdog.disarm()
                 first = False
+                if self._rollback_due:
+                    self._rollback()  # before anything of the non-finite state is saved
+                    continue
                 bar.update(metrics)
                 self._maybe_checkpoint(final=self._step == p.total_steps)
             if p.checkpointer is not None:
@@ -207,9 +232,22 @@ class Trainer:
         if p.checkpointer is None:
             return
         if final or self._step % p.config.checkpoint.every_steps == 0:
-            p.checkpointer.save(self._step, self._checkpoint_state(), self._on_checkpoint_visible)
+            p.checkpointer.save(
+                self._step, self._checkpoint_state(), self._on_checkpoint_visible, layout=self._layout()
+            )
         else:
             p.checkpointer.finalize(self._on_checkpoint_visible)
+
+    def _rollback(self) -> None:
+        self._rollback_due = False
+        if self._p.checkpointer is not None:
+            self._p.checkpointer.finalize(self._on_checkpoint_visible)
+        failed_step = self._step
+        if self.resume() is None:
+            raise NonFiniteError(
+                f"step {failed_step - 1} was not finite and there is no checkpoint to roll back to "
+                f"(trainer.nonfinite.policy=rollback needs trainer.checkpoint.directory)"
+            )
 
     def _on_checkpoint_visible(self, location: CheckpointLocation) -> None:
         self._p.events.publish(CheckpointSaved(step=location.step, path=location.path))
@@ -258,13 +296,20 @@ class Trainer:
 
         p.gradients.finish(global_weight=weight, microbatches_per_rank=p.microbatches_per_step)
         grad_norm_tensor = p.gradients.clip()
+        # The loss is on the host already; the norm is read early only when a step may be skipped.
+        early_norm = float(grad_norm_tensor.item()) if self._guard.reads_norm_before_step else None
+        verdict = self._guard.check(step=step, loss=loss, grad_norm=early_norm)
         p.events.publish(OptimizerStepStarted(step=step))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
-        p.optimizer.step()
+        if verdict is StepVerdict.APPLY:
+            p.optimizer.step()
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
         # Read only now, so the optimizer's kernels are queued before the host waits.
-        grad_norm = float(grad_norm_tensor.item())
+        grad_norm = early_norm if early_norm is not None else float(grad_norm_tensor.item())
+        if verdict is StepVerdict.APPLY:
+            verdict = self._guard.check(step=step, loss=loss, grad_norm=grad_norm)
+        self._rollback_due = verdict is StepVerdict.ROLLBACK
         p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate, grad_norm=grad_norm))
 
         self._step += 1
@@ -275,6 +320,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "samples_per_s": p.config.global_batch_size / elapsed,
         }
+        if verdict is StepVerdict.SKIP:
+            metrics["skipped"] = 1.0
         if tokens > 0:
             metrics["tokens_per_s"] = tokens / elapsed
         for name, value in zip(metric_names, reduced[4:], strict=True):
@@ -286,8 +333,13 @@ class Trainer:
         p.events.publish(StepFinished(step=step, metrics=metrics))
         return metrics
 
-    def export(self, path: str | Path) -> None:
-        """Writes the model through the provider's export state mapper as safetensors (collective)."""
+    def export(self, path: str | Path, *, overwrite: bool = False) -> None:
+        """Writes the model through the provider's export state mapper as safetensors (collective).
+
+        Args:
+            path: The target directory (one ``stage_N`` sub-directory per pipeline stage).
+            overwrite: Replace an existing non-empty target (it stays intact if the export fails).
+        """
         target = Path(path)
         for built in self._p.stages:
             result = self._p.provider.prepare_export_model_stage(
@@ -305,6 +357,7 @@ class Trainer:
                 built.model,
                 result.state_mapper,
                 show_progress=self._p.dist_context.is_main_process,
+                overwrite=overwrite,
             )
 
     def close(self) -> None:

@@ -1,0 +1,118 @@
+"""Resume from the newest usable checkpoint: verify, check compatibility, fall back, explain."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from d9d.loop._checkpoint_manifest import ManifestError, RunLayout
+from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation
+from d9d.loop._config_trainer import ResumeConfig
+
+
+class ResumeIncompatibleError(ValueError):
+    """The checkpoint was written by a run this one cannot continue; names both values."""
+
+
+class NoUsableCheckpointError(RuntimeError):
+    """Checkpoints exist but none can be loaded; lists each and why."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from and the optional state keys it lacked."""
+
+    location: CheckpointLocation
+    absent: list[str]
+
+
+def check_layout(saved: RunLayout, current: RunLayout, options: ResumeConfig, where: str) -> bool:
+    """Whether to load the optimizer state; raises if the run cannot continue the checkpoint.
+
+    A different global batch is allowed here: the data source converts its position in samples
+    (and refuses where that is impossible). A different optimizer is refused unless
+    ``resume.optimizer_state`` is ``reset``.
+    """
+    match options.optimizer_state:
+        case "reset":
+            return False
+        case "load":
+            if saved.optimizer != current.optimizer:
+                raise ResumeIncompatibleError(
+                    f"{where} holds the state of optimizer {saved.optimizer}, this run uses "
+                    f"{current.optimizer}; set trainer.checkpoint.resume: {{optimizer_state: reset}} "
+                    f"to start the optimizer afresh"
+                )
+            return True
+
+
+def load_newest_usable(
+    checkpointer: Checkpointer,
+    *,
+    state: Callable[[bool], dict[str, Any]],
+    optional: tuple[str, ...],
+    layout: RunLayout,
+    options: ResumeConfig,
+    logger: logging.LoggerAdapter[logging.Logger],
+) -> Resumed | None:
+    """Loads the newest checkpoint that verifies and loads; falls back to older ones (collective).
+
+    A checkpoint whose files disagree with its manifest, or whose load fails, is skipped with a
+    warning naming the file and the reason; once an older one loads, the skipped newer ones are
+    renamed ``step_N.damaged``. Incompatibility (another optimizer) is not damage: it raises.
+
+    Args:
+        checkpointer: Where the checkpoints are.
+        state: Builds what to restore; its argument says whether to include the optimizer.
+        optional: Top-level keys that may be absent.
+        layout: This run's layout, compared with each checkpoint's.
+        options: The resume settings.
+        logger: Receives one warning per skipped checkpoint.
+
+    Returns:
+        The checkpoint loaded, or None when there is none at all.
+
+    Raises:
+        NoUsableCheckpointError: If checkpoints exist but none is usable, listing each and why.
+        ResumeIncompatibleError: If the newest intact checkpoint belongs to an incompatible run.
+    """
+    skipped: list[tuple[CheckpointLocation, str]] = []
+    for location in checkpointer.candidates():
+        problems = checkpointer.verify(location)
+        if problems:
+            reason = "; ".join(problems)
+            logger.warning("checkpoint %s is damaged, trying an older one: %s", location.path, reason)
+            skipped.append((location, reason))
+            continue
+        try:
+            manifest = checkpointer.manifest(location)
+        except ManifestError as e:
+            skipped.append((location, str(e)))
+            continue
+        with_optimizer = True
+        if manifest is None:
+            logger.warning(
+                "checkpoint %s has no manifest (an older d9d wrote it): not verified", location.path
+            )
+        else:
+            with_optimizer = check_layout(manifest.layout, layout, options, str(location.path))
+        try:
+            absent = checkpointer.load(location, state(with_optimizer), optional=optional)
+        except CheckpointLoadError as e:
+            logger.warning("checkpoint %s failed to load, trying an older one: %s", location.path, e)
+            skipped.append((location, str(e)))
+            continue
+        if skipped:
+            moved = checkpointer.set_aside([loc for loc, _ in skipped])
+            logger.warning(
+                "resumed from %s; set aside the unusable newer checkpoints as %s",
+                location.path,
+                ", ".join(str(m) for m in moved),
+            )
+        return Resumed(location=location, absent=absent)
+    if skipped:
+        listing = "\n".join(f"  {loc.path}: {reason}" for loc, reason in skipped)
+        raise NoUsableCheckpointError(f"no usable checkpoint to resume from:\n{listing}")
+    return None
