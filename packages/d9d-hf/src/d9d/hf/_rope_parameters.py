@@ -1,0 +1,120 @@
+"""The ``rope_parameters`` (or legacy ``rope_scaling``) block of a Hugging Face config.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from d9d.kernels.layers import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    NtkRopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
+
+
+class _RopeBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rope_theta: float | None = None
+    type: str | None = None  # older configs name the method here instead of in rope_type
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rope_type_from_type(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cast(dict[str, Any], data)
+            if "rope_type" not in fields:
+                return {**fields, "rope_type": fields.get("type", "default")}
+        return data
+
+
+class DefaultRopeParameters(_RopeBase):
+    """Plain RoPE."""
+
+    rope_type: Literal["default"] = "default"
+
+
+class LinearRopeParameters(_RopeBase):
+    """Position interpolation."""
+
+    rope_type: Literal["linear"]
+    factor: float
+
+
+class DynamicRopeParameters(_RopeBase):
+    """Dynamic NTK scaling (recomputed for sequences longer than ``max_position_embeddings``)."""
+
+    rope_type: Literal["dynamic"]
+    factor: float
+    original_max_position_embeddings: int | None = None
+
+
+class YarnRopeParameters(_RopeBase):
+    """YaRN; unset fields take Hugging Face's defaults."""
+
+    rope_type: Literal["yarn"]
+    factor: float
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+
+
+class Llama3RopeParameters(_RopeBase):
+    """Llama-3.1 frequency scaling."""
+
+    rope_type: Literal["llama3"]
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int | None = None
+
+
+RopeParameters = Annotated[
+    DefaultRopeParameters
+    | LinearRopeParameters
+    | DynamicRopeParameters
+    | YarnRopeParameters
+    | Llama3RopeParameters,
+    Field(discriminator="rope_type"),
+]
+
+
+def rope_scaling_of(parameters: RopeParameters | None, *, max_position_embeddings: int) -> RopeScaling | None:
+    """d9d-kernels' scaling object for a config's rope block (None for plain RoPE).
+
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``, as in Hugging Face.
+    """
+    match parameters:
+        case None | DefaultRopeParameters():
+            return None
+        case LinearRopeParameters():
+            return LinearRopeScaling(factor=parameters.factor)
+        case DynamicRopeParameters():
+            return NtkRopeScaling(factor=parameters.factor, max_position_embeddings=max_position_embeddings)
+        case YarnRopeParameters():
+            return YarnRopeScaling(
+                factor=parameters.factor,
+                original_max_position_embeddings=parameters.original_max_position_embeddings
+                or max_position_embeddings,
+                beta_fast=32.0 if parameters.beta_fast is None else parameters.beta_fast,
+                beta_slow=1.0 if parameters.beta_slow is None else parameters.beta_slow,
+                attention_factor=parameters.attention_factor,
+                mscale=parameters.mscale,
+                mscale_all_dim=parameters.mscale_all_dim,
+                truncate=True if parameters.truncate is None else parameters.truncate,
+            )
+        case Llama3RopeParameters():
+            return Llama3RopeScaling(
+                factor=parameters.factor,
+                low_freq_factor=parameters.low_freq_factor,
+                high_freq_factor=parameters.high_freq_factor,
+                original_max_position_embeddings=parameters.original_max_position_embeddings
+                or max_position_embeddings,
+            )

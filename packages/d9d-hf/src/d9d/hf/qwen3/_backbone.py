@@ -1,0 +1,122 @@
+"""The Qwen3 decoder stack of one pipeline stage: embedding (first stage), layers, norm (last stage)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
+from d9d.hf.qwen3._spec import Qwen3Spec
+from d9d.hf.qwen3._stage import StageLayout
+from d9d.kernels.layers import (
+    AttentionBackend,
+    AttentionBackendName,
+    MoELayer,
+    RMSNorm,
+    RotaryEmbedding,
+    TokenEmbedding,
+)
+
+
+class Qwen3Backbone(nn.Module):
+    """The decoder layers ``layout.layers`` of a Qwen3 model, named as Hugging Face names them.
+
+    ``layers`` is a ``ModuleDict`` keyed by the global layer index, so a stage's state-dict names
+    (``layers.17.self_attn.q_proj.weight``) are those of the full model and a checkpoint maps onto
+    any stage without renumbering.
+
+    Args:
+        spec: The model description.
+        layout: Which layers, and whether the embedding and final norm are here.
+        activation_checkpointing: Recompute each decoder layer in backward instead of keeping its
+            activations (``torch.utils.checkpoint``, non-reentrant), when training.
+        attention_backend: Passed to every attention layer.
+    """
+
+    def __init__(
+        self,
+        spec: Qwen3Spec,
+        layout: StageLayout,
+        *,
+        activation_checkpointing: bool = False,
+        attention_backend: AttentionBackend | AttentionBackendName | None = None,
+    ) -> None:
+        super().__init__()
+        self.activation_checkpointing = activation_checkpointing
+        self.embed_tokens = (
+            TokenEmbedding(spec.vocab_size, spec.hidden_size, init_std=spec.initializer_range)
+            if layout.is_first
+            else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): Qwen3DecoderLayer(spec, i, attention_backend=attention_backend) for i in layout.layers}
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last else None
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
+
+    def reset_parameters(self) -> None:
+        """Resets every layer and recomputes the rotary frequencies."""
+        if self.embed_tokens is not None:
+            self.embed_tokens.reset_parameters()
+        for layer in self.decoder_layers():
+            layer.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        self.rotary_emb.reset_parameters()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recomputes the non-persistent buffers (rotary frequencies in fp32, MoE token counts).
+
+        For a model materialized with ``to_empty`` and then loaded from a checkpoint, which fills
+        parameters only.
+        """
+        rotary = self.rotary_emb
+        if rotary.inv_freq.dtype != torch.float32:
+            rotary.inv_freq = torch.empty_like(rotary.inv_freq, dtype=torch.float32)
+        rotary.reset_parameters()
+        for layer in self.decoder_layers():
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.tokens_per_expert = torch.zeros_like(
+                    layer.mlp.tokens_per_expert, dtype=torch.float32
+                )
+
+    def decoder_layers(self) -> list[Qwen3DecoderLayer]:
+        """This stage's decoder layers in order."""
+        return [layer for layer in self.layers.values() if isinstance(layer, Qwen3DecoderLayer)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``(batch, seq, hidden)``; first stage only."""
+        if self.embed_tokens is None:
+            raise RuntimeError("this stage holds no token embedding (it is not the first stage)")
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs this stage's layers (and the final norm on the last stage).
+
+        Args:
+            hidden_states: ``(batch, seq, hidden)``.
+            position_ids: ``(batch, seq)`` rotary positions.
+            document_ids: ``(batch, seq)`` packed-document ids, or None for one sequence per row.
+        """
+        position_embeddings = self.rotary_emb(position_ids, dtype=hidden_states.dtype)
+        for layer in self.decoder_layers():
+            if self.activation_checkpointing and self.training:
+                output = checkpoint(
+                    layer, hidden_states, position_embeddings, document_ids, use_reentrant=False
+                )
+                if not isinstance(output, torch.Tensor):
+                    raise TypeError("a checkpointed decoder layer returned no tensor")
+                hidden_states = output
+            else:
+                hidden_states = layer(hidden_states, position_embeddings, document_ids)
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return hidden_states

@@ -1,0 +1,127 @@
+"""Qwen3 with the causal language-modelling head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
+from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName, LanguageModelHead
+from d9d.pipeline import PipelineStageInfo
+
+
+class Qwen3CausalLM(Qwen3ModelBase):
+    """Qwen3 (dense or MoE) for next-token prediction; state names match ``Qwen3ForCausalLM``.
+
+    Training (``forward``) returns per-token losses through the fused linear cross-entropy, so the
+    ``(tokens, vocab)`` logits never exist; ``logits`` is for inference. The step's loss is
+    ``losses.sum() / (labels != -100).sum()``, as transformers computes it. On MoE layers the
+    load-balancing loss (``router_aux_loss_coef`` times each layer's Switch loss) is added to the
+    backward pass in training mode.
+
+    Tied embeddings (``tie_word_embeddings``): when one module holds both ends, ``lm_head.weight``
+    *is* ``model.embed_tokens.weight``. Under pipeline parallelism the last stage holds its own
+    copy, loaded from the same checkpoint tensor; keep the two equal by summing their gradients
+    between the first and last stage before every optimizer step (``sum_tied_gradients``), and,
+    when initializing from scratch, by copying the first stage's weight to the last
+    (``broadcast_tied_weight``).
+
+    Args:
+        config: The model's config.json.
+        stage: The pipeline stage to build; None builds the whole model.
+        layers: Decoder layers of this stage; by default an even split.
+        activation_checkpointing: Recompute every decoder layer in backward.
+        attention_backend: Attention implementation; None auto-detects.
+    """
+
+    def __init__(
+        self,
+        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        *,
+        stage: PipelineStageInfo | None = None,
+        layers: range | None = None,
+        activation_checkpointing: bool = False,
+        attention_backend: AttentionBackend | AttentionBackendName | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            stage=stage,
+            layers=layers,
+            activation_checkpointing=activation_checkpointing,
+            attention_backend=attention_backend,
+        )
+        spec = self.spec
+        self.lm_head = (
+            LanguageModelHead(spec.hidden_size, spec.vocab_size, init_std=spec.initializer_range)
+            if self.layout.is_last
+            else None
+        )
+        self._tie_weights()
+
+    def _tie_weights(self) -> None:
+        embedding = self.model.embed_tokens
+        if self.spec.tie_word_embeddings and embedding is not None and self.lm_head is not None:
+            self.lm_head.weight = embedding.weight
+
+    def reset_parameters(self) -> None:
+        """Re-initializes the backbone and the head (a tied head keeps the embedding's values)."""
+        if self.lm_head is not None:
+            self.lm_head.reset_parameters()
+        super().reset_parameters()
+
+    def forward(self, inputs: Qwen3Inputs | StageHandoff, shared: Any = None) -> torch.Tensor | StageHandoff:
+        """Per-token losses ``(batch, seq)`` on the last stage, the hand-off on the others.
+
+        Args:
+            inputs: ``Qwen3Inputs`` with ``labels`` (first stage) or the previous stage's hand-off.
+            shared: Unused (d9d-loop's shared forward argument).
+        """
+        del shared
+        handoff = self.run_backbone(inputs)
+        if self.lm_head is None:
+            return handoff
+        labels = handoff.get("labels")
+        if labels is None:
+            raise ValueError("the causal-LM forward computes the loss and needs Qwen3Inputs.labels")
+        return self.lm_head(handoff["hidden_states"], labels)
+
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean next-token loss of the whole model over positions whose target is not ``-100``.
+
+        Args:
+            input_ids: ``(batch, seq)`` tokens.
+            labels: ``(batch, seq)`` per-position targets (see ``causal_lm_targets``).
+            document_ids: Packed-document ids.
+            position_ids: Positions (restarting per document when packed).
+        """
+        self.require_whole_model("loss")
+        inputs = Qwen3Inputs(
+            input_ids=input_ids, labels=labels, document_ids=document_ids, position_ids=position_ids
+        )
+        losses = self(inputs)
+        if not isinstance(losses, torch.Tensor):
+            raise TypeError("the whole model returned no losses")
+        return losses.sum() / (labels != -100).sum().clamp(min=1)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Next-token logits ``(batch, seq, vocab)`` of the whole model (for inference)."""
+        if self.lm_head is None:
+            raise RuntimeError("logits needs the last stage (it holds the LM head)")
+        hidden = self.hidden_states(input_ids, document_ids=document_ids, position_ids=position_ids)
+        return self.lm_head.compute_logits(hidden)

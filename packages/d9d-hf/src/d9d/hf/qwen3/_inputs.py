@@ -1,0 +1,94 @@
+"""What a Qwen3 model takes: the batch on the first stage, a hand-off dict on the others."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d9d.kernels.layers import document_ids_from_position_ids, position_ids_from_document_ids
+
+StageHandoff = dict[str, torch.Tensor]
+"""What a non-last pipeline stage returns and the next one takes.
+
+Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``,
+``labels`` and ``attention_mask`` when the batch had them. A plain dict of tensors, so any
+pipeline transport and microbatch split can carry it.
+"""
+
+
+@dataclass(kw_only=True)
+class Qwen3Inputs:
+    """One batch (or microbatch) for a Qwen3 model; every tensor is ``(batch, seq)``.
+
+    Attributes:
+        input_ids: Token ids.
+        labels: Causal-LM targets already aligned with the positions (``labels[:, t]`` is the token
+            that should follow position ``t``; see ``causal_lm_targets``), ``-100`` where no loss is
+            wanted. Read only by the causal-LM head.
+        document_ids: Ids of packed documents; attention stays within a document. Derived from
+            ``position_ids`` when only those are given.
+        position_ids: Rotary positions; derived from ``document_ids`` (restarting per document)
+            or ``0..seq-1`` when absent.
+        attention_mask: Nonzero on real tokens; pooling heads use it to skip padding (the
+            classification head otherwise derives it from ``pad_token_id``).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+    def handoff(self, hidden_states: torch.Tensor) -> StageHandoff:
+        """The hand-off dict of this batch with ``hidden_states``, positions resolved."""
+        document_ids, position_ids = resolve_positions(self.input_ids, self.document_ids, self.position_ids)
+        out: StageHandoff = {"hidden_states": hidden_states, "position_ids": position_ids}
+        if document_ids is not None:
+            out["document_ids"] = document_ids
+        if self.labels is not None:
+            out["labels"] = self.labels
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask
+        return out
+
+
+def resolve_positions(
+    input_ids: torch.Tensor, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(document_ids, position_ids)`` completed from whichever of the two was given."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    if position_ids is None:
+        if document_ids is None:
+            batch, seq = input_ids.shape
+            position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        else:
+            position_ids = position_ids_from_document_ids(document_ids)
+    elif document_ids is None and bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any()):
+        document_ids = document_ids_from_position_ids(position_ids)
+    return document_ids, position_ids
+
+
+def causal_lm_targets(
+    labels: torch.Tensor, *, document_ids: torch.Tensor | None = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """Shifts Hugging Face style labels (``labels[:, t]`` is token ``t``) into per-position targets.
+
+    Position ``t`` predicts ``labels[:, t + 1]``; the last position of a row, and with packed
+    documents the last position of every document, get ``ignore_index``.
+
+    Args:
+        labels: ``(batch, seq)`` token ids, ``ignore_index`` where no loss is wanted.
+        document_ids: ``(batch, seq)`` ids of packed documents.
+        ignore_index: The label that contributes no loss.
+
+    Returns:
+        ``(batch, seq)`` targets for ``Qwen3Inputs.labels``.
+    """
+    targets = torch.full_like(labels, ignore_index)
+    targets[:, :-1] = labels[:, 1:]
+    if document_ids is not None:
+        crosses = document_ids[:, 1:] != document_ids[:, :-1]
+        targets[:, :-1] = targets[:, :-1].masked_fill(crosses, ignore_index)
+    return targets

@@ -1,0 +1,98 @@
+"""What every Qwen3 model (any head) shares: config, stage layout, backbone, stage hand-off."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.hf.qwen3._backbone import Qwen3Backbone
+from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig, qwen3_spec
+from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
+from d9d.hf.qwen3._stage import stage_layout
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName
+from d9d.pipeline import PipelineStageInfo
+
+
+class Qwen3ModelBase(nn.Module):
+    """A Qwen3 (dense or MoE) backbone of one pipeline stage; subclasses add the head.
+
+    Forward contract (d9d-loop's ``forward(inputs, shared)``): the first stage takes
+    ``Qwen3Inputs``, every other stage the ``StageHandoff`` dict the previous stage returned; a
+    non-last stage returns a ``StageHandoff``, the last stage its head's output.
+
+    Args:
+        config: The model's config.json (kept for export).
+        stage: The pipeline stage to build; None builds the whole model.
+        layers: Decoder layers of this stage; by default an even split (``layers_of_stage``).
+        activation_checkpointing: Recompute every decoder layer in backward.
+        attention_backend: Attention implementation (name or object); None auto-detects.
+    """
+
+    def __init__(
+        self,
+        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        *,
+        stage: PipelineStageInfo | None = None,
+        layers: range | None = None,
+        activation_checkpointing: bool = False,
+        attention_backend: AttentionBackend | AttentionBackendName | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = qwen3_spec(config)
+        self.layout = stage_layout(self.spec.num_layers, stage, layers)
+        self.model = Qwen3Backbone(
+            self.spec,
+            self.layout,
+            activation_checkpointing=activation_checkpointing,
+            attention_backend=attention_backend,
+        )
+
+    def reset_parameters(self) -> None:
+        """Re-initializes the backbone (heads extend this)."""
+        self.model.reset_parameters()
+
+    def prepare_inputs(self, inputs: Qwen3Inputs) -> Qwen3Inputs:
+        """First-stage hook: completes the batch before it enters the model (heads override)."""
+        return inputs
+
+    def run_backbone(self, inputs: Qwen3Inputs | StageHandoff) -> StageHandoff:
+        """Embeds (first stage) and runs this stage's layers; returns the hand-off."""
+        if isinstance(inputs, Qwen3Inputs):
+            if not self.layout.is_first:
+                raise TypeError("a non-first stage takes the previous stage's hand-off dict, not Qwen3Inputs")
+            prepared = self.prepare_inputs(inputs)
+            handoff = prepared.handoff(self.model.embed(prepared.input_ids))
+        else:
+            if self.layout.is_first:
+                raise TypeError("the first stage takes Qwen3Inputs, not a hand-off dict")
+            handoff = inputs
+        hidden = self.model(
+            handoff["hidden_states"],
+            position_ids=handoff["position_ids"],
+            document_ids=handoff.get("document_ids"),
+        )
+        return {**handoff, "hidden_states": hidden}
+
+    def require_whole_model(self, what: str) -> None:
+        """Raises unless this module is the whole model (first and last stage)."""
+        if not (self.layout.is_first and self.layout.is_last):
+            raise RuntimeError(f"{what} needs the whole model, this module is one pipeline stage")
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final normalized hidden states ``(batch, seq, hidden)`` of the whole model."""
+        self.require_whole_model("hidden_states")
+        inputs = Qwen3Inputs(
+            input_ids=input_ids,
+            document_ids=document_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+        )
+        return self.run_backbone(inputs)["hidden_states"]

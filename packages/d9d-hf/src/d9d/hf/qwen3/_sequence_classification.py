@@ -1,0 +1,86 @@
+"""Qwen3 with a sequence-classification head (transformers' ``Qwen3ForSequenceClassification``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
+from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName, ClassificationHead
+from d9d.pipeline import PipelineStageInfo
+
+
+class Qwen3SequenceClassification(Qwen3ModelBase):
+    """Class logits from each row's last real token; ``score.classifier.weight`` is HF's ``score.weight``.
+
+    The last real token is the rightmost one that is not ``pad_token_id`` (left or right
+    padding), as transformers does; without a ``pad_token_id`` (and no ``attention_mask``) it is
+    the row's last token. Packed rows are not supported: one sequence per row.
+
+    Args:
+        config: The model's config.json (``num_labels`` or ``id2label`` give the class count).
+        stage: The pipeline stage to build; None builds the whole model.
+        layers: Decoder layers of this stage; by default an even split.
+        activation_checkpointing: Recompute every decoder layer in backward.
+        attention_backend: Attention implementation; None auto-detects.
+    """
+
+    def __init__(
+        self,
+        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        *,
+        stage: PipelineStageInfo | None = None,
+        layers: range | None = None,
+        activation_checkpointing: bool = False,
+        attention_backend: AttentionBackend | AttentionBackendName | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            stage=stage,
+            layers=layers,
+            activation_checkpointing=activation_checkpointing,
+            attention_backend=attention_backend,
+        )
+        spec = self.spec
+        self.score = (
+            ClassificationHead(
+                spec.hidden_size, spec.num_labels, pooling="last", bias=False, init_std=spec.initializer_range
+            )
+            if self.layout.is_last
+            else None
+        )
+
+    def reset_parameters(self) -> None:
+        """Re-initializes the backbone and the classifier."""
+        super().reset_parameters()
+        if self.score is not None:
+            self.score.reset_parameters()
+
+    def prepare_inputs(self, inputs: Qwen3Inputs) -> Qwen3Inputs:
+        """Derives the padding mask from ``pad_token_id`` when none is given."""
+        pad = self.spec.pad_token_id
+        if inputs.attention_mask is not None or pad is None:
+            return inputs
+        return dataclasses.replace(inputs, attention_mask=(inputs.input_ids != pad).to(torch.int64))
+
+    def forward(self, inputs: Qwen3Inputs | StageHandoff, shared: Any = None) -> torch.Tensor | StageHandoff:
+        """Class logits ``(batch, num_labels)`` on the last stage, the hand-off on the others."""
+        del shared
+        handoff = self.run_backbone(inputs)
+        if self.score is None:
+            return handoff
+        return self.score(handoff["hidden_states"], handoff.get("attention_mask"))
+
+    def classify(
+        self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Class logits ``(batch, num_labels)`` of the whole model."""
+        self.require_whole_model("classify")
+        logits = self(Qwen3Inputs(input_ids=input_ids, attention_mask=attention_mask))
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError("the whole model returned no logits")
+        return logits

@@ -1,0 +1,71 @@
+"""The resolved description a Qwen3 model is built from (no Hugging Face field names left)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d9d.kernels.layers import RopeScaling
+
+
+@dataclass(kw_only=True, frozen=True)
+class Qwen3MoeSpec:
+    """The routed experts of the sparse layers (Qwen3-MoE has no shared expert).
+
+    Attributes:
+        num_experts: Routed experts per sparse layer.
+        top_k: Experts per token.
+        intermediate_size: Hidden width of every expert.
+        norm_topk_prob: Renormalize the chosen experts' weights to sum to one.
+        router_aux_loss_coef: Weight of the load-balancing loss (0 disables it).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    router_aux_loss_coef: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class Qwen3Spec:
+    """Every number a Qwen3 (dense or MoE) model needs.
+
+    Attributes:
+        vocab_size: Vocabulary size.
+        hidden_size: Model width.
+        intermediate_size: Hidden width of the dense feed-forwards.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        head_dim: Per-head size.
+        rms_norm_eps: Epsilon of every RMSNorm.
+        rope_theta: Rotary base.
+        rope_scaling: Rotary context extension, None for plain RoPE.
+        attention_bias: Biases on q/k/v/o.
+        sliding_windows: Per layer, the attention window (None: full attention).
+        tie_word_embeddings: The LM head shares the embedding's weight.
+        moe: The experts; None for a dense model.
+        moe_layers: Per layer, whether its feed-forward is the MoE (else dense SwiGLU).
+        pad_token_id: Padding token (sequence classification pools the last other token).
+        num_labels: Classes of a sequence-classification head.
+        initializer_range: Standard deviation of the initialization.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    attention_bias: bool
+    sliding_windows: tuple[int | None, ...]
+    tie_word_embeddings: bool
+    moe: Qwen3MoeSpec | None
+    moe_layers: tuple[bool, ...]
+    pad_token_id: int | None
+    num_labels: int
+    initializer_range: float
