@@ -22,7 +22,7 @@ class AttentionBackend(Protocol):
     - ``causal``: ``j <= i``;
     - ``sliding_window=w``: ``|i - j| < w``, so with ``causal`` the last ``w`` tokens
       (``i - w < j <= i``), without it ``w - 1`` tokens on each side (FlashAttention's
-      ``window_size=(w - 1, w - 1)``, Hugging Face's bidirectional sliding window);
+      ``window_size=(w - 1, w - 1)``);
     - ``document_ids``: ``document_ids[b, i] == document_ids[b, j]``.
 
     Conditions combine with "and"; absent ones allow everything. Positions are those of the whole
