@@ -19,12 +19,6 @@ def test_returns_each_ranks_value_in_rank_order() -> None:
     assert run_distributed(_rank_and_sum, world_size=4) == [(r, 6.0) for r in range(4)]
 
 
-def test_four_ranks_start_fast() -> None:
-    start = time.monotonic()
-    run_distributed(_rank_and_sum, world_size=4)
-    assert time.monotonic() - start < 5.0
-
-
 def _fail_on_rank_two() -> None:
     if dist.get_rank() == 2:
         raise RuntimeError("boom on purpose")

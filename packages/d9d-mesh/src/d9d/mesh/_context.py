@@ -82,6 +82,8 @@ class DistributedContext:
             world_size = dist.get_world_size()
             parameters.check_world_size(world_size)
             self._owns_process_group = False
+            # A group made before this context (a launcher, a test harness) obeys `timeout` too.
+            self.set_timeout(timeout)
             self._rank = dist.get_rank()
             self._local_rank = _env_int("LOCAL_RANK", self._rank)
             self._local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
