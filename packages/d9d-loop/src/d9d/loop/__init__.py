@@ -2,7 +2,10 @@
 
 from d9d.loop._auto_data import AutoDataProvider, MapDataset, ShardedBatchSource
 from d9d.loop._auto_optimizer import AutoOptimizerProvider
-from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
+from d9d.loop._batch_layout import BatchLayout
+from d9d.loop._checkpoint_manifest import RunLayout
+from d9d.loop._checkpoint_resume import NoUsableCheckpointError, ResumeIncompatibleError
+from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation, CheckpointWriteError
 from d9d.loop._config_data import DataConfig
 from d9d.loop._config_lr import (
     ConstantLRSchedulerConfig,
@@ -22,19 +25,25 @@ from d9d.loop._config_optimizer import (
     SGDConfig,
     StochasticAdamWConfig,
 )
-from d9d.loop._config_project import ProjectConfig, check_batch_layout
+from d9d.loop._config_project import ConfigFileError, ProjectConfig, check_batch_layout
 from d9d.loop._config_trainer import (
     CheckpointConfig,
     GradientClippingConfig,
     InitializationConfig,
     JsonlTrackerConfig,
     LoggingConfig,
+    NonFiniteConfig,
     NoTrackerConfig,
+    ResumeConfig,
+    RollbackOnNonFinite,
+    SkipNonFinite,
+    StopOnNonFinite,
     TimeoutConfig,
     TrackerConfig,
     TrainerConfig,
 )
-from d9d.loop._configurator import TaskProvider, TrainingConfigurator
+from d9d.loop._configurator import TrainingConfigurator
+from d9d.loop._directory_checks import DirectoryCheckError
 from d9d.loop._events import (
     CheckpointSaved,
     ConfigReady,
@@ -48,6 +57,7 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.loop._exporter import ExportError, ModelExporter
 from d9d.loop._lr_schedule import AutoLRSchedulerProvider, PiecewiseSchedule
 from d9d.loop._model_provider import (
     InitializeModelStageContext,
@@ -57,6 +67,7 @@ from d9d.loop._model_provider import (
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
 )
+from d9d.loop._nonfinite_guard import NonFiniteError
 from d9d.loop._providers import (
     BatchSource,
     DataProvider,
@@ -71,6 +82,8 @@ from d9d.loop._task import (
     BuildForwardInputsResult,
     ComputeLossContext,
     ComputeLossResult,
+    TaskFactory,
+    TaskProvider,
     TaskProviderContext,
     TrainTask,
 )
@@ -78,6 +91,10 @@ from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
 from d9d.loop._trainer import StepFailedError, Trainer
 
 __all__ = [
+    "TaskFactory",
+    "ModelExporter",
+    "ExportError",
+    "BatchLayout",
     "AdamConfig",
     "AdamWConfig",
     "AutoDataProvider",
@@ -87,11 +104,14 @@ __all__ = [
     "BuildForwardInputsContext",
     "BuildForwardInputsResult",
     "CheckpointConfig",
+    "CheckpointLoadError",
     "CheckpointLocation",
     "CheckpointSaved",
+    "CheckpointWriteError",
     "Checkpointer",
     "ComputeLossContext",
     "ComputeLossResult",
+    "ConfigFileError",
     "ConfigReady",
     "ConstantLRSchedulerConfig",
     "ConstantPhase",
@@ -99,6 +119,7 @@ __all__ = [
     "DataConfig",
     "DataProvider",
     "DataProviderContext",
+    "DirectoryCheckError",
     "EventBus",
     "ExponentialPhase",
     "ForwardBackwardFinished",
@@ -120,6 +141,9 @@ __all__ = [
     "ModelReady",
     "NoTracker",
     "NoTrackerConfig",
+    "NoUsableCheckpointError",
+    "NonFiniteConfig",
+    "NonFiniteError",
     "OptimizerConfig",
     "OptimizerProvider",
     "OptimizerProviderContext",
@@ -131,12 +155,18 @@ __all__ = [
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
     "ProjectConfig",
+    "ResumeConfig",
+    "ResumeIncompatibleError",
+    "RollbackOnNonFinite",
+    "RunLayout",
     "SGDConfig",
     "ShardedBatchSource",
+    "SkipNonFinite",
     "StepFailedError",
     "StepFinished",
     "StepStarted",
     "StochasticAdamWConfig",
+    "StopOnNonFinite",
     "TaskProvider",
     "TaskProviderContext",
     "TimeoutConfig",
