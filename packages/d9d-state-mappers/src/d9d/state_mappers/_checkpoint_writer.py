@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ class CheckpointWriter:
             token = str(_broadcast_from_first(token, group))
         self._tmp = self._target.parent / f".{self._target.name}.partial-{token}"
         if self._rank == 0:
+            remove_stale_leftovers(self._target)
             self._tmp.mkdir(parents=True)
         if collective:
             dist.barrier(group=group)
@@ -233,10 +235,22 @@ class CheckpointWriter:
         if self._target.exists():
             old = self._target.parent / f".{self._target.name}.replaced-{uuid.uuid4().hex[:12]}"
             self._target.rename(old)
-        self._tmp.rename(self._target)
+        try:
+            self._tmp.rename(self._target)
+        except OSError:
+            if old is not None:
+                old.rename(self._target)  # the target stays as it was
+            raise
         _fsync_dir(self._target.parent)
         if old is not None:
-            shutil.rmtree(old)
+            # The new checkpoint is in place: failing to remove the old one is no write failure.
+            try:
+                _remove(old)
+            except OSError as problem:
+                warnings.warn(
+                    f"{self._target} was written; its previous content is left at {old}: {problem}",
+                    stacklevel=2,
+                )
 
     def commit(self, *, failure: BaseException | None = None) -> None:
         """Checks every tensor was written, syncs, writes the index and renames into place.
@@ -283,6 +297,61 @@ class CheckpointWriter:
         self._committed = True
         if self._rank == 0 and self._tmp.exists():
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _process_start_time() -> float | None:
+    """When this process started (seconds since the epoch), where the OS says so (Linux)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + float(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def remove_stale_leftovers(target: Path) -> list[Path]:
+    """Removes ``.<target>.partial-*`` / ``.replaced-*`` siblings left by a killed earlier process.
+
+    Only those last modified before this process started go: a write in progress elsewhere is
+    left alone. Where the process start time is unknown (not Linux), they are named in a warning.
+
+    Returns:
+        The leftovers removed.
+    """
+    leftovers = [
+        p
+        for pattern in (f".{target.name}.partial-*", f".{target.name}.replaced-*")
+        for p in target.parent.glob(pattern)
+    ]
+    if not leftovers:
+        return []
+    started = _process_start_time()
+    if started is None:
+        names = ", ".join(str(p) for p in leftovers)
+        warnings.warn(
+            f"leftovers of an earlier interrupted write (remove them by hand): {names}", stacklevel=2
+        )
+        return []
+    removed: list[Path] = []
+    for path in leftovers:
+        try:
+            if path.stat().st_mtime < started - 1.0:
+                _remove(path)
+                removed.append(path)
+        except OSError:
+            continue  # another process removed it first, or it is not ours to remove
+    return removed
 
 
 def _sync_and_close(handle: io.FileIO) -> None:
