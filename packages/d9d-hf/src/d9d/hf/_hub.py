@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
+import huggingface_hub
 
 SNAPSHOT_PATTERNS = (
     "config.json",
@@ -44,4 +44,7 @@ def resolve_snapshot(source: str | os.PathLike[str], *, revision: str | None = N
     text = os.fspath(source)
     if text.startswith((".", "/", "~")) or path.exists() or text.count("/") > 1:
         raise FileNotFoundError(f"{text}: no such directory (and not a Hub repo id 'owner/name')")
-    return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=list(SNAPSHOT_PATTERNS)))
+    snapshot = huggingface_hub.snapshot_download(
+        repo_id=text, revision=revision, allow_patterns=list(SNAPSHOT_PATTERNS)
+    )
+    return Path(snapshot)

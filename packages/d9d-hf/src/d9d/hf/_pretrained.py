@@ -56,7 +56,7 @@ def load_pretrained(
     target_dtype = dtype or (stored[0] if stored else torch.float32)
     model.to(dtype=target_dtype)
     model.to_empty(device=device or "cpu")
-    model.model.reset_buffers()
+    model.reset_buffers()
     load_qwen3_weights(model, checkpoint)
     return model.eval()
 

@@ -23,12 +23,13 @@ class _RopeBase(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _rope_type_from_type(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            fields = cast(dict[str, Any], data)
-            if "rope_type" not in fields:
-                return {**fields, "rope_type": fields.get("type", "default")}
-        return data
+    def _rope_type_from_type(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        fields = cast(dict[str, Any], data)
+        if "rope_type" in fields:
+            return fields
+        return {**fields, "rope_type": fields.get("type", "default")}
 
 
 class DefaultRopeParameters(_RopeBase):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
 from d9d.hf.qwen3._spec import Qwen3Spec
@@ -109,7 +109,7 @@ class Qwen3Backbone(nn.Module):
         position_embeddings = self.rotary_emb(position_ids, dtype=hidden_states.dtype)
         for layer in self.decoder_layers():
             if self.activation_checkpointing and self.training:
-                output = checkpoint(
+                output = torch.utils.checkpoint.checkpoint(
                     layer, hidden_states, position_embeddings, document_ids, use_reentrant=False
                 )
                 if not isinstance(output, torch.Tensor):

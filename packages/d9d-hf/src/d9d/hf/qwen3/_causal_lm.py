@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
 from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
@@ -59,15 +60,20 @@ class Qwen3CausalLM(Qwen3ModelBase):
             if self.layout.is_last
             else None
         )
-        self._tie_weights()
+        self.tie_weights()
 
-    def _tie_weights(self) -> None:
+    def tie_weights(self) -> None:
+        """Makes ``lm_head.weight`` the embedding's weight when tied and both are on this stage."""
         embedding = self.model.embed_tokens
         if self.spec.tie_word_embeddings and embedding is not None and self.lm_head is not None:
-            self.lm_head.weight = embedding.weight
+            weight = embedding.weight
+            if not isinstance(weight, nn.Parameter):
+                raise TypeError("the token embedding's weight is not a Parameter")
+            self.lm_head.weight = weight
 
     def reset_parameters(self) -> None:
         """Re-initializes the backbone and the head (a tied head keeps the embedding's values)."""
+        self.tie_weights()
         if self.lm_head is not None:
             self.lm_head.reset_parameters()
         super().reset_parameters()

@@ -52,6 +52,18 @@ class Qwen3ModelBase(nn.Module):
         """Re-initializes the backbone (heads extend this)."""
         self.model.reset_parameters()
 
+    def tie_weights(self) -> None:
+        """Re-establishes shared parameters (heads with tied weights override this)."""
+
+    def reset_buffers(self) -> None:
+        """After ``to_empty``: recomputes non-persistent buffers and re-ties shared parameters.
+
+        Materializing a meta-device module gives every parameter a new object, which breaks
+        sharing; loading a checkpoint then fills the parameters.
+        """
+        self.model.reset_buffers()
+        self.tie_weights()
+
     def prepare_inputs(self, inputs: Qwen3Inputs) -> Qwen3Inputs:
         """First-stage hook: completes the batch before it enters the model (heads override)."""
         return inputs

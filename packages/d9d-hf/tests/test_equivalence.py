@@ -1,0 +1,112 @@
+"""d9d's Qwen3 models against transformers' on the same checkpoint: logits, loss, every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import d9d.hf
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3SequenceClassification, causal_lm_targets
+
+
+def _batch(seq: int = 12, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 128, (batch, seq), generator=generator)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt without loss
+    return ids, labels
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dense",  # YaRN, sliding-window layers, attention biases
+        "tied",  # tied embeddings: one parameter, gradients of both uses
+        "moe",  # experts, a dense layer among sparse ones, load-balancing loss per layer
+    ],
+)
+def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
+    hf = helpers.hf_model(checkpoints[name]).train()
+    model = d9d.hf.load_pretrained(checkpoints[name]).train()
+    assert isinstance(model, Qwen3CausalLM)
+    ids, labels = _batch()
+
+    out = hf(input_ids=ids, output_router_logits=name == "moe")
+    hf_loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100)
+    total = hf_loss
+    if name == "moe":  # d9d adds each sparse layer's Switch loss (transformers pools the layers)
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        aux = sum(load_balancing_loss_func((logits,), 8, 2) for logits in out.router_logits)
+        assert len(out.router_logits) == 3
+        total = hf_loss + 0.05 * aux
+    total.backward()
+
+    loss = model.loss(ids, causal_lm_targets(labels))
+    loss.backward()
+    torch.testing.assert_close(loss, hf_loss, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), out.logits, atol=1e-5, rtol=1e-5)
+    helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_packed_documents_match_each_document_alone(checkpoints, helpers, name) -> None:
+    # eval mode: no load-balancing loss, which would see the packed batch rather than each document
+    hf = helpers.hf_model(checkpoints[name]).eval()
+    model = d9d.hf.load_pretrained(checkpoints[name]).eval()
+    ids, _ = _batch(seq=14)
+    lengths = [[5, 9], [3, 6, 5]]  # documents per row; the second row has three
+    document_ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths]
+    )
+    targets = causal_lm_targets(ids, document_ids=document_ids)
+
+    losses = model(Qwen3Inputs(input_ids=ids, labels=targets, document_ids=document_ids))
+    assert isinstance(losses, torch.Tensor)
+    losses.sum().backward()
+    with torch.no_grad():
+        logits = model.logits(ids, document_ids=document_ids)
+
+    hf_total = torch.zeros(())
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in row_lengths:
+            doc = ids[row : row + 1, start : start + length]
+            doc_logits = hf(input_ids=doc).logits
+            torch.testing.assert_close(logits[row : row + 1, start : start + length], doc_logits, atol=1e-5, rtol=1e-5)
+            doc_losses = F.cross_entropy(doc_logits[0, :-1], doc[0, 1:], reduction="none")
+            torch.testing.assert_close(losses[row, start : start + length - 1], doc_losses, atol=1e-5, rtol=1e-5)
+            assert losses[row, start + length - 1] == 0  # a document's last token predicts nothing
+            hf_total = hf_total + doc_losses.sum()
+            start += length
+    hf_total.backward()
+    helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
+
+
+def test_sequence_classification_matches_transformers(checkpoints, helpers) -> None:
+    hf = helpers.hf_model(checkpoints["classifier"], "sequence_classification").train()
+    model = d9d.hf.load_pretrained(checkpoints["classifier"], head="sequence_classification").train()
+    assert isinstance(model, Qwen3SequenceClassification)
+    ids, _ = _batch(seq=10, batch=3)
+    ids[0, 6:] = 0  # right padding: the class comes from token 5
+    ids[2, 9:] = 0
+    classes = torch.tensor([0, 2, 1])
+
+    hf_logits = hf(input_ids=ids).logits
+    F.cross_entropy(hf_logits, classes).backward()
+    logits = model.classify(ids)
+    F.cross_entropy(logits, classes).backward()
+
+    torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=1e-5)
+    helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
+
+
+def test_embedding_head_is_normalized_last_token_state(checkpoints, helpers) -> None:
+    hf = helpers.hf_model(checkpoints["dense"]).eval()
+    model = d9d.hf.load_pretrained(checkpoints["dense"], head="embedding")
+    ids, _ = _batch()
+    with torch.no_grad():
+        hidden = hf.model(input_ids=ids).last_hidden_state[:, -1]
+        torch.testing.assert_close(model.embed(ids), F.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-5)
