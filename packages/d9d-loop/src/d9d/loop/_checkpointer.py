@@ -95,12 +95,9 @@ class Checkpointer:
         self._directory = config.directory
         self._dist = dist_context
         self._pending: tuple[int, _Waitable, RunLayout] | None = None
-        # A group of its own: an asynchronous save finishes its collectives in a background
-        # thread, which must not interleave with the training step's collectives.
-        group = dist.new_group(backend="gloo", timeout=dist_context.timeout)
-        if not isinstance(group, dist.ProcessGroup):
-            raise RuntimeError(f"rank {dist_context.rank} is not part of the checkpoint process group")
-        self._group: dist.ProcessGroup = group
+        # The context's background group: an asynchronous save finishes its collectives in a
+        # background thread, which must not interleave with the training step's collectives.
+        self._group: dist.ProcessGroup = dist_context.background_group()
         check_checkpoint_directory(
             self._directory,
             dist_context=dist_context,

@@ -1,22 +1,27 @@
-"""The composition root: wires every part of a training job, explicitly, in one place."""
+"""The composition root: wires every part of a training job, explicitly, in a few short steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
 from d9d.loop._auto_data import AutoDataProvider
+from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._checkpointer import Checkpointer
-from d9d.loop._config_project import check_batch_layout
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._directory_checks import estimate_checkpoint_bytes
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider
-from d9d.loop._model_stage_factory import ModelStageFactory
+from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
 from d9d.loop._providers import (
+    BatchSource,
     DataProvider,
     DataProviderContext,
     LRSchedulerProvider,
@@ -25,13 +30,11 @@ from d9d.loop._providers import (
     OptimizerProviderContext,
 )
 from d9d.loop._step_runner import SequentialStepRunner, StepRunner
-from d9d.loop._task import TaskProviderContext, TrainTask
+from d9d.loop._task import TaskFactory, TaskProvider, TaskProviderContext, TrainTask
 from d9d.loop._trackers import NoTracker, Tracker, build_tracker
 from d9d.loop._trainer import Trainer, TrainerParts
-from d9d.mesh import BATCH_DOMAIN, FLAT_DOMAIN, DistributedContext, MeshParameters
-from d9d.pipeline import PipelineExecutor, PipelineStageInfo, build_program, stages_for_rank
-
-TaskProvider = Callable[[TaskProviderContext], TrainTask[Any, Any, Any, Any, Any]]
+from d9d.mesh import DistributedContext, MeshParameters
+from d9d.pipeline import PipelineExecutor, PipelineProgram, PipelineScheduleBuilder, PipelineStageInfo
 
 
 class TrainingConfigurator:
@@ -40,33 +43,51 @@ class TrainingConfigurator:
     Everything is validated before any process group starts: the batch layout against the mesh,
     and the mesh against the world size.
 
+    Ownership: given ``mesh`` (parallelism degrees), ``configure()`` creates the distributed
+    context and the trainer owns it (``Trainer.close()``, a ``with`` block, or interpreter exit
+    releases it). Given ``dist_context``, the caller owns it and closes it.
+
     Args:
-        mesh: Parallelism degrees.
+        mesh: Parallelism degrees (exactly one of ``mesh`` and ``dist_context``).
         parameters: The trainer section of the config.
         model_provider: Builds, parallelizes and exports model stages.
-        task_provider: Builds the task (called once the distributed context exists).
+        task_provider: Builds the task (called once the distributed context exists): an object
+            with ``build(context)`` or a plain function of the context.
         data_provider: Builds this rank's batch source (e.g. ``AutoDataProvider``).
         optimizer_provider: Builds the optimizer (e.g. ``AutoOptimizerProvider``).
         lr_scheduler_provider: Builds the LR scheduler (e.g. ``AutoLRSchedulerProvider``).
         events: An event bus with the caller's subscriptions (a new one when None).
-        tracker: Overrides the tracker named by ``parameters.logging.tracker``.
+        tracker: Overrides the tracker named by ``parameters.logging.tracker`` (any object that
+            fits the ``Tracker`` protocol).
+        dist_context: A distributed context the caller created and keeps owning.
+        pipeline_schedule: Overrides ``parameters.pipeline``: any ``PipelineScheduleBuilder``
+            (a user's own schedule) or a ready ``PipelineProgram``.
     """
 
     def __init__(
         self,
         *,
-        mesh: MeshParameters,
+        mesh: MeshParameters | None = None,
         parameters: TrainerConfig,
         model_provider: ModelProvider[Any],
-        task_provider: TaskProvider,
+        task_provider: TaskProvider | TaskFactory,
         data_provider: DataProvider[Any] | AutoDataProvider[Any, Any],
         optimizer_provider: OptimizerProvider,
         lr_scheduler_provider: LRSchedulerProvider,
         events: EventBus | None = None,
         tracker: Tracker | None = None,
+        dist_context: DistributedContext | None = None,
+        pipeline_schedule: PipelineScheduleBuilder | PipelineProgram | None = None,
     ) -> None:
-        check_batch_layout(mesh, parameters)
-        self._mesh = mesh
+        if (mesh is None) == (dist_context is None):
+            raise ValueError("TrainingConfigurator needs exactly one of mesh= and dist_context=")
+        self._mesh = mesh if mesh is not None else _context_mesh(dist_context)
+        self._layout = BatchLayout.of(
+            self._mesh,
+            global_batch_size=parameters.global_batch_size,
+            microbatch_size=parameters.microbatch_size,
+        )
+        self._given_context = dist_context
         self._config = parameters
         self._model_provider = model_provider
         self._task_provider = task_provider
@@ -75,111 +96,57 @@ class TrainingConfigurator:
         self._lr_scheduler_provider = lr_scheduler_provider
         self._events = events or EventBus()
         self._tracker = tracker
+        self._schedule: PipelineScheduleBuilder | PipelineProgram = pipeline_schedule or parameters.pipeline
 
     def configure(self) -> Trainer:
-        """Starts the distributed context, builds the model and every component, returns the trainer."""
+        """Starts (or borrows) the distributed context, builds every component, returns the trainer."""
+        dist_context, owns_context = self._build_context()
+        try:
+            return self._build_trainer(dist_context, owns_context)
+        except BaseException:
+            if owns_context:
+                dist_context.close()
+            raise
+
+    def _build_context(self) -> tuple[DistributedContext, bool]:
         config = self._config
-        dist_context = DistributedContext(
-            self._mesh,
-            device_type=None if config.device == "auto" else config.device,
-            timeout=timedelta(seconds=config.timeouts.collective_seconds),
-        )
+        if self._given_context is not None:
+            dist_context, owns = self._given_context, False
+            dist_context.set_timeout(timedelta(seconds=config.timeouts.collective_seconds))
+        else:
+            dist_context, owns = (
+                DistributedContext(
+                    self._mesh,
+                    device_type=None if config.device == "auto" else config.device,
+                    timeout=timedelta(seconds=config.timeouts.collective_seconds),
+                ),
+                True,
+            )
         dist_context.seed(config.seed)
         self._events.publish(ConfigReady(dist_context=dist_context))
+        return dist_context, owns
 
-        pipelined = self._mesh.pipeline_parallel > 1
-        stage_infos = (
-            stages_for_rank(
-                config.pipeline, num_ranks=self._mesh.pipeline_parallel, rank=dist_context.pipeline_rank
-            )
-            if pipelined
-            else [PipelineStageInfo(current_stage=0, num_stages=1)]
-        )
-        factory = ModelStageFactory(
-            provider=self._model_provider,
-            dist_context=dist_context,
-            config=config.initialization,
-            seed=config.seed,
-        )
-        stages = [factory.build(info, keep_meta_copy=pipelined) for info in stage_infos]
+    def _build_trainer(self, dist_context: DistributedContext, owns_context: bool) -> Trainer:
+        config, layout = self._config, self._layout
+        program = self._build_program()
+        stages = self._build_stages(dist_context, program)
         models = [s.model for s in stages]
         self._events.publish(ModelReady(model_stages=tuple(models)))
-
-        batch_mesh = dist_context.mesh_for(BATCH_DOMAIN)
-        dp_size = self._mesh.data_parallel
-        local_batch = config.global_batch_size // dp_size
-        batches = self._data_provider.build(
-            DataProviderContext(
-                dist_context=dist_context,
-                global_batch_size=config.global_batch_size,
-                local_batch_size=local_batch,
-                dp_rank=dist_context.data_parallel_rank,
-                dp_size=dp_size,
-            )
-        )
-        total_steps = (
-            config.max_steps
-            if config.max_steps is not None
-            else (config.epochs or 1) * batches.steps_per_epoch
-        )
-        task = self._task_provider(TaskProviderContext(dist_context=dist_context))
-        optimizer = self._optimizer_provider.build(
-            OptimizerProviderContext(dist_context=dist_context, model_stages=models)
-        )
-        lr_scheduler = self._lr_scheduler_provider.build(
-            LRSchedulerProviderContext(
-                dist_context=dist_context, optimizer=optimizer, total_steps=total_steps
-            )
-        )
+        batches = self._build_data(dist_context)
+        total_steps = config.max_steps or (config.epochs or 1) * batches.steps_per_epoch
+        task = _task_of(self._task_provider, TaskProviderContext(dist_context=dist_context))
+        optimizer, lr_scheduler = self._build_optimization(dist_context, models, total_steps)
         gradients = GradientManager(
             stages=models,
-            data_parallel_size=dp_size,
+            data_parallel_size=layout.data_parallel_size,
             bucket_size_mb=config.gradient_bucket_size_mb,
             clipping=config.gradient_clipping,
-            pp_group=batch_mesh.get_group("pp") if self._mesh.pipeline_parallel > 1 else None,
-        )
-        microbatches = local_batch // config.microbatch_size
-        step_runner: StepRunner
-        if pipelined:
-            adapters: dict[int, PipelineStageAdapter] = {}
-            for s in stages:
-                if s.meta_model is None:  # built with keep_meta_copy=pipelined above
-                    raise RuntimeError(f"stage {s.stage.current_stage} was built without its meta copy")
-                adapters[s.stage.current_stage] = PipelineStageAdapter(
-                    s.model, s.meta_model, is_first=s.stage.is_first
-                )
-            executor = PipelineExecutor(
-                build_program(
-                    config.pipeline, num_ranks=self._mesh.pipeline_parallel, num_microbatches=microbatches
-                ),
-                adapters,
-                group=batch_mesh.get_group("pp"),
-                device=dist_context.device,
-            )
-            step_runner = PipelinedStepRunner(
-                executor=executor,
-                adapters=list(adapters.values()),
-                stage_positions={s.stage.current_stage: i for i, s in enumerate(stages)},
-                task=task,
-                gradients=gradients,
-            )
-        else:
-            step_runner = SequentialStepRunner(model=models[0], task=task, gradients=gradients)
-        checkpointer = (
-            Checkpointer(
-                config=config.checkpoint,
-                dist_context=dist_context,
-                expected_bytes=estimate_checkpoint_bytes(models, optimizer),
-            )
-            if config.checkpoint.directory is not None
-            else None
-        )
-        tracker = self._tracker or (
-            build_tracker(config.logging.tracker) if dist_context.is_main_process else NoTracker()
+            pp_group=dist_context.pipeline_group() if program is not None else None,
         )
         return Trainer(
             TrainerParts(
                 dist_context=dist_context,
+                owns_context=owns_context,
                 config=config,
                 provider=self._model_provider,
                 stages=stages,
@@ -188,13 +155,132 @@ class TrainingConfigurator:
                 optimizer=optimizer,
                 lr_scheduler=lr_scheduler,
                 gradients=gradients,
-                step_runner=step_runner,
-                checkpointer=checkpointer,
-                tracker=tracker,
+                step_runner=self._build_step_runner(dist_context, program, stages, task, gradients),
+                checkpointer=self._build_checkpointer(dist_context, models, optimizer),
+                tracker=self._build_tracker(dist_context),
                 events=self._events,
                 total_steps=total_steps,
-                microbatches_per_step=microbatches,
-                loss_group=dist_context.mesh_for(FLAT_DOMAIN).get_group("world"),
+                microbatches_per_step=layout.microbatches_per_step,
+                loss_group=dist_context.world_group(),
                 loss_replication=self._mesh.tensor_parallel * self._mesh.context_parallel,
             )
         )
+
+    def _build_program(self) -> PipelineProgram | None:
+        """The pipeline program, or None without pipeline parallelism."""
+        ranks, microbatches = self._mesh.pipeline_parallel, self._layout.microbatches_per_step
+        if ranks == 1:
+            return None
+        match self._schedule:
+            case PipelineProgram() as program:
+                if program.num_ranks != ranks or program.num_microbatches != microbatches:
+                    raise ValueError(
+                        f"the given pipeline program runs {program.num_microbatches} microbatches on "
+                        f"{program.num_ranks} ranks; this job has mesh.pipeline_parallel={ranks} and "
+                        f"{microbatches} microbatches per step"
+                    )
+                return program
+            case builder:
+                return builder.build_program(num_ranks=ranks, num_microbatches=microbatches)
+
+    def _build_stages(
+        self, dist_context: DistributedContext, program: PipelineProgram | None
+    ) -> list[BuiltStage[Any]]:
+        infos = (
+            program.stage_infos(dist_context.pipeline_rank)
+            if program is not None
+            else [PipelineStageInfo(current_stage=0, num_stages=1)]
+        )
+        factory = ModelStageFactory(
+            provider=self._model_provider,
+            dist_context=dist_context,
+            config=self._config.initialization,
+            seed=self._config.seed,
+        )
+        return [factory.build(info, keep_meta_copy=program is not None) for info in infos]
+
+    def _build_data(self, dist_context: DistributedContext) -> BatchSource[Any]:
+        layout = self._layout
+        return self._data_provider.build(
+            DataProviderContext(
+                dist_context=dist_context,
+                global_batch_size=layout.global_batch_size,
+                local_batch_size=layout.local_batch_size,
+                dp_rank=dist_context.data_parallel_rank,
+                dp_size=layout.data_parallel_size,
+            )
+        )
+
+    def _build_optimization(
+        self, dist_context: DistributedContext, models: Sequence[nn.Module], total_steps: int
+    ) -> tuple[torch.optim.Optimizer, LRScheduler]:
+        optimizer = self._optimizer_provider.build(
+            OptimizerProviderContext(dist_context=dist_context, model_stages=models)
+        )
+        lr_scheduler = self._lr_scheduler_provider.build(
+            LRSchedulerProviderContext(
+                dist_context=dist_context, optimizer=optimizer, total_steps=total_steps
+            )
+        )
+        return optimizer, lr_scheduler
+
+    def _build_step_runner(
+        self,
+        dist_context: DistributedContext,
+        program: PipelineProgram | None,
+        stages: Sequence[BuiltStage[Any]],
+        task: TrainTask[Any, Any, Any, Any, Any],
+        gradients: GradientManager,
+    ) -> StepRunner:
+        if program is None:
+            return SequentialStepRunner(model=stages[0].model, task=task, gradients=gradients)
+        adapters: dict[int, PipelineStageAdapter] = {}
+        for s in stages:
+            if s.meta_model is None:  # built with keep_meta_copy whenever there is a program
+                raise RuntimeError(f"stage {s.stage.current_stage} was built without its meta copy")
+            adapters[s.stage.current_stage] = PipelineStageAdapter(
+                s.model, s.meta_model, is_first=s.stage.is_first
+            )
+        executor = PipelineExecutor(
+            program, adapters, group=dist_context.pipeline_group(), device=dist_context.device
+        )
+        return PipelinedStepRunner(
+            executor=executor,
+            adapters=list(adapters.values()),
+            stage_positions={s.stage.current_stage: i for i, s in enumerate(stages)},
+            task=task,
+            gradients=gradients,
+        )
+
+    def _build_checkpointer(
+        self, dist_context: DistributedContext, models: Sequence[nn.Module], optimizer: torch.optim.Optimizer
+    ) -> Checkpointer | None:
+        config = self._config.checkpoint
+        if config.directory is None:
+            return None
+        return Checkpointer(
+            config=config,
+            dist_context=dist_context,
+            expected_bytes=estimate_checkpoint_bytes(models, optimizer),
+        )
+
+    def _build_tracker(self, dist_context: DistributedContext) -> Tracker:
+        if self._tracker is not None:
+            return self._tracker
+        if not dist_context.is_main_process:
+            return NoTracker()  # only the main process writes
+        return build_tracker(self._config.logging.tracker)
+
+
+def _task_of(
+    provider: TaskProvider | TaskFactory, context: TaskProviderContext
+) -> TrainTask[Any, Any, Any, Any, Any]:
+    if isinstance(provider, TaskProvider):
+        return provider.build(context)
+    return provider(context)
+
+
+def _context_mesh(dist_context: DistributedContext | None) -> MeshParameters:
+    if dist_context is None:  # excluded by the caller's check; keeps the type narrow
+        raise ValueError("TrainingConfigurator needs exactly one of mesh= and dist_context=")
+    return dist_context.parameters

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from torch import nn
@@ -61,9 +62,17 @@ class PrepareExportModelStageContext(Generic[ModelT]):
 
 @dataclass(kw_only=True, frozen=True)
 class PrepareExportModelStageResult:
-    """The state mapper that turns the model's state into the exported checkpoint's tensors."""
+    """How one stage is exported.
+
+    Attributes:
+        state_mapper: Turns the stage's state into the exported checkpoint's tensors. Under pipeline
+            parallelism every tensor must come from exactly one stage (a tied weight: the first).
+        files: Extra files written beside the tensors, by name (e.g. ``config.json``, tokenizer
+            files); any stage may give them.
+    """
 
     state_mapper: StateMapper
+    files: Mapping[str, bytes] = field(default_factory=dict[str, bytes])
 
 
 class ModelProvider(ABC, Generic[ModelT]):

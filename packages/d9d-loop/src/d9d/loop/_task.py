@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -121,3 +121,16 @@ class TrainTask(ABC, Generic[BatchT, InputT, SharedT, OutputT, StateT]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned."""
         del state
+
+
+@runtime_checkable
+class TaskProvider(Protocol):
+    """Builds the task once the distributed context exists (the shape every provider shares)."""
+
+    def build(self, context: TaskProviderContext) -> TrainTask[Any, Any, Any, Any, Any]:
+        """Returns the task."""
+        ...
+
+
+TaskFactory = Callable[[TaskProviderContext], TrainTask[Any, Any, Any, Any, Any]]
+"""A plain function works too: ``task_provider=lambda ctx: MyTask()``."""

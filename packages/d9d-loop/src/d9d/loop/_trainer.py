@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
-from d9d.loop._model_provider import ModelProvider, PrepareExportModelStageContext
+from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
@@ -40,7 +42,6 @@ from d9d.loop._task import BuildForwardInputsContext, TrainTask
 from d9d.loop._trackers import Tracker
 from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
 from d9d.mesh import DistributedContext, map_tree
-from d9d.state_mappers import save_module_state
 
 TreeT = TypeVar("TreeT")
 
@@ -77,6 +78,7 @@ class TrainerParts:
     microbatches_per_step: int
     loss_group: ProcessGroup | None
     loss_replication: int
+    owns_context: bool = False
 
 
 class Trainer:
@@ -95,6 +97,17 @@ class Trainer:
         self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
         self._guard = NonFiniteGuard(parts.config.nonfinite, parts.dist_context.logger)
         self._rollback_due = False
+        self._closed = False
+        # A trainer that owns its context releases it at interpreter exit if never closed, so
+        # ``export()`` after ``train()`` still works in scripts that never call ``close()``.
+        if parts.owns_context:
+            atexit.register(self.close)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def dist_context(self) -> DistributedContext:
@@ -333,33 +346,33 @@ class Trainer:
         p.events.publish(StepFinished(step=step, metrics=metrics))
         return metrics
 
-    def export(self, path: str | Path, *, overwrite: bool = False) -> None:
-        """Writes the model through the provider's export state mapper as safetensors (collective).
+    def export(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Writes the model as one safetensors directory through the provider's export mapper.
+
+        Collective over all ranks; works under every layout, pipeline parallelism included (see
+        ``ModelExporter``).
 
         Args:
-            path: The target directory (one ``stage_N`` sub-directory per pipeline stage).
+            path: The target directory.
             overwrite: Replace an existing non-empty target (it stays intact if the export fails).
+
+        Returns:
+            The target directory.
         """
-        target = Path(path)
-        for built in self._p.stages:
-            result = self._p.provider.prepare_export_model_stage(
-                PrepareExportModelStageContext(
-                    dist_context=self._p.dist_context, stage=built.stage, model=built.model
-                )
-            )
-            stage_target = (
-                target
-                if len(self._p.stages) == 1 and built.stage.num_stages == 1
-                else (target / f"stage_{built.stage.current_stage}")
-            )
-            save_module_state(
-                stage_target,
-                built.model,
-                result.state_mapper,
-                show_progress=self._p.dist_context.is_main_process,
-                overwrite=overwrite,
-            )
+        return ModelExporter(
+            provider=self._p.provider, stages=self._p.stages, dist_context=self._p.dist_context
+        ).export(path, overwrite=overwrite)
 
     def close(self) -> None:
-        """Removes gradient hooks; the distributed context is closed by its owner."""
+        """Releases the trainer (idempotent): gradient hooks, and the distributed context if it owns it.
+
+        The trainer owns the context when ``TrainingConfigurator`` created it (built from
+        ``mesh=MeshParameters``); a context the user passed in is left to the user.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._p.gradients.close()
+        if self._p.owns_context:
+            atexit.unregister(self.close)
+            self._p.dist_context.close()
