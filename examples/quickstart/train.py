@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -25,6 +23,7 @@ from d9d.loop import (
     BuildForwardInputsResult,
     ComputeLossContext,
     ComputeLossResult,
+    ConfigFileError,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
@@ -129,8 +128,18 @@ class MLPProvider(ModelProvider[MLP]):
         return PrepareExportModelStageResult(state_mapper=identity_mapper_from_module(context.model))
 
 
+USAGE = "usage: train.py CONFIG.yaml  (e.g. examples/quickstart/config.yaml)"
+
+
 def main() -> None:
-    config = ProjectConfig.model_validate(yaml.safe_load(Path(sys.argv[1]).read_text()))
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    try:
+        config = ProjectConfig.from_yaml(sys.argv[1])
+    except ConfigFileError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
