@@ -20,10 +20,6 @@ from mg_case_env import Case, CaseEnv
 
 HERE = Path(__file__).resolve().parent
 INTEGRATION = HERE.parent
-sys.path.insert(0, str(INTEGRATION))  # quickstart_job
-
-from quickstart_job import quickstart_config, run_quickstart  # noqa: E402
-
 STEPS = 12
 _LAUNCH_VARS = re.compile(
     r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_.*|"
@@ -36,7 +32,20 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not _LAUNCH_VARS.match(k)}
 
 
+def run_quickstart(config: dict[str, Any]) -> dict[str, Any]:
+    """tests-integration/quickstart_job.py's run (imported on first use: d9d.loop is slow to import)."""
+    if str(INTEGRATION) not in sys.path:
+        sys.path.insert(0, str(INTEGRATION))
+    from quickstart_job import run_quickstart as run
+
+    return run(config)
+
+
 def _config(env: CaseEnv, mesh: dict[str, int], checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+    if str(INTEGRATION) not in sys.path:
+        sys.path.insert(0, str(INTEGRATION))
+    from quickstart_job import quickstart_config
+
     trainer: dict[str, Any] = {"max_steps": STEPS, "device": env.device_type}
     if checkpoint is not None:
         trainer["checkpoint"] = checkpoint
