@@ -17,7 +17,7 @@ timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
 suite=${PIPESTATUS[0]}
 
 # The suite ran just above; pytest runs the other GPU tests (and skips nothing it can run).
-timeout 240 python3 -m pytest -m "gpu or multi_gpu" -p no:cacheprovider --timeout 200 \
+timeout 240 python3 -m pytest -m "gpu or multi_gpu" -p no:cacheprovider \
   --deselect tests-integration/test_multi_gpu_suite.py::test_nccl_suite_on_two_gpus \
   packages/d9d-kernels/tests packages/d9d-pipeline/tests/test_gpu.py \
   packages/d9d-parallel/tests/test_context_parallel_gpu.py tests-integration/test_multi_gpu_suite.py \

@@ -44,12 +44,12 @@ def _case_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.timeout(900)
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA devices")
 def test_nccl_suite_on_two_gpus(tmp_path: Path) -> None:
     # One rank per GPU over NCCL; every case against one process (see nccl_suite.py).
     out = Path(os.environ.get("D9D_MULTI_GPU_OUT", tmp_path))
-    result = _run_suite(out, "--device", "cuda", timeout_s=840)
+    # Under the repository's 300 s pytest timeout; the whole suite takes a few minutes on 2 H200s.
+    result = _run_suite(out, "--device", "cuda", "--case-timeout", "120", timeout_s=285)
     lines = _case_lines(result)
     assert result.returncode == 0, "\n".join(lines) + "\n" + result.stderr[-4000:]
     assert lines and all(": PASS (" in line for line in lines)
