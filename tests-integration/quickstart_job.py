@@ -110,6 +110,5 @@ def run_quickstart(
     for name, param in trainer.model_stages[0].named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor or plain
         params[name] = full.detach().clone()
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return {"losses": losses, "params": params, "start_step": trainer.total_steps - len(losses)}

@@ -99,8 +99,7 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str, strategy
         events=events,
     ).configure()
     trainer.train()
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return losses
 
 
@@ -163,8 +162,7 @@ def _train_with_checkpoints(
     losses: list[float] = []
     trainer.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
     trainer.train()
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return losses
 
 

@@ -86,8 +86,7 @@ def run_d9d(qs: ModuleType, cfg: ProjectConfig, hidden: int, samples: int) -> fl
     if trainer.dist_context.device_type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return elapsed
 
 

@@ -109,7 +109,7 @@ class ToyTask(TrainTask[Batch, Input, None, torch.Tensor, State]):
         return ComputeLossResult(
             loss=loss,
             loss_weight=weight,
-            metrics={"mae": float((ctx.pipeline_results - ctx.state.y).abs().mean())},
+            metrics={"mae": float((ctx.pipeline_results.detach() - ctx.state.y).abs().mean())},
         )
 
 

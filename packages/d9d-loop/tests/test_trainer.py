@@ -34,8 +34,7 @@ def _train(mesh: dict[str, int], strategy: str, weighted: bool, clip: float | No
     trainer = build_trainer(config, events=events, strategy=strategy, weighted=weighted)
     trainer.train()
     params = full_parameters(trainer)
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return {"losses": losses, "norms": norms, "params": params}
 
 
@@ -104,8 +103,7 @@ def _events_and_export(directory: str) -> list[str]:
         assert sorted(exported) == sorted(params)
         for name, value in params.items():
             assert torch.equal(exported[name], value), name
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return seen
 
 
@@ -136,14 +134,12 @@ def _resume_twice(directory: str) -> tuple[list[float], list[float]]:
     first.events.subscribe(ForwardBackwardFinished, lambda e: losses_a.append(e.loss))
     first.train()
     first.close()
-    first.dist_context.close()
     second = build_trainer(toy_config(trainer={**base, "max_steps": 6}))
     losses_b: list[float] = []
     second.events.subscribe(ForwardBackwardFinished, lambda e: losses_b.append(e.loss))
     second.train()
     assert second.step == 6
     second.close()
-    second.dist_context.close()
     return losses_a, losses_b
 
 
@@ -180,8 +176,7 @@ def _losses(mesh: dict[str, int], directory: str | None, max_steps: int) -> list
     losses: list[float] = []
     trainer.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
     trainer.train()
-    trainer.close()
-    trainer.dist_context.close()
+    trainer.close()  # the trainer owns the context it built: this releases it too
     return losses
 
 
@@ -203,3 +198,52 @@ def test_resume_reshards_onto_another_mesh(
     resumed = run_distributed(_losses, second, str(tmp_path), 6, world_size=world(second), timeout_s=240)[0]
     assert len(resumed) == 3  # steps 3, 4, 5 only
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[3:]), rtol=1e-5, atol=1e-7)
+
+
+def _ownership() -> tuple[bool, bool, bool]:
+    import torch.distributed as dist
+
+    from d9d.mesh import DistributedContext
+
+    config = toy_config()
+    # built from mesh parameters: the trainer owns the context and releases it on close
+    with build_trainer(config) as trainer:
+        trainer.train()
+    owned_released = not dist.is_initialized()
+    trainer.close()  # idempotent
+    # a context the user passes in stays the user's
+    context = DistributedContext(config.mesh, device_type="cpu")
+    from loop_toy_job import ToyDataset, ToyProvider, ToyTask, collate
+
+    from d9d.loop import (
+        AutoDataProvider,
+        AutoLRSchedulerProvider,
+        AutoOptimizerProvider,
+        TrainingConfigurator,
+    )
+
+    class TaskProvider:
+        def build(self, context: object) -> ToyTask:
+            return ToyTask()
+
+    borrowed = TrainingConfigurator(
+        dist_context=context,
+        parameters=config.trainer,
+        model_provider=ToyProvider(),
+        task_provider=TaskProvider(),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda d: ToyDataset(), collator=collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    borrowed.train()
+    borrowed.close()
+    borrowed_kept = dist.is_initialized()
+    context.close()
+    return owned_released, borrowed_kept, not dist.is_initialized()
+
+
+def test_whoever_creates_the_context_closes_it() -> None:
+    # In this process (a world of one the context starts itself), so closing is observable.
+    assert _ownership() == (True, True, True)
