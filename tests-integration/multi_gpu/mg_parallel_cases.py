@@ -169,6 +169,7 @@ def _tensor_parallel(env: CaseEnv) -> str:
 
 
 Q_HEADS, KV_HEADS, HEAD_DIM, CP_SEQ = 4, 2, 4, 16
+CP_LONG_SEQ = 32768
 
 
 def reference_attention(
@@ -291,7 +292,7 @@ def _context_parallel(env: CaseEnv) -> str:
 def _context_parallel_32k(env: CaseEnv) -> str:
     """The attention op alone at sequence 32768, against fp32 SDPA over the whole sequence."""
     mesh = env.mesh((dist.get_world_size(),), ("cp",))
-    seq, heads, kv_heads, dim = 32768, 4, 2, 64
+    seq, heads, kv_heads, dim = CP_LONG_SEQ, 4, 2, 64
     generator = torch.Generator(device=env.device).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -301,10 +302,12 @@ def _context_parallel_32k(env: CaseEnv) -> str:
     grad_out = rand(1, seq, heads, dim)
     scale = dim**-0.5
     full_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    fq, fk, fv = (t.transpose(1, 2) for t in full_inputs)
-    expected = nn.functional.scaled_dot_product_attention(
-        fq, fk, fv, is_causal=True, scale=scale, enable_gqa=True
-    ).transpose(1, 2)
+    # Keys and values repeated per query head, so fp32 SDPA can use its memory-efficient kernel.
+    fq = full_inputs[0].transpose(1, 2)
+    fk, fv = (t.repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2) for t in full_inputs[1:])
+    expected = nn.functional.scaled_dot_product_attention(fq, fk, fv, is_causal=True, scale=scale).transpose(
+        1, 2
+    )
     expected.backward(grad_out)
 
     local = [context_parallel_shard(t, mesh=mesh).requires_grad_(True) for t in (q, k, v)]
