@@ -70,17 +70,21 @@ def test_resized_vocabulary_is_named_with_its_file(checkpoints, tmp_path) -> Non
         tensors["model.embed_tokens.weight"] = torch.zeros(130, 64)
 
     _rewrite_weights(directory, resize)
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight' has shape \[130, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight' has shape \[130, 64\]"
+    ):
         d9d.hf.load_pretrained(directory)
 
 
 def test_index_naming_an_absent_shard_is_refused(checkpoints, tmp_path) -> None:
     directory = _copy(checkpoints["dense"], tmp_path)
     names = list(load_file(directory / "model.safetensors"))
-    weight_map = {name: "model.safetensors" for name in names}
+    weight_map = dict.fromkeys(names, "model.safetensors")
     weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    with pytest.raises(CheckpointFormatError, match="model-00002-of-00002.safetensors"):
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    with pytest.raises(CheckpointFormatError, match=r"model-00002-of-00002\.safetensors"):
         d9d.hf.load_pretrained(directory)
 
 

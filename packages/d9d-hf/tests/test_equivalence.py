@@ -33,7 +33,9 @@ def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
     ids, labels = _batch()
 
     out = hf(input_ids=ids, output_router_logits=name == "moe")
-    hf_loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100)
+    hf_loss = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     total = hf_loss
     if name == "moe":  # d9d adds each sparse layer's Switch loss (transformers pools the layers)
         from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
@@ -75,9 +77,13 @@ def test_packed_documents_match_each_document_alone(checkpoints, helpers, name) 
         for length in row_lengths:
             doc = ids[row : row + 1, start : start + length]
             doc_logits = hf(input_ids=doc).logits
-            torch.testing.assert_close(logits[row : row + 1, start : start + length], doc_logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                logits[row : row + 1, start : start + length], doc_logits, atol=1e-5, rtol=1e-5
+            )
             doc_losses = F.cross_entropy(doc_logits[0, :-1], doc[0, 1:], reduction="none")
-            torch.testing.assert_close(losses[row, start : start + length - 1], doc_losses, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                losses[row, start : start + length - 1], doc_losses, atol=1e-5, rtol=1e-5
+            )
             assert losses[row, start + length - 1] == 0  # a document's last token predicts nothing
             hf_total = hf_total + doc_losses.sum()
             start += length

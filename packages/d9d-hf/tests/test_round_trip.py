@@ -19,7 +19,9 @@ def _tensors(directory) -> dict[str, bytes]:
         with safe_open(file, "pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensor = handle.get_tensor(name)
-                out[name] = tensor.dtype.__repr__().encode() + bytes(tensor.contiguous().view(torch.uint8).numpy())
+                out[name] = tensor.dtype.__repr__().encode() + bytes(
+                    tensor.contiguous().view(torch.uint8).numpy()
+                )
     return out
 
 
@@ -48,9 +50,10 @@ def test_round_trip_is_byte_identical(checkpoints, tmp_path, name, head) -> None
 
     assert _tensors(tmp_path / "out") == _tensors(source)
     assert _config(tmp_path / "out") == _config(source)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == json.loads(
-        (source / "config.json").read_text()
-    )["architectures"]
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["architectures"]
+        == json.loads((source / "config.json").read_text())["architectures"]
+    )
 
 
 def test_transformers_loads_the_export_with_equal_logits(checkpoints, tmp_path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.layers import (
     LinearRopeScaling,
@@ -20,16 +20,6 @@ class _RopeBase(BaseModel):
 
     rope_theta: float | None = None
     type: str | None = None  # older configs name the method here instead of in rope_type
-
-    @model_validator(mode="before")
-    @classmethod
-    def _rope_type_from_type(cls, data: object) -> object:
-        if not isinstance(data, dict):
-            return data
-        fields = cast(dict[str, Any], data)
-        if "rope_type" in fields:
-            return fields
-        return {**fields, "rope_type": fields.get("type", "default")}
 
 
 class DefaultRopeParameters(_RopeBase):
@@ -85,6 +75,16 @@ RopeParameters = Annotated[
     | Llama3RopeParameters,
     Field(discriminator="rope_type"),
 ]
+
+
+def with_rope_type(value: object) -> object:
+    """Adds ``rope_type`` to a raw rope block that names its method only in legacy ``type``."""
+    if not isinstance(value, dict):
+        return value
+    fields = cast(dict[str, Any], value)
+    if "rope_type" in fields:
+        return fields
+    return {**fields, "rope_type": fields.get("type", "default")}
 
 
 def rope_scaling_of(parameters: RopeParameters | None, *, max_position_embeddings: int) -> RopeScaling | None:

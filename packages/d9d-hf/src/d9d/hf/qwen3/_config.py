@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of
+from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
 
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -50,6 +50,11 @@ class _Qwen3CommonConfig(BaseModel):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+    @field_validator("rope_parameters", "rope_scaling", mode="before")
+    @classmethod
+    def _rope_type(cls, value: object) -> object:
+        return with_rope_type(value)
 
     @field_validator("attention_dropout")
     @classmethod
