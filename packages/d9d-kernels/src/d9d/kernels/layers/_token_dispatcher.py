@@ -14,8 +14,9 @@ class TokenDispatcher(Protocol):
     """Moves routed tokens to the experts and their outputs back.
 
     ``MoELayer.dispatcher`` holds one. The local default keeps tokens on this device; d9d-parallel's
-    expert parallelism installs an all-to-all dispatcher that fits structurally. A dispatcher keeps
-    per-call state between ``dispatch`` and ``combine``.
+    expert parallelism installs an all-to-all dispatcher that fits structurally (its own Protocol
+    restates the signature and refers here for the meaning). A dispatcher keeps per-call state
+    between ``dispatch`` and ``combine``.
     """
 
     def dispatch(
