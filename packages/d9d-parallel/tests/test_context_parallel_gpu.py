@@ -32,13 +32,14 @@ _TOLERANCES = {
 }
 
 
-def _reference(query, key, value, *, sliding_window, document_ids, scale):
+def _reference(query, key, value, *, causal, sliding_window, document_ids, scale):
+    # d9d-kernels' mask: j <= i when causal, |i - j| < w with a window, same document
     seq = query.shape[1]
     i = torch.arange(seq, device=query.device).unsqueeze(1)
     j = torch.arange(seq, device=query.device).unsqueeze(0)
-    mask = (j <= i).unsqueeze(0)
+    mask = ((j <= i) | (not causal)).unsqueeze(0)
     if sliding_window is not None:
-        mask = mask & (i - j < sliding_window)
+        mask = mask & ((i - j).abs() < sliding_window)
     mask = mask & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
     repeat = query.shape[2] // key.shape[2]
     q = query.transpose(1, 2).float()
@@ -49,7 +50,9 @@ def _reference(query, key, value, *, sliding_window, document_ids, scale):
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def _on_device(device: torch.device, dtype: torch.dtype, sliding_window: int | None, tolerance: dict) -> None:
+def _on_device(
+    device: torch.device, dtype: torch.dtype, causal: bool, sliding_window: int | None, tolerance: dict
+) -> None:
     # gloo moves the CUDA tensors (CUDA all-gather and all-reduce); a rank per GPU where there
     # are several, else the ranks share one.
     mesh = DeviceMesh("cpu", torch.arange(dist.get_world_size()), mesh_dim_names=("cp",))
@@ -64,13 +67,15 @@ def _on_device(device: torch.device, dtype: torch.dtype, sliding_window: int | N
     scale = dim**-0.5
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    expected = _reference(*full, sliding_window=sliding_window, document_ids=documents, scale=scale)
+    expected = _reference(
+        *full, causal=causal, sliding_window=sliding_window, document_ids=documents, scale=scale
+    )
     expected.backward(grad_out.float())
 
     local = [context_parallel_shard(t, mesh=mesh).requires_grad_(True) for t in (q, k, v)]
     out = ContextParallelAttention(mesh=mesh).attend(
         *local,
-        causal=True,
+        causal=causal,
         softmax_scale=scale,
         sliding_window=sliding_window,
         document_ids=context_parallel_shard(documents, mesh=mesh),
@@ -89,6 +94,7 @@ def _rank_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", choices=sorted(_TOLERANCES), required=True)
     parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--bidirectional", action="store_true")  # not causal
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")  # cpu: the plumbing only
     args = parser.parse_args()
     if args.device == "cuda":
@@ -100,7 +106,13 @@ def _rank_main() -> None:
         device = torch.device("cpu")
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        _on_device(device, getattr(torch, args.dtype), args.sliding_window, _TOLERANCES[args.dtype])
+        _on_device(
+            device,
+            getattr(torch, args.dtype),
+            not args.bidirectional,
+            args.sliding_window,
+            _TOLERANCES[args.dtype],
+        )
     finally:
         dist.destroy_process_group()
 
@@ -116,13 +128,14 @@ def _cuda_available() -> bool:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "sliding_window"),
+    ("dtype", "causal", "sliding_window"),
     [
-        ("float32", None),  # fp32 causal with packed documents
-        ("bfloat16", 64),  # bf16 with a sliding window
+        ("float32", True, None),  # fp32 causal with packed documents
+        ("bfloat16", True, 64),  # bf16 with a causal sliding window
+        ("bfloat16", False, 64),  # bf16 with a two-sided sliding window (not causal)
     ],
 )
-def test_context_parallel_attention_on_gpu(dtype: str, sliding_window: int | None) -> None:
+def test_context_parallel_attention_on_gpu(dtype: str, causal: bool, sliding_window: int | None) -> None:
     if not _cuda_available():
         pytest.skip("needs a CUDA GPU")
     command = [
@@ -131,6 +144,8 @@ def test_context_parallel_attention_on_gpu(dtype: str, sliding_window: int | Non
     ]  # fmt: skip
     if sliding_window is not None:
         command += ["--sliding-window", str(sliding_window)]
+    if not causal:
+        command += ["--bidirectional"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
 
