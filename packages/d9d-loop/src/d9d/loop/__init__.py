@@ -60,6 +60,7 @@ from d9d.loop._events import (
 from d9d.loop._exporter import ExportError, ModelExporter
 from d9d.loop._lr_schedule import AutoLRSchedulerProvider, PiecewiseSchedule
 from d9d.loop._model_provider import (
+    FinalizeGradientsContext,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
@@ -91,6 +92,7 @@ from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
 from d9d.loop._trainer import StepFailedError, Trainer
 
 __all__ = [
+    "FinalizeGradientsContext",
     "TaskFactory",
     "ModelExporter",
     "ExportError",

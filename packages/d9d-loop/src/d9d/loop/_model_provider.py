@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -75,6 +75,19 @@ class PrepareExportModelStageResult:
     files: Mapping[str, bytes] = field(default_factory=dict[str, bytes])
 
 
+@dataclass(kw_only=True, frozen=True)
+class FinalizeGradientsContext(Generic[ModelT]):
+    """Input of ``ModelProvider.finalize_gradients``: this rank's stages, gradients synchronized.
+
+    Attributes:
+        dist_context: The job's distributed context.
+        stages: This rank's stages and their models, in increasing stage order.
+    """
+
+    dist_context: DistributedContext
+    stages: Sequence[tuple[PipelineStageInfo, ModelT]]
+
+
 class ModelProvider(ABC, Generic[ModelT]):
     """Builds and distributes the model, one pipeline stage at a time.
 
@@ -92,6 +105,15 @@ class ModelProvider(ABC, Generic[ModelT]):
     @abstractmethod
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[ModelT]) -> None:
         """Applies parallelism to ``context.model`` in place."""
+
+    def finalize_gradients(self, context: FinalizeGradientsContext[ModelT]) -> None:
+        """Runs once per step after data-parallel gradient sync and before clipping.
+
+        For gradients that span stages, e.g. an embedding tied to the LM head under pipeline
+        parallelism (sum both copies' gradients over the first and last stage). Does nothing by
+        default.
+        """
+        del context
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext[ModelT]

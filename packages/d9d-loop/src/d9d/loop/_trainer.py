@@ -31,7 +31,7 @@ from d9d.loop._events import (
 )
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
-from d9d.loop._model_provider import ModelProvider
+from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
@@ -308,6 +308,11 @@ class Trainer:
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
 
         p.gradients.finish(global_weight=weight, microbatches_per_rank=p.microbatches_per_step)
+        p.provider.finalize_gradients(
+            FinalizeGradientsContext(
+                dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages]
+            )
+        )
         grad_norm_tensor = p.gradients.clip()
         # The loss is on the host already; the norm is read early only when a step may be skipped.
         early_norm = float(grad_norm_tensor.item()) if self._guard.reads_norm_before_step else None
