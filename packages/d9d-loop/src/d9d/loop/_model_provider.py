@@ -52,6 +52,33 @@ class ParallelizeModelStageContext(Generic[ModelT]):
 
 
 @dataclass(kw_only=True, frozen=True)
+class LoadModelStageContext(Generic[ModelT]):
+    """Input of ``ModelProvider.load_model_stage``: the stage, parallelized and materialized.
+
+    Attributes:
+        dist_context: The job's distributed context.
+        stage: Which pipeline stage ``model`` is.
+        model: The stage on the device, its parameters uninitialized (``to_empty``).
+    """
+
+    dist_context: DistributedContext
+    stage: PipelineStageInfo
+    model: ModelT
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoadModelStageResult:
+    """Whether the provider gave the stage its values.
+
+    Attributes:
+        loaded: True when every parameter and buffer has its values; False lets the loop
+            initialize the stage (``reset_parameters()`` or ``trainer.initialization.source``).
+    """
+
+    loaded: bool
+
+
+@dataclass(kw_only=True, frozen=True)
 class PrepareExportModelStageContext(Generic[ModelT]):
     """Input of ``ModelProvider.prepare_export_model_stage``."""
 
@@ -105,6 +132,16 @@ class ModelProvider(ABC, Generic[ModelT]):
     @abstractmethod
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[ModelT]) -> None:
         """Applies parallelism to ``context.model`` in place."""
+
+    def load_model_stage(self, context: LoadModelStageContext[ModelT]) -> LoadModelStageResult:
+        """Gives the materialized stage its values from the provider's own source, if it has one.
+
+        For a provider configured with a checkpoint (say a Hugging Face model id), which may
+        also need what a plain state mapper cannot express: a head the checkpoint lacks keeps
+        its fresh initialization. Runs after the per-stage seed is set. Loads nothing by default.
+        """
+        del context
+        return LoadModelStageResult(loaded=False)
 
     def finalize_gradients(self, context: FinalizeGradientsContext[ModelT]) -> None:
         """Runs once per step after data-parallel gradient sync and before clipping.

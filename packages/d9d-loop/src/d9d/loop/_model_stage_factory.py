@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from d9d.loop._config_trainer import InitializationConfig
 from d9d.loop._model_provider import (
     InitializeModelStageContext,
+    LoadModelStageContext,
     ModelProvider,
     ModelT,
     ParallelizeModelStageContext,
@@ -52,7 +53,8 @@ class ModelStageFactory(Generic[ModelT]):
     """Turns a ``ModelProvider`` into ready model stages.
 
     Order: build on ``meta`` -> ``parallelize_model_stage`` (parameters become DTensors) ->
-    ``to_empty`` on the device -> values from ``reset_parameters()`` (layout-invariant by default,
+    ``to_empty`` on the device -> values from the provider's ``load_model_stage``, else from
+    ``reset_parameters()`` (layout-invariant by default,
     see ``InitializationConfig``) or from a source checkpoint through the provider's state mapper.
     """
 
@@ -92,7 +94,16 @@ class ModelStageFactory(Generic[ModelT]):
         model.to_empty(device=self._dist.device)
         # Seed per stage: stages must not draw the same numbers, while every rank of one stage must.
         torch.manual_seed(derived_seed(self._seed, stage.current_stage))
-        if self._config.source is not None:
+        loaded = self._provider.load_model_stage(
+            LoadModelStageContext(dist_context=self._dist, stage=stage, model=model)
+        ).loaded
+        if loaded:
+            if self._config.source is not None:
+                raise ValueError(
+                    f"trainer.initialization.source={self._config.source} is set but "
+                    f"{type(self._provider).__name__} loads the model from its own source; set only one"
+                )
+        elif self._config.source is not None:
             if result.state_mapper is None:
                 raise ValueError(
                     f"trainer.initialization.source is set but {type(self._provider).__name__}."
