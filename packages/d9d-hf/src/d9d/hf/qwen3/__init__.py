@@ -17,10 +17,13 @@ from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
 from d9d.hf.qwen3._embedding import Qwen3Embedding
 from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff, causal_lm_targets
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf.qwen3._parallelize import parallelize_qwen3
+from d9d.hf.qwen3._provider import Qwen3ModelProvider
 from d9d.hf.qwen3._sequence_classification import Qwen3SequenceClassification
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
 from d9d.hf.qwen3._stage import StageLayout, stage_layout
 from d9d.hf.qwen3._state_mapper import qwen3_export_mapper, qwen3_load_mapper
+from d9d.hf.qwen3._tensor_parallel import parallelize_qwen3_tensor_parallel
 
 __all__ = [
     "Qwen3Backbone",
@@ -31,6 +34,7 @@ __all__ = [
     "Qwen3Embedding",
     "Qwen3Inputs",
     "Qwen3ModelBase",
+    "Qwen3ModelProvider",
     "Qwen3MoeConfig",
     "Qwen3MoeSpec",
     "Qwen3SequenceClassification",
@@ -44,6 +48,8 @@ __all__ = [
     "head_of",
     "hf_architecture",
     "load_qwen3_weights",
+    "parallelize_qwen3",
+    "parallelize_qwen3_tensor_parallel",
     "qwen3_export_mapper",
     "qwen3_load_mapper",
     "qwen3_spec",

@@ -1,0 +1,69 @@
+"""The ``model:`` section of a job: start from a Hugging Face checkpoint, or pre-train from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from d9d.hf._head import HeadName
+from d9d.hf.qwen3._config import Qwen3Config
+from d9d.kernels.layers import AttentionBackendName
+
+ParamDtype = Literal["float32", "bfloat16", "float16"]
+"""Dtype of the gathered parameters in forward/backward (FSDP mixed precision); gradients are
+reduced and the optimizer steps in float32."""
+
+
+class _ModelOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    head: HeadName = "causal_lm"
+    activation_checkpointing: bool = False
+    attention_backend: AttentionBackendName | None = None
+    param_dtype: ParamDtype | None = None
+
+
+class PretrainedModelConfig(_ModelOptions):
+    """``model: {source: Qwen/Qwen3-0.6B, head: causal_lm}``: start from a checkpoint.
+
+    Attributes:
+        source: A Hub repo id or a local directory (config.json, safetensors, tokenizer files).
+        revision: Branch, tag or commit of a Hub repo.
+        head: The head to train; one the checkpoint lacks (a classifier on a causal-LM checkpoint)
+            starts from a fresh initialization, the backbone from the checkpoint.
+        num_labels: Classes of a fresh sequence-classification head (default: the config's).
+        activation_checkpointing: Recompute every decoder layer in backward.
+        attention_backend: Attention implementation; None auto-detects.
+        param_dtype: Compute dtype of the parameters (FSDP mixed precision); None keeps float32.
+    """
+
+    source: str = Field(min_length=1)
+    revision: str | None = None
+    num_labels: int | None = Field(default=None, ge=1)
+
+
+class ScratchModelConfig(_ModelOptions):
+    """``model: {config: {model_type: qwen3, hidden_size: ...}}``: pre-train freshly initialized.
+
+    Attributes:
+        config: The model's config.json content (``model_type`` selects Qwen3 or Qwen3-MoE).
+        tokenizer: A directory whose tokenizer files are exported with the model.
+    """
+
+    config: Qwen3Config
+    tokenizer: Path | None = None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "pretrained" if "source" in value else "scratch"
+    return "pretrained" if isinstance(value, PretrainedModelConfig) else "scratch"
+
+
+HFModelConfig = Annotated[
+    Annotated[PretrainedModelConfig, Tag("pretrained")] | Annotated[ScratchModelConfig, Tag("scratch")],
+    Discriminator(_kind),
+]
+"""A Hugging Face model for d9d-loop: with ``source`` a checkpoint, with ``config`` from scratch."""

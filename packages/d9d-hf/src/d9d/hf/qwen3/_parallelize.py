@@ -1,0 +1,73 @@
+"""The parallelize recipe of a Qwen3 stage: applies whatever the job's mesh asks for."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf.qwen3._tensor_parallel import parallelize_qwen3_tensor_parallel
+from d9d.kernels.layers import MoELayer
+from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
+from d9d.parallel import hsdp_mesh, parallelize_context_parallel, parallelize_expert_parallel, parallelize_hsdp
+
+
+def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
+    """FSDP's mesh: shards over ``dp_cp_shard``, replicates over the replicate dims wider than 1.
+
+    Sliced from the dense mesh itself where possible: FSDP over tensor-parallel parameters needs
+    its mesh and the tp mesh to come from one root mesh.
+    """
+    wide = [name for name in ("dp_replicate", "cp_replicate") if dense[name].size() > 1]
+    if len(wide) <= 1:
+        return dense[(*wide, "dp_cp_shard")]
+    if dense["tp"].size() > 1:
+        raise ValueError(
+            "data_parallel_replicate > 1 and context_parallel_replicate > 1 together with "
+            "tensor_parallel > 1 is not supported (FSDP needs one replicate dim beside tp)"
+        )
+    return hsdp_mesh(dense["dp_replicate", "dp_cp_shard", "cp_replicate"])
+
+
+def parallelize_qwen3(
+    model: Qwen3ModelBase, *, dist_context: DistributedContext, param_dtype: torch.dtype | None = None
+) -> None:
+    """Parallelizes one (meta-device) Qwen3 stage in place, as ``dist_context.parameters`` asks.
+
+    Pipeline parallelism needs nothing here: the stage was built with only its layers. The
+    order matters: tensor parallelism first (it places parameters on the tp mesh dim), then
+    context parallelism (an attention backend, no parameters), expert parallelism (the experts
+    leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
+    decoder layer and then the rest, so each layer's parameters are gathered only around it.
+
+    Args:
+        model: The stage, on the meta device.
+        dist_context: The job's distributed context (its mesh domains).
+        param_dtype: FSDP's compute dtype of gathered parameters (None: the stored dtype).
+    """
+    mesh = dist_context.parameters
+    dense = dist_context.mesh_for(DENSE_DOMAIN)
+    if mesh.tensor_parallel > 1:
+        parallelize_qwen3_tensor_parallel(model, mesh=dense["tp"])
+    layers = model.model.decoder_layers()
+    if mesh.context_parallel > 1:
+        cp_mesh = dist_context.mesh_for(BATCH_DOMAIN)["cp"]
+        for layer in layers:
+            parallelize_context_parallel(layer.self_attn, mesh=cp_mesh)
+    experts: list[nn.Parameter] = []
+    if mesh.expert_parallel > 1:
+        ep_mesh = dist_context.mesh_for(EXPERT_DOMAIN)["ep_replicate", "ep_shard"]
+        for layer in layers:
+            if isinstance(layer.mlp, MoELayer):
+                parallelize_expert_parallel(layer.mlp, mesh=ep_mesh)
+                experts += list(layer.mlp.parameters())
+    dp_mesh = _data_parallel_mesh(dense)
+    reduce_dtype = None if param_dtype is None else torch.float32
+    for layer in layers:
+        parallelize_hsdp(
+            layer, mesh=dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, ignored_params=experts
+        )
+    parallelize_hsdp(
+        model, mesh=dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, ignored_params=experts
+    )

@@ -1,0 +1,166 @@
+"""The ready d9d-loop model provider of Qwen3 and Qwen3-MoE: build, parallelize, load, export."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from d9d.hf._head import HeadName
+from d9d.hf._hub import resolve_snapshot
+from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
+from d9d.hf._tied_stages import TiedStageCopies
+from d9d.hf.qwen3._checkpoint import build_qwen3, export_config, read_qwen3_config
+from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf.qwen3._parallelize import parallelize_qwen3
+from d9d.hf.qwen3._stage_loading import load_stage_from_checkpoint, stage_load_mapper
+from d9d.hf.qwen3._state_mapper import qwen3_export_mapper
+from d9d.loop import (
+    FinalizeGradientsContext,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    LoadModelStageContext,
+    LoadModelStageResult,
+    ModelProvider,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+)
+from d9d.mesh import DistributedContext
+from d9d.state_mappers import SafetensorsCheckpoint
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""Files copied from the source into every export, when present."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Resolved:
+    config: Qwen3DenseConfig | Qwen3MoeConfig
+    checkpoint: SafetensorsCheckpoint | None
+    files: dict[str, bytes]
+
+
+def _files_of(directory: Path | None) -> dict[str, bytes]:
+    if directory is None:
+        return {}
+    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
+class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
+    """Qwen3 / Qwen3-MoE stages for d9d-loop, from a checkpoint or freshly initialized.
+
+    With a ``source`` each stage reads only its own tensors, each rank only its slice of them
+    (``load_model_stage``); a head the checkpoint lacks keeps its fresh initialization. Export
+    writes config.json, the tensors under transformers' names and the source's tokenizer files.
+    Under pipeline parallelism a tied embedding lives on the first and the last stage; their
+    gradients are summed every step (``finalize_gradients``), so both copies stay equal.
+
+    Args:
+        config: The ``model:`` section (``PretrainedModelConfig`` or ``ScratchModelConfig``).
+    """
+
+    def __init__(self, config: HFModelConfig) -> None:
+        self._config = config
+        self._resolved: _Resolved | None = None
+        self._tied = TiedStageCopies()
+
+    @property
+    def head(self) -> HeadName:
+        """The head every stage is built with."""
+        return self._config.head
+
+    def model_config(self, dist_context: DistributedContext) -> Qwen3DenseConfig | Qwen3MoeConfig:
+        """The config.json the model is built from (the source is fetched once, main rank first)."""
+        return self._resolve(dist_context).config
+
+    def _resolve(self, dist_context: DistributedContext) -> _Resolved:
+        if self._resolved is not None:
+            return self._resolved
+        match self._config:
+            case PretrainedModelConfig():
+                with dist_context.main_process_first():  # one download per node, others hit the cache
+                    directory = resolve_snapshot(self._config.source, revision=self._config.revision)
+                config = read_qwen3_config(directory)
+                if self._config.num_labels is not None:
+                    config = config.model_copy(update={"num_labels": self._config.num_labels})
+                self._resolved = _Resolved(
+                    config=config, checkpoint=SafetensorsCheckpoint(directory), files=_files_of(directory)
+                )
+            case ScratchModelConfig():
+                self._resolved = _Resolved(
+                    config=self._config.config, checkpoint=None, files=_files_of(self._config.tokenizer)
+                )
+        return self._resolved
+
+    def initialize_model_stage(
+        self, context: InitializeModelStageContext
+    ) -> InitializeModelStageResult[Qwen3ModelBase]:
+        """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes."""
+        resolved = self._resolve(context.dist_context)
+        model = build_qwen3(
+            resolved.config,
+            self._config.head,
+            stage=context.stage,
+            activation_checkpointing=self._config.activation_checkpointing,
+            attention_backend=self._config.attention_backend,
+        )
+        mapper = None
+        if resolved.checkpoint is not None:
+            mapper = stage_load_mapper(model, resolved.checkpoint)  # raises early on a misfit
+        return InitializeModelStageResult(model=model, state_mapper=mapper)
+
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[Qwen3ModelBase]) -> None:
+        """Applies the Qwen3 recipe (TP, CP, EP, FSDP/HSDP) that the mesh asks for."""
+        dtype = self._config.param_dtype
+        parallelize_qwen3(
+            context.model,
+            dist_context=context.dist_context,
+            param_dtype=None if dtype is None else _DTYPES[dtype],
+        )
+
+    def load_model_stage(self, context: LoadModelStageContext[Qwen3ModelBase]) -> LoadModelStageResult:
+        """With a source: fresh initialization, then the checkpoint's tensors (this rank's slices)."""
+        model = context.model
+        model.reset_buffers()  # re-ties a head sharing the embedding (materializing split them)
+        checkpoint = self._resolve(context.dist_context).checkpoint
+        if checkpoint is None:
+            return LoadModelStageResult(loaded=False)
+        load_stage_from_checkpoint(model, checkpoint, show_progress=context.dist_context.is_main_process)
+        self._tied.mark_loaded()
+        return LoadModelStageResult(loaded=True)
+
+    def finalize_gradients(self, context: FinalizeGradientsContext[Qwen3ModelBase]) -> None:
+        """Sums the gradients of a tied embedding's two copies (first and last pipeline stage)."""
+        if context.dist_context.parameters.pipeline_parallel == 1:
+            return
+        if not self._resolve(context.dist_context).config.tie_word_embeddings:
+            return
+        self._tied.sum_gradients(context.dist_context, context.stages)
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext[Qwen3ModelBase]
+    ) -> PrepareExportModelStageResult:
+        """transformers' tensor names, config.json (from the first stage) and tokenizer files."""
+        model = context.model
+        resolved = self._resolve(context.dist_context)
+        files = dict(resolved.files)
+        if context.stage.is_first:
+            dtype = next(model.parameters()).dtype
+            files["config.json"] = (json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n").encode()
+        return PrepareExportModelStageResult(
+            state_mapper=qwen3_export_mapper(model.spec, self._config.head, model.layout), files=files
+        )

@@ -1,0 +1,103 @@
+"""Loading one (parallelized) Qwen3 stage from a checkpoint that may lack the stage's head."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from d9d.hf.qwen3._checkpoint import check_checkpoint, head_of, load_qwen3_weights
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf.qwen3._state_mapper import qwen3_load_mapper
+from d9d.state_mappers import (
+    CastMapper,
+    ParallelMapper,
+    RenameMapper,
+    SafetensorsCheckpoint,
+    SequentialMapper,
+    StateMapper,
+    TensorSpec,
+    load_module_state,
+    validate_mapping,
+)
+
+BACKBONE_PREFIX = "model."
+
+
+def has_fresh_head(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> bool:
+    """Whether the stage holds a head with parameters whose tensor the checkpoint lacks.
+
+    A sequence-classification head on a causal-LM checkpoint (no ``score.weight``), or an untied
+    LM head on a backbone-only checkpoint (no ``lm_head.weight``).
+    """
+    if not model.layout.is_last:
+        return False
+    names = checkpoint.specs
+    match head_of(model):
+        case "causal_lm":
+            return not model.spec.tie_word_embeddings and "lm_head.weight" not in names
+        case "sequence_classification":
+            return "score.weight" not in names
+        case "embedding":
+            return False
+
+
+def _casts(module: nn.Module) -> StateMapper:
+    return ParallelMapper([CastMapper(name, t.dtype) for name, t in module.state_dict().items()])
+
+
+def _backbone_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
+    """Checkpoint -> ``model.model``'s own state names (head tensors dropped unread)."""
+    names = list(model.model.state_dict().keys())
+    mapper = qwen3_load_mapper(
+        model.spec,
+        "embedding",  # the head with no tensors: only the backbone is mapped
+        source_names=checkpoint.specs.keys(),
+        target_names=[BACKBONE_PREFIX + name for name in names],
+    )
+    unprefix = ParallelMapper([RenameMapper(BACKBONE_PREFIX + name, name) for name in names])
+    return SequentialMapper([mapper, unprefix, _casts(model.model)])
+
+
+def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
+    """The checked mapper from the checkpoint to ``model``'s state (to its backbone with a fresh head).
+
+    Raises:
+        ValueError: Naming the file and key of a missing or mis-shaped tensor (headers only).
+        StateMappingError: Naming every tensor the mapping leaves unused or unfilled.
+    """
+    fresh = has_fresh_head(model, checkpoint)
+    if not fresh:
+        check_checkpoint(checkpoint, model)
+    target = model.model if fresh else model
+    if fresh:
+        mapper = _backbone_mapper(model, checkpoint)
+    else:
+        state = model.state_dict()
+        mapper = SequentialMapper(
+            [
+                qwen3_load_mapper(
+                    model.spec, head_of(model), source_names=checkpoint.specs.keys(), target_names=state.keys()
+                ),
+                _casts(model),
+            ]
+        )
+    specs = {name: TensorSpec.of(t) for name, t in target.state_dict().items()}
+    validate_mapping(mapper, checkpoint.specs, specs)
+    return mapper
+
+
+def load_stage_from_checkpoint(
+    model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
+) -> None:
+    """Fills a materialized stage: each rank reads its slices; a fresh head is initialized instead.
+
+    Call after ``to_empty`` (the stage's seed set); non-persistent buffers are recomputed.
+    """
+    if has_fresh_head(model, checkpoint):
+        model.reset_parameters()
+        model.reset_buffers()
+        load_module_state(
+            checkpoint, model.model, _backbone_mapper(model, checkpoint), show_progress=show_progress
+        )
+        return
+    model.reset_buffers()
+    load_qwen3_weights(model, checkpoint, show_progress=show_progress)

@@ -1,0 +1,100 @@
+"""Tensor parallelism with sequence parallelism for one Qwen3 stage (Megatron's layout).
+
+Between blocks the residual stream is this rank's slice of the sequence (tensor dim 1): norms run
+on it locally (``SequenceParallelNorm``); attention and the feed-forward gather the sequence on
+entry, split heads / the inner width by columns and reduce-scatter back to the slice by rows.
+The head gathers the sequence and computes the whole loss on every tp rank with a replicated
+weight, so every tp rank reports the same loss and token count (what d9d-loop's loss reduction
+expects of a tp group).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.parallel import LocalParameterSlot, SequenceParallelNorm, VocabParallelEmbedding, install_local_forward
+
+
+def _gather_sequence(num_args: int) -> PrepareModuleInput:
+    """The first positional input arrives as the sequence slice and is gathered; others pass."""
+    passed: tuple[None, ...] = (None,) * (num_args - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *passed), desired_input_layouts=(Replicate(), *passed), use_local_output=True
+    )
+
+
+def _replicate_head(head: nn.Module, mesh: DeviceMesh, num_args: int) -> None:
+    """The whole sequence and a replicated weight on every tp rank: identical outputs and gradients."""
+    parallelize_module(head, mesh, _gather_sequence(num_args))
+    slots: list[LocalParameterSlot] = []
+    for owner in head.modules():
+        for name, parameter in list(owner.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(parameter.detach(), mesh, [Replicate()], run_check=False)
+            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=parameter.requires_grad))
+            slots.append(LocalParameterSlot(owner=owner, name=name, grad_placements=(Replicate(),)))
+    if slots:
+        install_local_forward(head, slots)
+
+
+def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh) -> None:
+    """Applies tensor and sequence parallelism over the 1-D ``mesh`` to ``model`` in place.
+
+    The sequence length must be divisible by the tp degree, and so must the vocabulary and the
+    query and key/value head counts.
+
+    Raises:
+        ValueError: For a layout this recipe does not cover: MoE layers (use expert parallelism
+            over the same ranks), or tied embeddings (the vocabulary-sharded embedding and the
+            replicated head cannot share one parameter).
+    """
+    spec = model.spec
+    tp = mesh.size()
+    if spec.moe is not None and any(spec.moe_layers[i] for i in model.layout.layers):
+        raise ValueError(
+            f"tensor_parallel={tp} with MoE layers is not supported; use expert_parallel instead"
+        )
+    if spec.tie_word_embeddings:
+        raise ValueError(f"tensor_parallel={tp} with tie_word_embeddings=true is not supported")
+    if spec.num_kv_heads % tp != 0:
+        raise ValueError(f"num_key_value_heads={spec.num_kv_heads} is not divisible by tensor_parallel={tp}")
+    backbone = model.model
+    plan: dict[str, ParallelStyle] = {}
+    if backbone.embed_tokens is not None:
+        plan["embed_tokens"] = VocabParallelEmbedding(sequence_parallel=True)
+    for index in model.layout.layers:
+        prefix = f"layers.{index}"
+        plan |= {
+            f"{prefix}.input_layernorm": SequenceParallelNorm(),
+            # (hidden_states, position_embeddings); document_ids is a keyword argument
+            f"{prefix}.self_attn": _gather_sequence(2),
+            f"{prefix}.self_attn.q_proj": ColwiseParallel(),
+            f"{prefix}.self_attn.k_proj": ColwiseParallel(),
+            f"{prefix}.self_attn.v_proj": ColwiseParallel(),
+            # per-head norms see this rank's heads: their weight gradients are partial sums
+            f"{prefix}.self_attn.q_norm": SequenceParallelNorm(),
+            f"{prefix}.self_attn.k_norm": SequenceParallelNorm(),
+            f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{prefix}.post_attention_layernorm": SequenceParallelNorm(),
+            f"{prefix}.mlp": _gather_sequence(1),
+            f"{prefix}.mlp.gate_proj": ColwiseParallel(),
+            f"{prefix}.mlp.up_proj": ColwiseParallel(),
+            f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    if backbone.norm is not None:
+        plan["norm"] = SequenceParallelNorm()
+    parallelize_module(backbone, mesh, plan)
+    for name in ("lm_head", "score", "head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            # lm_head(hidden_states, labels); score / head(hidden_states, attention_mask)
+            _replicate_head(head, mesh, num_args=2)

@@ -1,0 +1,158 @@
+"""Qwen3ModelProvider + CausalLMTask through d9d-loop on 4 CPU ranks equal one process.
+
+Every layout trains 3 steps from a tiny transformers checkpoint and must report the losses of
+the same job in one process (fp32). The pipeline run also exports; transformers loads the
+export and gives the single-process model's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from d9d.hf import CausalLMTask, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3ModelProvider
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    BuildForwardInputsContext,
+    ComputeLossContext,
+    ForwardBackwardFinished,
+    ProjectConfig,
+    TrainingConfigurator,
+)
+from d9d.mesh.testing import run_distributed
+
+SEQ = 16
+STEPS = 3
+PROBE = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class _Tokens:
+    """16 rows of 16 tokens; odd rows pack two documents, even rows mask a 5-token prompt."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 128, (16, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> TokenSample:
+        ids = self.ids[index]
+        if index % 2:
+            documents = torch.tensor([0] * 6 + [1] * (SEQ - 6))
+            return TokenSample(input_ids=ids, labels=ids.clone(), document_ids=documents)
+        labels = ids.clone()
+        labels[:5] = -100
+        return TokenSample(input_ids=ids, labels=labels, document_ids=torch.zeros(SEQ, dtype=torch.int64))
+
+
+def _train(directory: Path, mesh: dict[str, int], export: Path | None = None) -> dict[str, Any]:
+    config = ProjectConfig.model_validate(
+        {
+            "mesh": mesh,
+            "trainer": {
+                "max_steps": STEPS,
+                "global_batch_size": 8,
+                "microbatch_size": 2,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        }
+    )
+    losses: list[float] = []
+    provider = Qwen3ModelProvider(PretrainedModelConfig(source=str(directory), attention_backend="eager"))
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=provider,
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Tokens(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    with trainer:
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.train()
+        result: dict[str, Any] = {"losses": losses}
+        if export is not None:
+            trainer.export(export)
+        if mesh == {}:
+            model = trainer.model_stages[0]
+            assert isinstance(model, Qwen3CausalLM)
+            with torch.no_grad():
+                result["logits"] = model.logits(PROBE)
+    return result
+
+
+_REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+def _reference(checkpoints: dict[str, Path], name: str) -> dict[str, Any]:
+    if name not in _REFERENCES:
+        _REFERENCES[name] = run_distributed(_train, checkpoints[name], {}, world_size=1, timeout_s=120)[0]
+    return _REFERENCES[name]
+
+
+LAYOUTS = [
+    ("dense", {"data_parallel_shard": 4}),  # FSDP
+    ("dense", {"data_parallel_replicate": 2, "data_parallel_shard": 2}),  # HSDP
+    ("dense", {"tensor_parallel": 2, "data_parallel_shard": 2}),  # TP with sequence parallelism x FSDP
+    ("dense", {"context_parallel_shard": 2, "data_parallel_shard": 2}),  # CP (packed rows, windows) x FSDP
+    ("moe", {"expert_parallel": 2, "data_parallel_shard": 4}),  # EP inside FSDP blocks
+]
+
+
+@pytest.mark.parametrize(("checkpoint", "mesh"), LAYOUTS)
+def test_layout_trains_to_the_single_process_losses(
+    checkpoints: dict[str, Path], checkpoint: str, mesh: dict[str, int]
+) -> None:
+    expected = _reference(checkpoints, checkpoint)["losses"]
+    results = run_distributed(_train, checkpoints[checkpoint], mesh, world_size=4, timeout_s=180)
+    assert len(expected) == STEPS
+    for result in results:
+        torch.testing.assert_close(result["losses"], expected, atol=2e-5, rtol=2e-5)
+
+
+def test_pipeline_with_tied_embeddings_trains_and_exports_for_transformers(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
+    # PP=2 x FSDP=2; the embedding and the LM head are two copies kept equal across stages
+    reference = _reference(checkpoints, "tied")
+    export = tmp_path / "export"
+    mesh = {"pipeline_parallel": 2, "data_parallel_shard": 2}
+    results = run_distributed(_train, checkpoints["tied"], mesh, export, world_size=4, timeout_s=180)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
+    assert (export / "tokenizer.json").exists() == (checkpoints["tied"] / "tokenizer.json").exists()
+    hf = helpers.hf_model(export)
+    with torch.no_grad():
+        logits = hf(PROBE).logits
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_task_weights_each_microbatch_by_its_target_tokens() -> None:
+    ids = torch.arange(8).reshape(1, 8)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt: no loss on it
+    built = CausalLMTask().build_forward_inputs(
+        BuildForwardInputsContext(batch=TokenBatch(input_ids=ids, labels=labels), step=0)
+    )
+    # position t predicts token t + 1: targets 4..7 at positions 3..6, none at the last one
+    assert built.state.targets.tolist() == [[-100, -100, -100, 4, 5, 6, 7, -100]]
+    assert built.num_tokens == 8
+    losses = torch.arange(8, dtype=torch.float32).reshape(1, 8) * (built.state.targets != -100)
+    result = CausalLMTask().compute_loss(
+        ComputeLossContext(pipeline_results=losses, state=built.state, microbatch_index=0, step=0)
+    )
+    assert result.loss.item() == pytest.approx((3 + 4 + 5 + 6) / 4)
+    assert result.loss_weight == 4.0
