@@ -64,7 +64,9 @@ class TiedStageCopies:
         elif len(members) > 1 and holds_copy:
             group = dist.new_group(members, use_local_synchronization=True)
             if not isinstance(group, ProcessGroup):
-                raise RuntimeError(f"rank {dist_context.rank} could not join the tied-embedding group {members}")
+                raise RuntimeError(
+                    f"rank {dist_context.rank} could not join the tied-embedding group {members}"
+                )
             self._group = group
         self._ready = True
 

@@ -10,7 +10,12 @@ from d9d.hf.qwen3._model_base import Qwen3ModelBase
 from d9d.hf.qwen3._tensor_parallel import parallelize_qwen3_tensor_parallel
 from d9d.kernels.layers import MoELayer
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
-from d9d.parallel import hsdp_mesh, parallelize_context_parallel, parallelize_expert_parallel, parallelize_hsdp
+from d9d.parallel import (
+    hsdp_mesh,
+    parallelize_context_parallel,
+    parallelize_expert_parallel,
+    parallelize_hsdp,
+)
 
 
 def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:

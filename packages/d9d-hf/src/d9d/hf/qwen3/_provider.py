@@ -160,7 +160,9 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
         files = dict(resolved.files)
         if context.stage.is_first:
             dtype = next(model.parameters()).dtype
-            files["config.json"] = (json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n").encode()
+            files["config.json"] = (
+                json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n"
+            ).encode()
         return PrepareExportModelStageResult(
             state_mapper=qwen3_export_mapper(model.spec, self._config.head, model.layout), files=files
         )

@@ -75,7 +75,10 @@ def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) 
         mapper = SequentialMapper(
             [
                 qwen3_load_mapper(
-                    model.spec, head_of(model), source_names=checkpoint.specs.keys(), target_names=state.keys()
+                    model.spec,
+                    head_of(model),
+                    source_names=checkpoint.specs.keys(),
+                    target_names=state.keys(),
                 ),
                 _casts(model),
             ]

@@ -22,7 +22,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
-from d9d.parallel import LocalParameterSlot, SequenceParallelNorm, VocabParallelEmbedding, install_local_forward
+from d9d.parallel import (
+    LocalParameterSlot,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+    install_local_forward,
+)
 
 
 def _gather_sequence(num_args: int) -> PrepareModuleInput:
