@@ -8,6 +8,7 @@ download) is preceded by ``<!-- illustrative: <why> -->`` instead, so no block i
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -55,7 +56,16 @@ def test_guide_code_runs(guide: str, tmp_path: Path) -> None:
     assert blocks, f"{guide} has no runnable block"
     script = tmp_path / "guide.py"
     script.write_text("\n\n".join(blocks))
+    # A plain Python process, as a reader runs the guide: without the d9d pytest plugin's zygote
+    # variable, run_distributed forks ranks from the script itself.
+    env = {k: v for k, v in os.environ.items() if k != "D9D_TESTING_ZYGOTE"}
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert result.returncode == 0, f"{guide}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
