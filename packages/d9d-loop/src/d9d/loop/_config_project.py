@@ -8,6 +8,7 @@ from typing import Any, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._config_data import DataConfig
 from d9d.loop._config_lr import ConstantLRSchedulerConfig, LRSchedulerConfig, PiecewiseLRSchedulerConfig
 from d9d.loop._config_optimizer import AdamWConfig, OptimizerConfig
@@ -17,13 +18,7 @@ from d9d.mesh import MeshParameters
 
 def check_batch_layout(mesh: MeshParameters, trainer: TrainerConfig) -> None:
     """Raises if the global batch cannot be split over data-parallel ranks and microbatches."""
-    per_step = mesh.data_parallel * trainer.microbatch_size
-    if trainer.global_batch_size % per_step != 0:
-        raise ValueError(
-            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
-            f"data-parallel size ({mesh.data_parallel}) x trainer.microbatch_size "
-            f"({trainer.microbatch_size}) = {per_step}"
-        )
+    BatchLayout.of(mesh, global_batch_size=trainer.global_batch_size, microbatch_size=trainer.microbatch_size)
 
 
 class ProjectConfig(BaseModel):

@@ -16,9 +16,11 @@ from d9d.loop._checkpointer import Checkpointer
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._directory_checks import estimate_checkpoint_bytes
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
+from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
+from d9d.loop._nonfinite_guard import NonFiniteGuard
 from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
 from d9d.loop._providers import (
     BatchSource,
@@ -32,7 +34,7 @@ from d9d.loop._providers import (
 from d9d.loop._step_runner import SequentialStepRunner, StepRunner
 from d9d.loop._task import TaskFactory, TaskProvider, TaskProviderContext, TrainTask
 from d9d.loop._trackers import NoTracker, Tracker, build_tracker
-from d9d.loop._trainer import Trainer, TrainerParts
+from d9d.loop._trainer import RunPlan, Trainer, TrainerParts
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.pipeline import PipelineExecutor, PipelineProgram, PipelineScheduleBuilder, PipelineStageInfo
 
@@ -147,7 +149,7 @@ class TrainingConfigurator:
             TrainerParts(
                 dist_context=dist_context,
                 owns_context=owns_context,
-                config=config,
+                plan=self._build_plan(total_steps),
                 provider=self._model_provider,
                 stages=stages,
                 task=task,
@@ -157,13 +159,28 @@ class TrainingConfigurator:
                 gradients=gradients,
                 step_runner=self._build_step_runner(dist_context, program, stages, task, gradients),
                 checkpointer=self._build_checkpointer(dist_context, models, optimizer),
+                exporter=ModelExporter(
+                    provider=self._model_provider, stages=stages, dist_context=dist_context
+                ),
                 tracker=self._build_tracker(dist_context),
                 events=self._events,
-                total_steps=total_steps,
-                microbatches_per_step=layout.microbatches_per_step,
+                nonfinite_guard=NonFiniteGuard(config.nonfinite, dist_context.logger),
                 loss_group=dist_context.world_group(),
                 loss_replication=self._mesh.tensor_parallel * self._mesh.context_parallel,
             )
+        )
+
+    def _build_plan(self, total_steps: int) -> RunPlan:
+        config = self._config
+        return RunPlan(
+            total_steps=total_steps,
+            batch=self._layout,
+            log_every_steps=config.logging.every_steps,
+            progress_bar=config.logging.progress_bar,
+            checkpoint_every_steps=config.checkpoint.every_steps,
+            resume=config.checkpoint.resume_options,
+            first_step_seconds=config.timeouts.first_step_seconds,
+            step_seconds=config.timeouts.step_seconds,
         )
 
     def _build_program(self) -> PipelineProgram | None:

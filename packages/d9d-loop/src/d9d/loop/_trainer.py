@@ -14,10 +14,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LRScheduler
 
+from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._checkpoint_manifest import RunLayout
 from d9d.loop._checkpoint_resume import load_newest_usable
 from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
-from d9d.loop._config_trainer import TrainerConfig
+from d9d.loop._config_trainer import ResumeConfig
 from d9d.loop._events import (
     CheckpointSaved,
     EventBus,
@@ -57,12 +58,37 @@ class StepFailedError(RuntimeError):
     """A training step raised (a collective timeout, a bad batch, ...); names the step and rank."""
 
 
+@dataclass(kw_only=True, frozen=True)
+class RunPlan:
+    """The plain values a ``Trainer`` runs by, read once from the config by the configurator.
+
+    Attributes:
+        total_steps: Optimizer steps of the whole run.
+        batch: How each step's samples spread over ranks and microbatches.
+        log_every_steps: Report metrics to the tracker every this many steps (and at the end).
+        progress_bar: Show a progress bar on the main rank.
+        checkpoint_every_steps: Save a checkpoint every this many steps (and at the end).
+        resume: How to resume from the newest usable checkpoint; None: never resume.
+        first_step_seconds: The step watchdog's allowance for the first step.
+        step_seconds: The step watchdog's limit for later steps (None: no watchdog).
+    """
+
+    total_steps: int
+    batch: BatchLayout
+    log_every_steps: int = 1
+    progress_bar: bool = True
+    checkpoint_every_steps: int = 100
+    resume: ResumeConfig | None = None
+    first_step_seconds: float | None = None
+    step_seconds: float | None = None
+
+
 @dataclass(kw_only=True)
 class TrainerParts:
-    """Everything a ``Trainer`` is made of; assembled by ``TrainingConfigurator``."""
+    """The components a ``Trainer`` is made of; assembled by ``TrainingConfigurator``."""
 
     dist_context: DistributedContext
-    config: TrainerConfig
+    plan: RunPlan
     provider: ModelProvider[Any]
     stages: Sequence[BuiltStage[Any]]
     task: TrainTask[Any, Any, Any, Any, Any]
@@ -72,10 +98,10 @@ class TrainerParts:
     gradients: GradientManager
     step_runner: StepRunner
     checkpointer: Checkpointer | None
+    exporter: ModelExporter
     tracker: Tracker
     events: EventBus
-    total_steps: int
-    microbatches_per_step: int
+    nonfinite_guard: NonFiniteGuard
     loss_group: ProcessGroup | None
     loss_replication: int
     owns_context: bool = False
@@ -95,7 +121,7 @@ class Trainer:
         self._p = parts
         self._step = 0
         self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
-        self._guard = NonFiniteGuard(parts.config.nonfinite, parts.dist_context.logger)
+        self._guard = parts.nonfinite_guard
         self._rollback_due = False
         self._closed = False
         # A trainer that owns its context releases it at interpreter exit if never closed, so
@@ -137,7 +163,7 @@ class Trainer:
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run."""
-        return self._p.total_steps
+        return self._p.plan.total_steps
 
     def _checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
         p = self._p
@@ -153,7 +179,7 @@ class Trainer:
 
     def _layout(self) -> RunLayout:
         return RunLayout(
-            global_batch_size=self._p.config.global_batch_size, optimizer=type(self._p.optimizer).__name__
+            global_batch_size=self._p.plan.batch.global_batch_size, optimizer=type(self._p.optimizer).__name__
         )
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -176,7 +202,7 @@ class Trainer:
     def resume(self) -> CheckpointLocation | None:
         """Loads the newest usable checkpoint (verified, else the next older) if resume is on."""
         checkpointer = self._p.checkpointer
-        options = self._p.config.checkpoint.resume_options
+        options = self._p.plan.resume
         if checkpointer is None or options is None:
             return None
         resumed = load_newest_usable(
@@ -205,17 +231,14 @@ class Trainer:
         p = self._p
         self.resume()
         bar = ProgressBar(
-            total=p.total_steps,
+            total=p.plan.total_steps,
             initial=self._step,
-            enabled=p.config.logging.progress_bar and p.dist_context.is_main_process,
+            enabled=p.plan.progress_bar and p.dist_context.is_main_process,
         )
-        timeouts = p.config.timeouts
         first = True
         try:
-            while self._step < p.total_steps:
-                self._watchdog.arm(
-                    self._step, timeouts.first_step_seconds if first else timeouts.step_seconds
-                )
+            while self._step < p.plan.total_steps:
+                self._watchdog.arm(self._step, p.plan.first_step_seconds if first else p.plan.step_seconds)
                 try:
                     metrics = self._train_step()
                 except NonFiniteError:
@@ -231,7 +254,7 @@ class Trainer:
                     self._rollback()  # before anything of the non-finite state is saved
                     continue
                 bar.update(metrics)
-                self._maybe_checkpoint(final=self._step == p.total_steps)
+                self._maybe_checkpoint(final=self._step == p.plan.total_steps)
             if p.checkpointer is not None:
                 p.checkpointer.finalize(self._on_checkpoint_visible)
             p.events.publish(TrainingFinished(steps=self._step))
@@ -244,7 +267,7 @@ class Trainer:
         p = self._p
         if p.checkpointer is None:
             return
-        if final or self._step % p.config.checkpoint.every_steps == 0:
+        if final or self._step % p.plan.checkpoint_every_steps == 0:
             p.checkpointer.save(
                 self._step, self._checkpoint_state(), self._on_checkpoint_visible, layout=self._layout()
             )
@@ -280,7 +303,7 @@ class Trainer:
             inputs=built_input,
             states=built_state,
             shared=built_shared,
-            num_microbatches=p.microbatches_per_step,
+            num_microbatches=p.plan.batch.microbatches_per_step,
             step=step,
         )
         # Only ranks that compute the loss count tokens, once per data-parallel replica.
@@ -307,7 +330,7 @@ class Trainer:
         loss = weighted_loss / weight
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
 
-        p.gradients.finish(global_weight=weight, microbatches_per_rank=p.microbatches_per_step)
+        p.gradients.finish(global_weight=weight, microbatches_per_rank=p.plan.batch.microbatches_per_step)
         p.provider.finalize_gradients(
             FinalizeGradientsContext(
                 dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages]
@@ -336,7 +359,7 @@ class Trainer:
             "loss": loss,
             "lr": learning_rate,
             "grad_norm": grad_norm,
-            "samples_per_s": p.config.global_batch_size / elapsed,
+            "samples_per_s": p.plan.batch.global_batch_size / elapsed,
         }
         if verdict is StepVerdict.SKIP:
             metrics["skipped"] = 1.0
@@ -345,7 +368,7 @@ class Trainer:
         for name, value in zip(metric_names, reduced[4:], strict=True):
             metrics[name] = value / microbatches
         if p.dist_context.is_main_process and (
-            step % p.config.logging.every_steps == 0 or self._step == p.total_steps
+            step % p.plan.log_every_steps == 0 or self._step == p.plan.total_steps
         ):
             p.tracker.log(step, metrics)
         p.events.publish(StepFinished(step=step, metrics=metrics))
@@ -364,9 +387,7 @@ class Trainer:
         Returns:
             The target directory.
         """
-        return ModelExporter(
-            provider=self._p.provider, stages=self._p.stages, dist_context=self._p.dist_context
-        ).export(path, overwrite=overwrite)
+        return self._p.exporter.export(path, overwrite=overwrite)
 
     def close(self) -> None:
         """Releases the trainer (idempotent): gradient hooks, and the distributed context if it owns it.
