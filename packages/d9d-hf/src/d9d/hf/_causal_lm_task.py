@@ -117,9 +117,10 @@ class CausalLMTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, Causal
 
     def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, CausalLMState]) -> ComputeLossResult:
         """The mean loss over this microbatch's target tokens, weighted by their count."""
-        count = int((ctx.state.targets != IGNORE_INDEX).sum())
-        loss = ctx.pipeline_results.sum() / max(count, 1)
-        return ComputeLossResult(loss=loss, loss_weight=float(count))
+        # The count stays on the device (no host sync per microbatch); the loop reads it back once.
+        count = (ctx.state.targets != IGNORE_INDEX).sum()
+        loss = ctx.pipeline_results.sum() / count.clamp(min=1)
+        return ComputeLossResult(loss=loss, loss_weight=count)
 
 
 def causal_lm_task(context: TaskProviderContext) -> CausalLMTask:

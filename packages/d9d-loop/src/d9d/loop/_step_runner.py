@@ -19,16 +19,18 @@ class MicrobatchTotals:
     """Sums over this rank's microbatches of a step."""
 
     losses: list[torch.Tensor] = field(default_factory=list[torch.Tensor])  # detached, on the device
-    loss_weights: list[float] = field(default_factory=list[float])
-    weight: float = 0.0
+    # Weights stay device tensors when the task gives tensors (token counts): no host sync per
+    # microbatch; the trainer reads their sum back once, with the loss.
+    loss_weights: list[torch.Tensor | float] = field(default_factory=list[torch.Tensor | float])
+    weight: torch.Tensor | float = 0.0
     metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     microbatches: int = 0
 
-    def add(self, loss: torch.Tensor, weight: float) -> None:
+    def add(self, loss: torch.Tensor, weight: torch.Tensor | float) -> None:
         """Records one microbatch's loss without waiting for it (no host sync)."""
         self.losses.append(loss.detach())
         self.loss_weights.append(weight)
-        self.weight += weight
+        self.weight = self.weight + weight
         self.microbatches += 1
 
     def weighted_loss(self, device: torch.device) -> torch.Tensor | float:
@@ -36,8 +38,10 @@ class MicrobatchTotals:
         if not self.losses:
             return 0.0
         if device.type == "cpu":
-            return sum(float(loss) * w for loss, w in zip(self.losses, self.loss_weights, strict=True))
-        weights = torch.tensor(self.loss_weights, dtype=torch.float32, device=device)
+            return sum(float(loss) * float(w) for loss, w in zip(self.losses, self.loss_weights, strict=True))
+        weights = torch.stack(
+            [torch.as_tensor(w, dtype=torch.float32, device=device).reshape(()) for w in self.loss_weights]
+        )
         return (torch.stack(self.losses).float().reshape(-1) * weights).sum()
 
 
@@ -60,12 +64,12 @@ class StepRunner(Protocol):
         ...
 
 
-def loss_weight_of(value: torch.Tensor | float | None) -> float:
-    """A microbatch's loss weight as a float (1 when the task gives none)."""
+def loss_weight_of(value: torch.Tensor | float | None) -> torch.Tensor | float:
+    """A microbatch's loss weight (1 when the task gives none); a tensor stays on its device."""
     if value is None:
         return 1.0
     if isinstance(value, torch.Tensor):
-        return float(value.detach().item())
+        return value.detach().float().reshape(())
     return float(value)
 
 
