@@ -91,6 +91,7 @@ from d9d.loop._task import (
     TrainTask,
 )
 from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
+from d9d.loop._sleep import SleepFinished, SleepStarted, TensorOffloader, WakeFinished, WakeStarted
 from d9d.loop._trainer import StepFailedError, Trainer
 
 __all__ = [
@@ -168,6 +169,8 @@ __all__ = [
     "SGDConfig",
     "ShardedBatchSource",
     "SkipNonFinite",
+    "SleepFinished",
+    "SleepStarted",
     "StepFailedError",
     "StepFinished",
     "StepStarted",
@@ -175,6 +178,7 @@ __all__ = [
     "StopOnNonFinite",
     "TaskProvider",
     "TaskProviderContext",
+    "TensorOffloader",
     "TimeoutConfig",
     "Tracker",
     "TrackerConfig",
@@ -183,6 +187,8 @@ __all__ = [
     "TrainerConfig",
     "TrainingConfigurator",
     "TrainingFinished",
+    "WakeFinished",
+    "WakeStarted",
     "WarmupConfig",
     "check_batch_layout",
 ]

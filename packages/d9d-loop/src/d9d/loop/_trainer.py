@@ -37,6 +37,7 @@ from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource
+from d9d.loop._sleep import TrainerSleeper, training_state_tensors
 from d9d.loop._step_runner import StepRunner
 from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
@@ -124,6 +125,11 @@ class Trainer:
         self._guard = parts.nonfinite_guard
         self._rollback_due = False
         self._closed = False
+        self._sleeper = TrainerSleeper(
+            device=parts.dist_context.device,
+            tensors=lambda: training_state_tensors(self.model_stages, parts.optimizer),
+            publish=parts.events.publish,
+        )
         # A trainer that owns its context releases it at interpreter exit if never closed, so
         # ``export()`` after ``train()`` still works in scripts that never call ``close()``.
         if parts.owns_context:
@@ -164,6 +170,28 @@ class Trainer:
     def total_steps(self) -> int:
         """Optimizer steps of the whole run."""
         return self._p.plan.total_steps
+
+    @property
+    def is_asleep(self) -> bool:
+        """Whether ``sleep()`` moved the training state to the host."""
+        return self._sleeper.is_asleep
+
+    def sleep(self) -> None:
+        """Between steps: moves parameters, gradients, buffers and optimizer state to host memory.
+
+        Pinned host memory on CUDA, and the allocator's cache is emptied, so a colocated rollout
+        engine can use the accelerator. Fires ``SleepStarted`` / ``SleepFinished``. Every tensor
+        object stays valid (only its storage moves); the next step, or ``wake()``, brings the
+        state back bit-exact. No-op when asleep.
+        """
+        self._sleeper.sleep(self._step)
+
+    def wake(self) -> None:
+        """Brings the state ``sleep()`` moved back to the device, bit-exact; no-op when awake.
+
+        Fires ``WakeStarted`` / ``WakeFinished``.
+        """
+        self._sleeper.wake(self._step)
 
     def _checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
         p = self._p
@@ -293,6 +321,7 @@ class Trainer:
         step = self._step
         started = time.perf_counter()
         p.events.publish(StepStarted(step=step))
+        self._sleeper.wake(step)  # a sleeping trainer wakes for its next step
         batch = _to_device(p.batches.next_batch(), p.dist_context.device)
         built = p.task.build_forward_inputs(BuildForwardInputsContext(batch=batch, step=step))
         built_input = _to_device(built.input, p.dist_context.device)
