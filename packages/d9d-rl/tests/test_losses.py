@@ -109,7 +109,7 @@ def test_grpo_loss_and_gradient_equal_the_reference(
 
 def test_grpo_needs_a_reference_for_kl() -> None:
     lp, old, _, adv, mask = _inputs()
-    with pytest.raises(ValueError, match="kl_coefficient=0.1 needs ref_log_probs"):
+    with pytest.raises(ValueError, match=r"kl_coefficient=0\.1 needs ref_log_probs"):
         grpo_loss(
             log_probs=lp,
             old_log_probs=old,
@@ -124,7 +124,9 @@ def test_on_policy_grpo_gradient_is_the_reinforce_gradient() -> None:
     lp, _, _, adv, mask = _inputs()
     a = lp.clone().requires_grad_(True)
     b = lp.clone().requires_grad_(True)
-    grpo_loss(log_probs=a, old_log_probs=lp, advantages=adv, mask=mask, config=GRPOLossConfig()).loss.backward()
+    grpo_loss(
+        log_probs=a, old_log_probs=lp, advantages=adv, mask=mask, config=GRPOLossConfig()
+    ).loss.backward()
     reinforce_loss(log_probs=b, advantages=adv, mask=mask).loss.backward()
     assert a.grad is not None and b.grad is not None
     torch.testing.assert_close(a.grad, b.grad)
@@ -146,6 +148,8 @@ def test_group_advantages_normalize_within_each_group() -> None:
     std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()
     torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-4))
     torch.testing.assert_close(adv[4:], torch.zeros(4))  # equal rewards: no signal
-    torch.testing.assert_close(group_advantages(rewards, 4, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(
+        group_advantages(rewards, 4, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5])
+    )
     with pytest.raises(ValueError, match="group_size=3"):
         group_advantages(rewards, 3)

@@ -1,5 +1,7 @@
 """d9d-rl: colocated reinforcement learning on d9d: losses, rollout engines, weight streaming."""
 
+from d9d.rl._embedded_engine import EmbeddedRolloutEngine
+from d9d.rl._kv_cache import KVCache, forward_with_cache
 from d9d.rl._losses import (
     Averaging,
     GRPOLossConfig,
@@ -8,12 +10,24 @@ from d9d.rl._losses import (
     grpo_loss,
     reinforce_loss,
 )
+from d9d.rl._rollout_engine import Completion, FinishReason, RolloutEngine, SamplingParams, WeightReceiver
+from d9d.rl._sampling import filter_logits, sample_next
 
 __all__ = [
     "Averaging",
+    "Completion",
+    "EmbeddedRolloutEngine",
+    "FinishReason",
     "GRPOLossConfig",
+    "KVCache",
     "PolicyLossResult",
+    "RolloutEngine",
+    "SamplingParams",
+    "WeightReceiver",
+    "filter_logits",
+    "forward_with_cache",
     "group_advantages",
     "grpo_loss",
     "reinforce_loss",
+    "sample_next",
 ]
