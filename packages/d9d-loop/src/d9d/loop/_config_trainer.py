@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from d9d.loop._config_observability import GarbageCollectionConfig, ProfilingConfig
+from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from d9d.pipeline import OneFOneBScheduleConfig, PipelineScheduleConfig
 
 
@@ -84,7 +86,10 @@ class JsonlTrackerConfig(_Strict):
     path: NonEmptyPath
 
 
-TrackerConfig = Annotated[NoTrackerConfig | JsonlTrackerConfig, Field(discriminator="name")]
+TrackerConfig = Annotated[
+    NoTrackerConfig | JsonlTrackerConfig | TensorBoardTrackerConfig | WandbTrackerConfig | AimTrackerConfig,
+    Field(discriminator="name"),
+]
 
 
 class LoggingConfig(_Strict):
@@ -94,11 +99,24 @@ class LoggingConfig(_Strict):
         progress_bar: Show a progress bar on the main rank (quiet when not a terminal unless forced).
         every_steps: Report metrics every this many steps.
         tracker: Where metrics go besides the progress bar.
+        trackers: More trackers, written to side by side with ``tracker``.
+        throughput_window: Throughput is smoothed over this many steps.
+        peak_flops_per_device: The peak FLOP/s MFU divides by (None: known GPUs' dense bf16
+            peak; no MFU on other devices).
     """
 
     progress_bar: bool = True
     every_steps: int = Field(default=1, ge=1)
     tracker: TrackerConfig = NoTrackerConfig()
+    trackers: list[TrackerConfig] = Field(default_factory=list[TrackerConfig])
+    throughput_window: int = Field(default=50, ge=1)
+    peak_flops_per_device: float | None = Field(default=None, gt=0)
+
+    @property
+    def chosen_trackers(self) -> list[TrackerConfig]:
+        """``tracker`` (unless ``none``) followed by ``trackers``."""
+        chosen = [self.tracker, *self.trackers]
+        return [t for t in chosen if not isinstance(t, NoTrackerConfig)]
 
 
 class TimeoutConfig(_Strict):
@@ -184,6 +202,8 @@ class TrainerConfig(_Strict):
         nonfinite: What a non-finite loss or gradient norm does (``stop`` by default).
         pipeline: The pipeline schedule (used when ``mesh.pipeline_parallel > 1``); the schedule's
             microbatches are this rank's ``global_batch_size / (data_parallel * microbatch_size)``.
+        profiling: A ``torch.profiler`` window (None: off).
+        garbage_collection: Collect at fixed steps with automatic GC off (None: Python's default).
     """
 
     max_steps: int | None = Field(default=None, ge=1)
@@ -200,6 +220,8 @@ class TrainerConfig(_Strict):
     nonfinite: NonFiniteConfig = StopOnNonFinite()
     device: Literal["auto", "cpu", "cuda"] = "auto"
     pipeline: PipelineScheduleConfig = Field(default_factory=OneFOneBScheduleConfig)
+    profiling: ProfilingConfig | None = None
+    garbage_collection: GarbageCollectionConfig | None = None
 
     @model_validator(mode="after")
     def _one_run_length(self) -> TrainerConfig:

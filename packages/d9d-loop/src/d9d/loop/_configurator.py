@@ -31,9 +31,12 @@ from d9d.loop._providers import (
     OptimizerProvider,
     OptimizerProviderContext,
 )
+from d9d.loop._run_instruments import build_run_instruments
+from d9d.loop._run_metadata import run_metadata
 from d9d.loop._step_runner import SequentialStepRunner, StepRunner
 from d9d.loop._task import TaskFactory, TaskProvider, TaskProviderContext, TrainTask
-from d9d.loop._trackers import NoTracker, Tracker, build_tracker
+from d9d.loop._tracker_group import build_trackers
+from d9d.loop._trackers import NoTracker, Tracker
 from d9d.loop._trainer import RunPlan, Trainer, TrainerParts
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.pipeline import PipelineExecutor, PipelineProgram, PipelineScheduleBuilder, PipelineStageInfo
@@ -163,6 +166,9 @@ class TrainingConfigurator:
                     provider=self._model_provider, stages=stages, dist_context=dist_context
                 ),
                 tracker=self._build_tracker(dist_context),
+                instruments=build_run_instruments(
+                    config, dist_context=dist_context, provider=self._model_provider, stages=stages
+                ),
                 events=self._events,
                 nonfinite_guard=NonFiniteGuard(config.nonfinite, dist_context.logger),
                 loss_group=dist_context.world_group(),
@@ -286,7 +292,8 @@ class TrainingConfigurator:
             return self._tracker
         if not dist_context.is_main_process:
             return NoTracker()  # only the main process writes
-        return build_tracker(self._config.logging.tracker)
+        metadata = run_metadata(trainer=self._config, mesh=self._mesh)
+        return build_trackers(self._config.logging.chosen_trackers, metadata=metadata)
 
 
 def _task_of(

@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 
 from torch import nn
 
+from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.mesh import DistributedContext
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import StateMapper
@@ -142,6 +143,14 @@ class ModelProvider(ABC, Generic[ModelT]):
         """
         del context
         return LoadModelStageResult(loaded=False)
+
+    def estimate_flops(self, context: EstimateFlopsContext[ModelT]) -> EstimateFlopsResult:
+        """States the model's training FLOPs per token, for the MFU metric; unknown by default.
+
+        Called once, after the stages are built and parallelized.
+        """
+        del context
+        return EstimateFlopsResult()
 
     def finalize_gradients(self, context: FinalizeGradientsContext[ModelT]) -> None:
         """Runs once per step after data-parallel gradient sync and before clipping.

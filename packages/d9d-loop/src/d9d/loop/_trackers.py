@@ -7,7 +7,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from d9d.loop._config_trainer import JsonlTrackerConfig, NoTrackerConfig, TrackerConfig
+from d9d.loop._trackers_aim import AimTracker
+from d9d.loop._trackers_tensorboard import TensorBoardTracker
+from d9d.loop._trackers_wandb import WandbTracker
 
 
 class Tracker(Protocol):
@@ -87,10 +91,21 @@ class JsonlTracker:
         pass
 
 
-def build_tracker(config: TrackerConfig) -> Tracker:
-    """Builds the tracker a config names."""
+def build_tracker(config: TrackerConfig, *, metadata: Mapping[str, Any] | None = None) -> Tracker:
+    """Builds the tracker a config names; ``metadata`` (config, versions, ...) goes to those that keep it.
+
+    Raises:
+        MissingExtraError: If the tracker's optional extra is not installed.
+    """
+    metadata = metadata or {}
     match config:
         case NoTrackerConfig():
             return NoTracker()
         case JsonlTrackerConfig():
             return JsonlTracker(config.path)
+        case TensorBoardTrackerConfig():
+            return TensorBoardTracker(config, metadata=metadata)
+        case WandbTrackerConfig():
+            return WandbTracker(config, metadata=metadata)
+        case AimTrackerConfig():
+            return AimTracker(config, metadata=metadata)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,7 +36,9 @@ from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource
+from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
+from d9d.loop._step_metrics import StepWork
 from d9d.loop._step_runner import StepRunner
 from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
@@ -106,6 +107,7 @@ class TrainerParts:
     loss_group: ProcessGroup | None
     loss_replication: int
     owns_context: bool = False
+    instruments: RunInstruments = field(default_factory=RunInstruments)
 
 
 class Trainer:
@@ -251,6 +253,7 @@ class Trainer:
             )
         if self._p.dist_context.is_main_process:
             self._p.tracker.on_resume(self._step)
+        self._p.instruments.resumed()
         self._p.dist_context.logger.info("resumed from %s at step %d", location.path, self._step)
         return location
 
@@ -290,6 +293,7 @@ class Trainer:
             self._watchdog.disarm()
             bar.close()
             p.tracker.close()
+            p.instruments.close()
 
     def _maybe_checkpoint(self, *, final: bool) -> None:
         p = self._p
@@ -319,7 +323,7 @@ class Trainer:
     def _train_step(self) -> dict[str, float]:
         p = self._p
         step = self._step
-        started = time.perf_counter()
+        p.instruments.step_started(step)
         p.events.publish(StepStarted(step=step))
         self._sleeper.wake(step)  # a sleeping trainer wakes for its next step
         batch = _to_device(p.batches.next_batch(), p.dist_context.device)
@@ -327,6 +331,7 @@ class Trainer:
         built_input = _to_device(built.input, p.dist_context.device)
         built_state = _to_device(built.state, p.dist_context.device)
         built_shared = _to_device(built.shared, p.dist_context.device)
+        p.instruments.lap("data")
         p.events.publish(ForwardBackwardStarted(step=step))
         totals = p.step_runner.run(
             inputs=built_input,
@@ -358,6 +363,7 @@ class Trainer:
             )
         loss = weighted_loss / weight
         p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
+        p.instruments.lap("forward_backward")
 
         p.gradients.finish(global_weight=weight, microbatches_per_rank=p.plan.batch.microbatches_per_step)
         p.provider.finalize_gradients(
@@ -381,19 +387,16 @@ class Trainer:
             verdict = self._guard.check(step=step, loss=loss, grad_norm=grad_norm)
         self._rollback_due = verdict is StepVerdict.ROLLBACK
         p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate, grad_norm=grad_norm))
+        p.instruments.lap("optimizer")
 
         self._step += 1
-        elapsed = time.perf_counter() - started
-        metrics: dict[str, float] = {
-            "loss": loss,
-            "lr": learning_rate,
-            "grad_norm": grad_norm,
-            "samples_per_s": p.plan.batch.global_batch_size / elapsed,
-        }
+        figures = p.instruments.step_finished(
+            step, StepWork(samples=p.plan.batch.global_batch_size, tokens=tokens)
+        )
+        metrics: dict[str, float] = {"loss": loss, "lr": learning_rate, "grad_norm": grad_norm}
         if verdict is StepVerdict.SKIP:
             metrics["skipped"] = 1.0
-        if tokens > 0:
-            metrics["tokens_per_s"] = tokens / elapsed
+        metrics |= figures  # throughput (smoothed), step-time split, MFU, memory
         for name, value in zip(metric_names, reduced[4:], strict=True):
             metrics[name] = value / microbatches
         if p.dist_context.is_main_process and (
