@@ -12,8 +12,10 @@ from d9d.rl._losses import (
 )
 from d9d.rl._rollout_engine import Completion, FinishReason, RolloutEngine, SamplingParams, WeightReceiver
 from d9d.rl._sampling import filter_logits, sample_next
+from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, StreamReport, stream_weights
 
 __all__ = [
+    "DEFAULT_BATCH_BYTES",
     "Averaging",
     "Completion",
     "EmbeddedRolloutEngine",
@@ -23,6 +25,7 @@ __all__ = [
     "PolicyLossResult",
     "RolloutEngine",
     "SamplingParams",
+    "StreamReport",
     "WeightReceiver",
     "filter_logits",
     "forward_with_cache",
@@ -30,4 +33,5 @@ __all__ = [
     "grpo_loss",
     "reinforce_loss",
     "sample_next",
+    "stream_weights",
 ]
