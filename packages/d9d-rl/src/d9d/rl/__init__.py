@@ -1,6 +1,8 @@
 """d9d-rl: colocated reinforcement learning on d9d: losses, rollout engines, weight streaming."""
 
+from d9d.rl._colocated_rollouts import ColocatedRollouts, PromptSource, RewardFunction, RolloutRecord
 from d9d.rl._embedded_engine import EmbeddedRolloutEngine
+from d9d.rl._grpo_task import GRPOState, GRPOTask, RolloutBatch
 from d9d.rl._kv_cache import KVCache, forward_with_cache
 from d9d.rl._losses import (
     Averaging,
@@ -17,13 +19,20 @@ from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, StreamReport, stream_w
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Averaging",
+    "ColocatedRollouts",
     "Completion",
     "EmbeddedRolloutEngine",
     "FinishReason",
     "GRPOLossConfig",
+    "GRPOState",
+    "GRPOTask",
     "KVCache",
     "PolicyLossResult",
+    "PromptSource",
+    "RewardFunction",
+    "RolloutBatch",
     "RolloutEngine",
+    "RolloutRecord",
     "SamplingParams",
     "StreamReport",
     "WeightReceiver",

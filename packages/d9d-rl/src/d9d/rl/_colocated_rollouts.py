@@ -1,0 +1,151 @@
+"""The colocated RL loop as a d9d-loop batch source: each step's batch is a fresh, scored rollout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from d9d.loop import DataProviderContext, Trainer
+from d9d.rl._grpo_task import RolloutBatch
+from d9d.rl._losses import group_advantages
+from d9d.rl._rollout_engine import RolloutEngine, SamplingParams
+from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, stream_weights
+from d9d.state_mappers import StateMapper
+
+
+class RewardFunction(Protocol):
+    """Scores one completion of one prompt (token ids); a plain function fits."""
+
+    def __call__(self, *, prompt: Sequence[int], completion: Sequence[int]) -> float:
+        """The reward: higher is better."""
+        ...
+
+
+class PromptSource(Protocol):
+    """Prompts for a step; a function of the step (and rank), so a resumed run gets the same ones."""
+
+    def __call__(self, *, step: int, dp_rank: int, count: int) -> list[list[int]]:
+        """``count`` prompts (token ids) for this rank at ``step``."""
+        ...
+
+
+@dataclass(kw_only=True, frozen=True)
+class RolloutRecord:
+    """What one iteration produced (for logging and tests).
+
+    Attributes:
+        step: The optimizer step the rollout feeds.
+        mean_reward: Mean reward over this rank's completions.
+        mean_length: Mean completion length in tokens.
+    """
+
+    step: int
+    mean_reward: float
+    mean_length: float
+
+
+@dataclass(kw_only=True)
+class ColocatedRollouts:
+    """A ``DataProvider`` and ``BatchSource`` whose batches come from a colocated rollout engine.
+
+    One iteration, inside ``next_batch`` (the trainer awake, after the previous optimizer step):
+    the engine wakes -> the trainer's weights stream to it -> the trainer sleeps -> the engine
+    generates ``prompts_per_step * sampling.samples_per_prompt`` completions -> the engine sleeps
+    -> the rewards are scored, group-normalized into advantages -> the trainer wakes and trains
+    on the batch (GRPO steps) -> the next iteration streams the new weights.
+
+    ``attach(trainer)`` after ``TrainingConfigurator.configure()``: the batch source is built
+    before the trainer exists. Supports one pipeline stage per rank (the whole model, under any
+    data/tensor parallelism): every rank streams and generates with its own engine.
+
+    State: the number of rollouts produced (``state_dict``); prompts are a function of the step,
+    and weights are streamed again after a resume.
+
+    Attributes:
+        engine: The rollout engine of this rank.
+        prompts: The prompt source.
+        reward: The reward function.
+        sampling: How to sample (``samples_per_prompt`` is the group size).
+        prompts_per_step: Prompts per rank per step.
+        pad_token_id: Fills padding in the training batch.
+        mapper: Maps the trainer's state names to the engine's (None: identity).
+        batch_bytes: Weight-streaming batch size.
+        history: One record per rollout (this rank's view).
+    """
+
+    engine: RolloutEngine
+    prompts: PromptSource
+    reward: RewardFunction
+    sampling: SamplingParams
+    prompts_per_step: int
+    pad_token_id: int = 0
+    mapper: StateMapper | None = None
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    history: list[RolloutRecord] = field(default_factory=list[RolloutRecord])
+    _trainer: Trainer | None = None
+    _dp_rank: int = 0
+    _produced: int = 0
+
+    def build(self, context: DataProviderContext) -> ColocatedRollouts:
+        """The ``DataProvider`` side: checks the batch size and returns this source."""
+        expected = self.prompts_per_step * self.sampling.samples_per_prompt
+        if context.local_batch_size != expected:
+            raise ValueError(
+                f"each rank's batch is {context.local_batch_size} samples (global_batch_size / dp), but "
+                f"prompts_per_step={self.prompts_per_step} x samples_per_prompt="
+                f"{self.sampling.samples_per_prompt} = {expected}"
+            )
+        self._dp_rank = context.dp_rank
+        return self
+
+    def attach(self, trainer: Trainer) -> None:
+        """Binds the trainer whose weights stream to the engine and which sleeps during rollouts."""
+        if len(trainer.model_stages) != 1:
+            raise ValueError(
+                f"colocated rollouts need one model stage per rank, got {len(trainer.model_stages)}"
+            )
+        self._trainer = trainer
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Rollouts never run out; runs are sized by ``trainer.max_steps``."""
+        return 2**31
+
+    def state_dict(self) -> dict[str, Any]:
+        """The number of rollouts produced."""
+        return {"produced": self._produced}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues after ``state["produced"]`` rollouts."""
+        self._produced = int(state["produced"])
+
+    def next_batch(self) -> RolloutBatch:
+        """Runs one rollout iteration (see the class docstring) and returns the scored batch."""
+        trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("call ColocatedRollouts.attach(trainer) after configure() and before train()")
+        step = self._produced
+        prompts = self.prompts(step=step, dp_rank=self._dp_rank, count=self.prompts_per_step)
+        self.engine.wake()
+        stream_weights(trainer.model_stages[0], self.engine, mapper=self.mapper, batch_bytes=self.batch_bytes)
+        trainer.sleep()
+        completions = self.engine.generate(prompts, self.sampling)
+        self.engine.sleep()
+        trainer.wake()
+        rewards = torch.tensor(
+            [self.reward(prompt=prompts[c.prompt_index], completion=c.token_ids) for c in completions],
+            dtype=torch.float32,
+        )
+        advantages = group_advantages(rewards, self.sampling.samples_per_prompt)
+        self.history.append(
+            RolloutRecord(
+                step=step,
+                mean_reward=float(rewards.mean()),
+                mean_length=sum(len(c.token_ids) for c in completions) / max(len(completions), 1),
+            )
+        )
+        self._produced += 1
+        return RolloutBatch.from_completions(prompts, completions, advantages, pad_token_id=self.pad_token_id)
