@@ -5,10 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from d9d.loop.metrics import Metric
 from d9d.mesh import DistributedContext
 
 BatchT = TypeVar("BatchT")
@@ -89,6 +90,42 @@ class ComputeLossResult:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CreateMetricsContext:
+    """Input of ``TrainTask.create_metrics``.
+
+    Attributes:
+        purpose: ``train`` (reported at every logged step, over the steps since the last one) or
+            ``evaluation`` (over one pass of the held-out data); each purpose gets its own objects.
+    """
+
+    purpose: Literal["train", "evaluation"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class CreateMetricsResult:
+    """The task's metrics by name (``auroc`` is reported as ``auroc``, or ``eval/auroc``)."""
+
+    metrics: Mapping[str, Metric] = field(default_factory=dict[str, Metric])
+
+
+@dataclass(kw_only=True, frozen=True)
+class UpdateMetricsContext(Generic[OutputT, StateT]):
+    """Input of ``TrainTask.update_metrics``: one microbatch's outputs (no autograd) and state.
+
+    Attributes:
+        pipeline_results: The (last stage of the) model's output for this microbatch.
+        state: This microbatch's share of ``BuildForwardInputsResult.state``.
+        metrics: The metrics ``create_metrics`` returned for this purpose.
+        purpose: ``train`` or ``evaluation``.
+    """
+
+    pipeline_results: OutputT
+    state: StateT
+    metrics: Mapping[str, Metric]
+    purpose: Literal["train", "evaluation"]
+
+
+@dataclass(kw_only=True, frozen=True)
 class TaskProviderContext:
     """Input of the task provider."""
 
@@ -113,6 +150,15 @@ class TrainTask(ABC, Generic[BatchT, InputT, SharedT, OutputT, StateT]):
     @abstractmethod
     def compute_loss(self, ctx: ComputeLossContext[OutputT, StateT]) -> ComputeLossResult:
         """Computes one microbatch's loss (on the last pipeline stage)."""
+
+    def create_metrics(self, ctx: CreateMetricsContext) -> CreateMetricsResult:
+        """The metrics to report (none by default); called once per purpose."""
+        del ctx
+        return CreateMetricsResult()
+
+    def update_metrics(self, ctx: UpdateMetricsContext[OutputT, StateT]) -> None:
+        """Adds one microbatch to ``ctx.metrics`` (on the last pipeline stage, without autograd)."""
+        del ctx
 
     def state_dict(self) -> dict[str, Any]:
         """State saved in checkpoints (none by default)."""
