@@ -43,7 +43,9 @@ from d9d.loop._config_trainer import (
     TrainerConfig,
 )
 from d9d.loop._configurator import TrainingConfigurator
+from d9d.loop._config_evaluation import BestEvaluationConfig, EvaluationConfig
 from d9d.loop._directory_checks import DirectoryCheckError
+from d9d.loop._evaluation_data import EvaluationData
 from d9d.loop._events import (
     CheckpointSaved,
     ConfigReady,
@@ -85,10 +87,13 @@ from d9d.loop._task import (
     BuildForwardInputsResult,
     ComputeLossContext,
     ComputeLossResult,
+    CreateMetricsContext,
+    CreateMetricsResult,
     TaskFactory,
     TaskProvider,
     TaskProviderContext,
     TrainTask,
+    UpdateMetricsContext,
 )
 from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
 from d9d.loop._sleep import SleepFinished, SleepStarted, TensorOffloader, WakeFinished, WakeStarted
@@ -116,6 +121,12 @@ __all__ = [
     "Checkpointer",
     "ComputeLossContext",
     "ComputeLossResult",
+    "CreateMetricsContext",
+    "CreateMetricsResult",
+    "EvaluationConfig",
+    "EvaluationData",
+    "BestEvaluationConfig",
+    "UpdateMetricsContext",
     "ConfigFileError",
     "ConfigReady",
     "ConstantLRSchedulerConfig",

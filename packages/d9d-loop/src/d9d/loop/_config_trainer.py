@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from d9d.loop._config_evaluation import EvaluationConfig
 from d9d.loop._config_observability import GarbageCollectionConfig, ProfilingConfig
 from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from d9d.pipeline import OneFOneBScheduleConfig, PipelineScheduleConfig
@@ -204,6 +205,7 @@ class TrainerConfig(_Strict):
             microbatches are this rank's ``global_batch_size / (data_parallel * microbatch_size)``.
         profiling: A ``torch.profiler`` window (None: off).
         garbage_collection: Collect at fixed steps with automatic GC off (None: Python's default).
+        evaluation: Evaluate on held-out data during training (None: never).
     """
 
     max_steps: int | None = Field(default=None, ge=1)
@@ -222,6 +224,7 @@ class TrainerConfig(_Strict):
     pipeline: PipelineScheduleConfig = Field(default_factory=OneFOneBScheduleConfig)
     profiling: ProfilingConfig | None = None
     garbage_collection: GarbageCollectionConfig | None = None
+    evaluation: EvaluationConfig | None = None
 
     @model_validator(mode="after")
     def _one_run_length(self) -> TrainerConfig:

@@ -15,6 +15,8 @@ from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._checkpointer import Checkpointer
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._directory_checks import estimate_checkpoint_bytes
+from d9d.loop._evaluation_data import EvaluationData
+from d9d.loop._evaluation_wiring import wire_metrics
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager
@@ -67,6 +69,7 @@ class TrainingConfigurator:
         dist_context: A distributed context the caller created and keeps owning.
         pipeline_schedule: Overrides ``parameters.pipeline``: any ``PipelineScheduleBuilder``
             (a user's own schedule) or a ready ``PipelineProgram``.
+        evaluation_data: The held-out data of ``parameters.evaluation``.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class TrainingConfigurator:
         tracker: Tracker | None = None,
         dist_context: DistributedContext | None = None,
         pipeline_schedule: PipelineScheduleBuilder | PipelineProgram | None = None,
+        evaluation_data: EvaluationData[Any, Any] | None = None,
     ) -> None:
         if (mesh is None) == (dist_context is None):
             raise ValueError("TrainingConfigurator needs exactly one of mesh= and dist_context=")
@@ -102,6 +106,9 @@ class TrainingConfigurator:
         self._events = events or EventBus()
         self._tracker = tracker
         self._schedule: PipelineScheduleBuilder | PipelineProgram = pipeline_schedule or parameters.pipeline
+        if parameters.evaluation is not None and evaluation_data is None:
+            raise ValueError("trainer.evaluation is set but TrainingConfigurator got no evaluation_data=")
+        self._evaluation_data = evaluation_data
 
     def configure(self) -> Trainer:
         """Starts (or borrows) the distributed context, builds every component, returns the trainer."""
@@ -140,6 +147,16 @@ class TrainingConfigurator:
         batches = self._build_data(dist_context)
         total_steps = config.max_steps or (config.epochs or 1) * batches.steps_per_epoch
         task = _task_of(self._task_provider, TaskProviderContext(dist_context=dist_context))
+        wired = wire_metrics(
+            task=task,
+            config=config.evaluation,
+            data=self._evaluation_data,
+            dist_context=dist_context,
+            program=program,
+            stages=stages,
+            layout=layout,
+            total_steps=total_steps,
+        )
         optimizer, lr_scheduler = self._build_optimization(dist_context, models, total_steps)
         gradients = GradientManager(
             stages=models,
@@ -160,7 +177,11 @@ class TrainingConfigurator:
                 optimizer=optimizer,
                 lr_scheduler=lr_scheduler,
                 gradients=gradients,
-                step_runner=self._build_step_runner(dist_context, program, stages, task, gradients),
+                step_runner=self._build_step_runner(
+                    dist_context, program, stages, wired.step_task, gradients
+                ),
+                train_metrics=wired.train_metrics,
+                evaluator=wired.evaluator,
                 checkpointer=self._build_checkpointer(dist_context, models, optimizer),
                 exporter=ModelExporter(
                     provider=self._model_provider, stages=stages, dist_context=dist_context

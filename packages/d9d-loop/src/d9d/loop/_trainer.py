@@ -18,6 +18,7 @@ from d9d.loop._checkpoint_manifest import RunLayout
 from d9d.loop._checkpoint_resume import load_newest_usable
 from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
 from d9d.loop._config_trainer import ResumeConfig
+from d9d.loop._evaluation import Evaluator
 from d9d.loop._events import (
     CheckpointSaved,
     EventBus,
@@ -44,6 +45,7 @@ from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
 from d9d.loop._trackers import Tracker
 from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
+from d9d.loop.metrics import MetricSet
 from d9d.mesh import DistributedContext, map_tree
 
 TreeT = TypeVar("TreeT")
@@ -107,6 +109,8 @@ class TrainerParts:
     loss_group: ProcessGroup | None
     loss_replication: int
     owns_context: bool = False
+    train_metrics: MetricSet | None = None  # the task's training metrics (None: it declares none)
+    evaluator: Evaluator | None = None
     instruments: RunInstruments = field(default_factory=RunInstruments)
 
 
@@ -126,6 +130,7 @@ class Trainer:
         self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
         self._guard = parts.nonfinite_guard
         self._rollback_due = False
+        self._evaluation_improved = False
         self._closed = False
         self._sleeper = TrainerSleeper(
             device=parts.dist_context.device,
@@ -285,7 +290,7 @@ class Trainer:
                     self._rollback()  # before anything of the non-finite state is saved
                     continue
                 bar.update(metrics)
-                self._maybe_checkpoint(final=self._step == p.plan.total_steps)
+                self._maybe_checkpoint(final=self._step == p.plan.total_steps or self._evaluation_improved)
             if p.checkpointer is not None:
                 p.checkpointer.finalize(self._on_checkpoint_visible)
             p.events.publish(TrainingFinished(steps=self._step))
@@ -399,9 +404,15 @@ class Trainer:
         metrics |= figures  # throughput (smoothed), step-time split, MFU, memory
         for name, value in zip(metric_names, reduced[4:], strict=True):
             metrics[name] = value / microbatches
-        if p.dist_context.is_main_process and (
-            step % p.plan.log_every_steps == 0 or self._step == p.plan.total_steps
-        ):
+        logged = step % p.plan.log_every_steps == 0 or self._step == p.plan.total_steps
+        if p.train_metrics is not None and logged:  # collective: every rank logs the same steps
+            metrics |= p.train_metrics.compute(p.dist_context.world_group())
+        self._evaluation_improved = False
+        if p.evaluator is not None and p.evaluator.is_due(self._step):
+            evaluation = p.evaluator.evaluate(step=self._step)
+            metrics |= evaluation.metrics
+            self._evaluation_improved, logged = evaluation.improved, True
+        if p.dist_context.is_main_process and logged:
             p.tracker.log(step, metrics)
         p.events.publish(StepFinished(step=step, metrics=metrics))
         return metrics
