@@ -84,7 +84,7 @@ def run(config: GRPOProjectConfig) -> ColocatedRollouts:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="GRPO on single-digit addition with a tiny Qwen3")
     parser.add_argument("config", type=Path)
     parser.add_argument("--steps", type=int, default=None, help="override trainer.max_steps")
     parser.add_argument("--report", type=Path, default=None, help="write the mean reward per step as JSON")

@@ -141,12 +141,15 @@ class EmbeddedRolloutEngine:
         token_matrix = torch.stack(tokens, dim=1).cpu()
         log_prob_matrix = torch.stack(log_probs, dim=1).float().cpu()
         out: list[Completion] = []
-        for index, (count, hit) in enumerate(zip(counts.tolist(), stopped.tolist(), strict=True)):
+        lengths = [int(n) for n in counts.cpu()]
+        hits = [bool(h) for h in stopped.cpu()]
+        for index, (count, hit) in enumerate(zip(lengths, hits, strict=True)):
             reason: FinishReason = "stop" if hit else "length"
+            row = [int(t) for t in token_matrix[index, :count]]
             out.append(
                 Completion(
                     prompt_index=index // group,
-                    token_ids=tuple(int(t) for t in token_matrix[index, :count].tolist()),
+                    token_ids=tuple(row),
                     log_probs=log_prob_matrix[index, :count].clone(),
                     finish_reason=reason,
                 )
