@@ -7,6 +7,7 @@ from d9d.loop._checkpoint_manifest import RunLayout
 from d9d.loop._checkpoint_resume import NoUsableCheckpointError, ResumeIncompatibleError
 from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation, CheckpointWriteError
 from d9d.loop._config_data import DataConfig
+from d9d.loop._config_evaluation import BestEvaluationConfig, EvaluationConfig
 from d9d.loop._config_lr import (
     ConstantLRSchedulerConfig,
     ConstantPhase,
@@ -18,6 +19,7 @@ from d9d.loop._config_lr import (
     PiecewiseLRSchedulerConfig,
     WarmupConfig,
 )
+from d9d.loop._config_observability import GarbageCollectionConfig, ProfilingConfig
 from d9d.loop._config_optimizer import (
     AdamConfig,
     AdamWConfig,
@@ -26,6 +28,7 @@ from d9d.loop._config_optimizer import (
     StochasticAdamWConfig,
 )
 from d9d.loop._config_project import ConfigFileError, ProjectConfig, check_batch_layout
+from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from d9d.loop._config_trainer import (
     CheckpointConfig,
     GradientClippingConfig,
@@ -43,7 +46,6 @@ from d9d.loop._config_trainer import (
     TrainerConfig,
 )
 from d9d.loop._configurator import TrainingConfigurator
-from d9d.loop._config_evaluation import BestEvaluationConfig, EvaluationConfig
 from d9d.loop._directory_checks import DirectoryCheckError
 from d9d.loop._evaluation_data import EvaluationData
 from d9d.loop._events import (
@@ -60,6 +62,7 @@ from d9d.loop._events import (
     TrainingFinished,
 )
 from d9d.loop._exporter import ExportError, ModelExporter
+from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.loop._lr_schedule import AutoLRSchedulerProvider, PiecewiseSchedule
 from d9d.loop._model_provider import (
     FinalizeGradientsContext,
@@ -73,6 +76,7 @@ from d9d.loop._model_provider import (
     PrepareExportModelStageResult,
 )
 from d9d.loop._nonfinite_guard import NonFiniteError
+from d9d.loop._optional_import import MissingExtraError
 from d9d.loop._providers import (
     BatchSource,
     DataProvider,
@@ -82,6 +86,7 @@ from d9d.loop._providers import (
     OptimizerProvider,
     OptimizerProviderContext,
 )
+from d9d.loop._sleep import SleepFinished, SleepStarted, TensorOffloader, WakeFinished, WakeStarted
 from d9d.loop._task import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -95,8 +100,11 @@ from d9d.loop._task import (
     TrainTask,
     UpdateMetricsContext,
 )
+from d9d.loop._tracker_group import TrackerGroup
 from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
-from d9d.loop._sleep import SleepFinished, SleepStarted, TensorOffloader, WakeFinished, WakeStarted
+from d9d.loop._trackers_aim import AimTracker
+from d9d.loop._trackers_tensorboard import TensorBoardTracker
+from d9d.loop._trackers_wandb import WandbTracker
 from d9d.loop._trainer import StepFailedError, Trainer
 
 __all__ = [
@@ -107,6 +115,8 @@ __all__ = [
     "BatchLayout",
     "AdamConfig",
     "AdamWConfig",
+    "AimTracker",
+    "AimTrackerConfig",
     "AutoDataProvider",
     "AutoLRSchedulerProvider",
     "AutoOptimizerProvider",
@@ -136,10 +146,13 @@ __all__ = [
     "DataProvider",
     "DataProviderContext",
     "DirectoryCheckError",
+    "EstimateFlopsContext",
+    "EstimateFlopsResult",
     "EventBus",
     "ExponentialPhase",
     "ForwardBackwardFinished",
     "ForwardBackwardStarted",
+    "GarbageCollectionConfig",
     "GradientClippingConfig",
     "InitializationConfig",
     "InitializeModelStageContext",
@@ -155,6 +168,7 @@ __all__ = [
     "LoadModelStageResult",
     "LoggingConfig",
     "MapDataset",
+    "MissingExtraError",
     "ModelProvider",
     "ModelReady",
     "NoTracker",
@@ -172,6 +186,7 @@ __all__ = [
     "PiecewiseSchedule",
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
+    "ProfilingConfig",
     "ProjectConfig",
     "ResumeConfig",
     "ResumeIncompatibleError",
@@ -189,9 +204,12 @@ __all__ = [
     "StopOnNonFinite",
     "TaskProvider",
     "TaskProviderContext",
+    "TensorBoardTracker",
+    "TensorBoardTrackerConfig",
     "TensorOffloader",
     "TimeoutConfig",
     "Tracker",
+    "TrackerGroup",
     "TrackerConfig",
     "TrainTask",
     "Trainer",
@@ -200,6 +218,8 @@ __all__ = [
     "TrainingFinished",
     "WakeFinished",
     "WakeStarted",
+    "WandbTracker",
+    "WandbTrackerConfig",
     "WarmupConfig",
     "check_batch_layout",
 ]

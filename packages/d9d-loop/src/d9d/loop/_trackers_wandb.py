@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ class WandbTracker:
         self._wandb = import_extra("wandb", extra="wandb", feature="the wandb tracker")
         self._config = config
         self._metadata = dict(metadata)
-        self._run_id: str = str(self._wandb.util.generate_id())
+        self._run_id = secrets.token_hex(6)  # W&B run ids: letters and digits
         self._run: Any = None
 
     @property
