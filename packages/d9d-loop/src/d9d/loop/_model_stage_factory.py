@@ -19,6 +19,7 @@ from d9d.loop._model_provider import (
     ModelT,
     ParallelizeModelStageContext,
 )
+from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters
 from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import load_module_state
@@ -65,7 +66,9 @@ class ModelStageFactory(Generic[ModelT]):
         dist_context: DistributedContext,
         config: InitializationConfig,
         seed: int,
+        peft: PeftConfig | None = None,
     ) -> None:
+        self._peft: PeftConfig = peft or FullFineTuningConfig()
         self._provider = provider
         self._dist = dist_context
         self._config = config
@@ -84,6 +87,9 @@ class ModelStageFactory(Generic[ModelT]):
                 InitializeModelStageContext(dist_context=self._dist, stage=stage)
             )
         model = result.model
+        # Adapters go in on the meta device, before parallelization: the provider's parallelize
+        # then shards them with their base layer (FSDP shards every parameter of a module).
+        apply_peft(model, self._peft)
         shadow = (
             copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
         )
@@ -120,9 +126,12 @@ class ModelStageFactory(Generic[ModelT]):
         elif shadow is not None:
             shadow.to_empty(device="cpu")
             _reset(shadow)
+            reset_adapters(shadow)
             _copy_full_into(model, shadow)
         else:
             _reset(model)
+        if loaded or self._config.source is not None or shadow is None:
+            reset_adapters(model)  # whatever the base weights came from, adapters start at B = 0
         return BuiltStage(stage=stage, model=model, meta_model=meta_model)
 
 

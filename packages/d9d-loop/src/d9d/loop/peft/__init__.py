@@ -1,0 +1,25 @@
+"""Parameter-efficient fine-tuning: LoRA adapters injected by name, the rest frozen."""
+
+from d9d.loop.peft._config import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.peft._inject import (
+    LoRATargetError,
+    apply_peft,
+    inject_lora,
+    merged_state,
+    reset_adapters,
+    trainable_names,
+)
+from d9d.loop.peft._lora import LoRALinear
+
+__all__ = [
+    "FullFineTuningConfig",
+    "LoRAConfig",
+    "LoRALinear",
+    "LoRATargetError",
+    "PeftConfig",
+    "apply_peft",
+    "inject_lora",
+    "merged_state",
+    "reset_adapters",
+    "trainable_names",
+]

@@ -1,0 +1,103 @@
+"""Applying a ``PeftConfig`` to a model stage: adapters in, everything else frozen."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from d9d.loop.peft._config import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.peft._lora import LoRALinear
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every submodule with its qualified name (the root as ``""``), walked through ``named_children``."""
+    named: list[tuple[str, nn.Module]] = [("", model)]
+    for child_name, child in model.named_children():
+        named += [(f"{child_name}.{n}" if n else child_name, m) for n, m in _named_modules(child)]
+    return named
+
+
+class LoRATargetError(ValueError):
+    """A LoRA target pattern matched no linear layer of a stage."""
+
+
+def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
+    """Replaces every ``nn.Linear`` whose name matches ``config.target`` by a ``LoRALinear``.
+
+    Works on the meta device (before parallelization and initialization); the new layer keeps
+    the base layer's device and dtype. Then freezes every parameter but the adapters and those
+    matching ``config.trainable``.
+
+    Returns:
+        The names of the adapted layers.
+
+    Raises:
+        LoRATargetError: When the pattern matches no linear layer (naming the pattern and some
+            of the linear layers it could have matched).
+        ValueError: When ``r`` exceeds a matched layer's smaller side.
+    """
+    pattern = re.compile(config.target)
+    linears = [(n, m) for n, m in _named_modules(model) if type(m) is nn.Linear]
+    chosen = [(n, m) for n, m in linears if pattern.search(n)]
+    if not chosen:
+        some = ", ".join(n for n, _ in linears[:8]) or "none"
+        raise LoRATargetError(
+            f"peft.target={config.target!r} matches no linear layer of {type(model).__name__} "
+            f"(its linear layers: {some})"
+        )
+    for name, base in chosen:
+        try:
+            adapted = LoRALinear(
+                base.in_features,
+                base.out_features,
+                bias="bias" in dict(base.named_parameters(recurse=False)),
+                r=config.r,
+                alpha=config.alpha,
+                dropout=config.dropout,
+                device=base.weight.device,
+                dtype=base.weight.dtype,
+            )
+        except ValueError as e:
+            raise ValueError(f"peft: layer '{name}': {e}") from e
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, adapted)
+    trainable = re.compile(config.trainable) if config.trainable is not None else None
+    for name, parameter in model.named_parameters():
+        is_adapter = name.endswith(("lora_A", "lora_B"))
+        parameter.requires_grad_(is_adapter or (trainable is not None and bool(trainable.search(name))))
+    return [n for n, _ in chosen]
+
+
+def apply_peft(model: nn.Module, config: PeftConfig) -> None:
+    """Applies ``config`` to a stage built on the meta device (full fine-tuning changes nothing)."""
+    match config:
+        case FullFineTuningConfig():
+            return
+        case LoRAConfig():
+            inject_lora(model, config)
+
+
+def reset_adapters(model: nn.Module) -> None:
+    """Gives every adapter its initial value (after the base weights were loaded from a source)."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_lora_parameters()
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that train (what an adapters-only checkpoint holds)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state with every adapter folded into its base weight (``W + scale * B @ A``)
+    and the adapter tensors left out: the plain model's state (unsharded modules only)."""
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("lora_A", "lora_B"))}
+    for name, module in _named_modules(model):
+        if isinstance(module, LoRALinear):
+            key = f"{name}.weight" if name else "weight"
+            state[key] = module.weight + module.delta_weight().to(module.weight.dtype)
+    return state

@@ -1,0 +1,81 @@
+"""LoRA: a linear layer with a trainable low-rank update, its injection by name, and merging."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` plus ``scale * B @ A``; the base ``weight`` and ``bias`` keep their names.
+
+    Being an ``nn.Linear`` (same ``weight``, ``bias``), the layer loads base checkpoints under
+    the base names, and is sharded by FSDP like its base layer (``lora_A`` and ``lora_B`` are
+    ordinary parameters of the same module).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if r > min(in_features, out_features):
+            raise ValueError(
+                f"LoRA rank r={r} exceeds the layer's smaller side "
+                f"(in_features={in_features}, out_features={out_features})"
+            )
+        self.r, self.scale = r, alpha / r
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(out_features, r, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(dropout)
+        self.reset_lora_parameters()
+
+    def reset_parameters(self) -> None:
+        """The base layer's initialization, then the adapters' (A Kaiming uniform, B zero)."""
+        super().reset_parameters()
+        if hasattr(self, "lora_A"):  # nn.Linear.__init__ calls this before the adapters exist
+            self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        """A Kaiming uniform (as ``nn.Linear``'s weight), B zero: the update starts at zero."""
+        with torch.no_grad():
+            _fill(self.lora_A, lambda full: nn.init.kaiming_uniform_(full, a=math.sqrt(5)))
+            _fill(self.lora_B, nn.init.zeros_)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        update = F.linear(F.linear(self.lora_dropout(input), self.lora_A), self.lora_B)
+        return super().forward(input) + self.scale * update
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * B @ A``, the update the adapters add to ``weight``."""
+        return self.scale * (self.lora_B @ self.lora_A)
+
+
+def _fill(parameter: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+    """Initializes a parameter from a full CPU tensor, sliced per rank for a DTensor (so every
+    layout starts from the same adapters as one process)."""
+    if parameter.device.type == "meta":
+        return
+    full = torch.empty(parameter.shape, dtype=parameter.dtype)
+    init(full)
+    if isinstance(parameter, DTensor):
+        dtensor: DTensor = parameter
+        local = distribute_tensor(
+            full.to(dtensor.device), dtensor.device_mesh, dtensor.placements, src_data_rank=None
+        ).to_local()
+        dtensor.to_local().copy_(local)
+    else:
+        parameter.copy_(full)
