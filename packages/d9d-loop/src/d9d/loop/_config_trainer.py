@@ -10,6 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from d9d.loop._config_evaluation import EvaluationConfig
 from d9d.loop._config_observability import GarbageCollectionConfig, ProfilingConfig
 from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
+from d9d.loop.peft import FullFineTuningConfig, PeftConfig
 from d9d.pipeline import OneFOneBScheduleConfig, PipelineScheduleConfig
 
 
@@ -206,6 +207,7 @@ class TrainerConfig(_Strict):
         profiling: A ``torch.profiler`` window (None: off).
         garbage_collection: Collect at fixed steps with automatic GC off (None: Python's default).
         evaluation: Evaluate on held-out data during training (None: never).
+        peft: ``{kind: full}`` (default) or ``{kind: lora, target, r, alpha, ...}``.
     """
 
     max_steps: int | None = Field(default=None, ge=1)
@@ -225,6 +227,7 @@ class TrainerConfig(_Strict):
     profiling: ProfilingConfig | None = None
     garbage_collection: GarbageCollectionConfig | None = None
     evaluation: EvaluationConfig | None = None
+    peft: PeftConfig = FullFineTuningConfig()
 
     @model_validator(mode="after")
     def _one_run_length(self) -> TrainerConfig:

@@ -240,6 +240,7 @@ class TrainingConfigurator:
             dist_context=dist_context,
             config=self._config.initialization,
             seed=self._config.seed,
+            peft=self._config.peft,
         )
         return [factory.build(info, keep_meta_copy=program is not None) for info in infos]
 
