@@ -37,6 +37,7 @@ class GradientManager:
         self._dp = data_parallel_size
         self._clipping = clipping
         self._pp_group = pp_group
+        self._pending_scale = 1.0
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
     def parameters(self) -> list[nn.Parameter]:
@@ -52,30 +53,31 @@ class GradientManager:
             synchronizer.begin_microbatch(is_last)
 
     def finish(self, *, global_weight: float, microbatches_per_rank: int) -> None:
-        """Waits for the reductions, then corrects the gradient scale to the weighted mean.
+        """Waits for the reductions and notes the scale that makes the gradients a weighted mean.
 
         Runners back-propagate ``weight * loss / microbatches_per_rank``, which is already exact
-        when every microbatch weighs 1; otherwise gradients are rescaled here by
-        ``data_parallel * microbatches_per_rank / global_weight``.
+        when every microbatch weighs 1; otherwise the gradients still need the factor
+        ``data_parallel * microbatches_per_rank / global_weight``, applied by ``clip()`` in the
+        same multi-tensor multiplication as the clipping (one pass over the gradients).
         """
         for synchronizer in self._synchronizers:
             synchronizer.finish()
-        scale = self._dp * microbatches_per_rank / global_weight
-        if abs(scale - 1.0) > 1e-12:
-            with torch.no_grad():
-                for parameter in self.parameters():
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(scale)
+        self._pending_scale = self._dp * microbatches_per_rank / global_weight
 
     def clip(self) -> torch.Tensor:
-        """Clips the global gradient norm (when configured) and returns it (a device scalar)."""
-        norm = clip_grad_norm(
+        """Applies the pending scale, clips the global gradient norm (when configured), returns it.
+
+        Returns:
+            The norm of the correctly scaled gradients before clipping (a device scalar).
+        """
+        scale, self._pending_scale = self._pending_scale, 1.0
+        return clip_grad_norm(
             self.parameters(),
             self._clipping.max_norm,
             norm_type=self._clipping.norm_type,
             pp_group=self._pp_group,
+            grad_scale=scale,
         )
-        return norm
 
     def close(self) -> None:
         """Removes gradient hooks."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+# torch's multi-tensor multiply (what its optimizers and clipping use) has no public name.
+_foreach_mul_ = cast(Callable[[list[torch.Tensor], torch.Tensor], None], torch.__dict__["_foreach_mul_"])
 
 
 def _local_gradients(
@@ -44,6 +48,7 @@ def clip_grad_norm(
     *,
     norm_type: float = 2.0,
     pp_group: ProcessGroup | None = None,
+    grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """Computes the norm of all gradients as one vector and scales them to at most ``max_norm``.
 
@@ -58,9 +63,13 @@ def clip_grad_norm(
         max_norm: Largest allowed total norm; None only computes the norm.
         norm_type: The p of the p-norm; ``math.inf`` for the max norm.
         pp_group: Group of the ranks holding the other pipeline stages (None: one stage).
+        grad_scale: A factor the stored gradients still need (e.g. a loss-weight correction
+            known only after backward): the norm is that of ``grad_scale * grad``, and the scale
+            is applied in the same single multi-tensor multiplication as the clipping.
 
     Returns:
-        The total norm before clipping, a float32 scalar tensor on the gradients' device.
+        The total norm (of the scaled gradients) before clipping, a float32 scalar tensor on the
+        gradients' device.
 
     Raises:
         ValueError: If a gradient is still ``Partial`` or ``norm_type`` is not positive.
@@ -70,17 +79,9 @@ def clip_grad_norm(
     is_max = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
     parameters = list(parameters)
-    with_grads = [p for p in parameters if p.grad is not None]
-    if pp_group is None and not any(isinstance(p.grad, DTensor) for p in with_grads):
-        # Plain tensors on one stage: exactly torch's own clipping (multi-tensor kernels).
-        if not with_grads:
-            return torch.zeros((), dtype=torch.float32)
-        grads = [p.grad for p in with_grads if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
-        return norm
     groups = _local_gradients(parameters)
+    if not groups:
+        return torch.zeros((), dtype=torch.float32)
     device = next((g[0].device for g in groups.values() if g), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, shard_dims), locals_ in groups.items():
@@ -100,16 +101,18 @@ def clip_grad_norm(
         total = torch.maximum(total, value) if is_max else total + value
     if pp_group is not None:
         dist.all_reduce(total, op=op, group=pp_group)
-    norm = total if is_max else total ** (1.0 / norm_type)
+    norm = (total if is_max else total ** (1.0 / norm_type)) * grad_scale
+    if max_norm is None and grad_scale == 1.0:
+        return norm
+    factor = torch.full((), grad_scale, dtype=torch.float32, device=device)
     if max_norm is not None:
-        plain = [p for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
-        if plain:
-            # the same coefficient, max_norm / (norm + 1e-6) capped at 1, in one multi-tensor op
-            torch.nn.utils.clip_grads_with_norm_(plain, max_norm, norm)
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for key, locals_ in groups.items():
-            if key[0] is None:
-                continue
-            for grad in locals_:
-                grad.mul_(coefficient.to(grad.dtype))
+        factor = factor * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for locals_ in groups.values():
+        for grad in locals_:
+            by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+    with torch.no_grad():
+        for (_, dtype), grads in by_dtype.items():
+            # one multi-tensor kernel per dtype for scale and clipping together, no host sync
+            _foreach_mul_(grads, factor.to(dtype))
     return norm
