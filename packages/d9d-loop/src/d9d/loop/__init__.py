@@ -48,6 +48,14 @@ from d9d.loop._config_trainer import (
 from d9d.loop._configurator import TrainingConfigurator
 from d9d.loop._directory_checks import DirectoryCheckError
 from d9d.loop._evaluation_data import EvaluationData
+from d9d.loop._inference import (
+    Inference,
+    InferenceConfig,
+    InferenceConfigurator,
+    InferenceFinishedContext,
+    InferenceTask,
+    ProcessOutputsContext,
+)
 from d9d.loop._events import (
     CheckpointSaved,
     ConfigReady,
@@ -135,6 +143,12 @@ __all__ = [
     "CreateMetricsResult",
     "EvaluationConfig",
     "EvaluationData",
+    "Inference",
+    "InferenceConfig",
+    "InferenceConfigurator",
+    "InferenceFinishedContext",
+    "InferenceTask",
+    "ProcessOutputsContext",
     "BestEvaluationConfig",
     "UpdateMetricsContext",
     "ConfigFileError",
