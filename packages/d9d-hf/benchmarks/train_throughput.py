@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "d9d")
+IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "d9d", "d9d_compile")
 
 DENSE_0_6B: dict[str, Any] = {
     "model_type": "qwen3",
@@ -245,7 +245,7 @@ class _RandomTokens:
         return TokenSample(input_ids=torch.randint(0, self._vocab, (self._seq,), generator=generator))
 
 
-def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device) -> float:
+def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     from d9d.hf import ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.hf.qwen3 import Qwen3ModelProvider
     from d9d.loop import (
@@ -258,7 +258,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     )
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    total_steps = args.warmup + args.steps
+    profiled = 2 if args.profile else 0
+    total_steps = args.warmup + args.steps + profiled
     config = ProjectConfig.model_validate(
         {
             "mesh": {"data_parallel_shard": world},
@@ -275,10 +276,11 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         }
     )
     model = ScratchModelConfig.model_validate(
-        {"config": shape, "param_dtype": "bfloat16" if device.type == "cuda" else None}
+        {"config": shape, "param_dtype": "bfloat16" if device.type == "cuda" else None, "compile": compiled}
     )
     times: list[float] = []
     losses: list[float] = []
+    peaks: list[float] = [float("nan")]
 
     profiler: Any = None
 
@@ -286,15 +288,17 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         nonlocal profiler
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
+        if device.type == "cuda":  # the loop resets the peak each step (its memory metrics)
+            peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
         if not args.profile or int(os.environ.get("RANK", "0")) != 0:
             return
-        if event.step == args.warmup - 1:  # profile the first two timed steps
+        if event.step == args.warmup + args.steps - 1:  # two extra steps after the timed ones
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
-        elif profiler is not None and event.step == args.warmup + 1:
+        elif profiler is not None and event.step == args.warmup + args.steps + 1:
             _sync(device)
             profiler.__exit__(None, None, None)
             sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -319,9 +323,10 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         trainer.events.subscribe(StepFinished, on_step)
         trainer.train()
         _sync(device)
-        elapsed = times[-1] - times[args.warmup - 1]
+        elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
         tokens_per_s = args.batch * world * args.seq * args.steps / elapsed
-        return _report(args, "d9d", tokens_per_s, losses[-1], device, world=world)
+        name = "d9d_compile" if compiled else "d9d"
+        return _report(args, name, tokens_per_s, losses[-1], device, world=world, peak_gib=max(peaks))
 
 
 def _report(
@@ -332,8 +337,11 @@ def _report(
     device: torch.device,
     *,
     world: int = 1,
+    peak_gib: float | None = None,
 ) -> float:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if peak_gib is not None and peak_gib == peak_gib:  # not NaN
+        peak = max(peak, peak_gib)
     result = Result(
         implementation=name,
         world_size=world,
@@ -366,7 +374,9 @@ def run_one(args: argparse.Namespace) -> None:
         case "titan":
             run_titan(args, shape, device)
         case "d9d":
-            run_d9d(args, shape, device)
+            run_d9d(args, shape, device, compiled=False)
+        case "d9d_compile":
+            run_d9d(args, shape, device, compiled=True)
         case _:
             raise ValueError(f"unknown implementation {args.impl!r}")
 

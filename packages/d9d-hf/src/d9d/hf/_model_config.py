@@ -23,6 +23,7 @@ class _ModelOptions(BaseModel):
     activation_checkpointing: bool = False
     attention_backend: AttentionBackendName | None = None
     param_dtype: ParamDtype | None = None
+    compile: bool = False
 
 
 class PretrainedModelConfig(_ModelOptions):
@@ -37,6 +38,7 @@ class PretrainedModelConfig(_ModelOptions):
         activation_checkpointing: Recompute every decoder layer in backward.
         attention_backend: Attention implementation; None auto-detects.
         param_dtype: Compute dtype of the parameters (FSDP mixed precision); None keeps float32.
+        compile: Compile each decoder layer's body with ``torch.compile`` (regional compilation).
     """
 
     source: str = Field(min_length=1)

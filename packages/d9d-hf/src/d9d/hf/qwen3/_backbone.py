@@ -55,6 +55,11 @@ class Qwen3Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last else None
         self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
 
+    def compile_layers(self) -> None:
+        """Compiles each decoder layer's body (``Qwen3DecoderLayer.compile_block``)."""
+        for layer in self.decoder_layers():
+            layer.compile_block()
+
     def reset_parameters(self) -> None:
         """Resets every layer and recomputes the rotary frequencies."""
         if self.embed_tokens is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -65,6 +67,7 @@ class Qwen3DecoderLayer(nn.Module):
             )
         else:
             self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, init_std=std)
+        self._block: Callable[..., torch.Tensor] = self._eager_block
 
     def reset_parameters(self) -> None:
         """Resets the norms, the attention and the feed-forward."""
@@ -73,6 +76,15 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm.reset_parameters()
         self.mlp.reset_parameters()
 
+    def compile_block(self) -> None:
+        """Compiles this layer's computation with ``torch.compile`` (regional compilation).
+
+        Only the body is compiled: hooks on the layer itself (FSDP's parameter gathering,
+        activation checkpointing around it) stay outside the compiled region, and parameter
+        names do not change.
+        """
+        self._block = torch.compile(self._eager_block)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -80,6 +92,15 @@ class Qwen3DecoderLayer(nn.Module):
         document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         """Maps ``(batch, seq, hidden)`` to ``(batch, seq, hidden)``."""
+        output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids)
+        return output
+
+    def _eager_block(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         attended = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, document_ids=document_ids
         )

@@ -131,6 +131,8 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             dist_context=context.dist_context,
             param_dtype=None if dtype is None else _DTYPES[dtype],
         )
+        if self._config.compile:
+            context.model.model.compile_layers()
 
     def load_model_stage(self, context: LoadModelStageContext[Qwen3ModelBase]) -> LoadModelStageResult:
         """With a source: fresh initialization, then the checkpoint's tensors (this rank's slices)."""
