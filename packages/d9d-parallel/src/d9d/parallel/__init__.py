@@ -1,5 +1,11 @@
 """d9d parallelism: replicate, FSDP/HSDP, TP, CP, EP, gradient sync and clipping."""
 
+from d9d.parallel._activation_checkpointing import (
+    CheckpointingPolicy,
+    FullCheckpointing,
+    SelectiveCheckpointing,
+    checkpoint_modules,
+)
 from d9d.parallel._all_to_all import all_to_all
 from d9d.parallel._context_parallel_attention import (
     AttentionBackend,
@@ -30,15 +36,19 @@ __all__ = [
     "AllToAllTokenDispatcher",
     "AttentionBackend",
     "AttentionLayerLike",
+    "CheckpointingPolicy",
     "ContextParallelAttention",
+    "FullCheckpointing",
     "GradientReduction",
     "GradientSynchronizer",
     "LocalParameterSlot",
     "MoELayerLike",
+    "SelectiveCheckpointing",
     "SequenceParallelNorm",
     "TokenDispatcher",
     "VocabParallelEmbedding",
     "all_to_all",
+    "checkpoint_modules",
     "clip_grad_norm",
     "context_parallel_position_ids",
     "context_parallel_shard",
