@@ -280,7 +280,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     )
     times: list[float] = []
     losses: list[float] = []
-    peaks: list[float] = [float("nan")]
+    peaks: list[float] = []
 
     profiler: Any = None
 
@@ -288,8 +288,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         nonlocal profiler
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
-        if device.type == "cuda":  # the loop resets the peak each step (its memory metrics)
-            peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
+        # the loop reads and resets the allocator's peak every step: take its per-step figure
+        peaks.append(event.metrics.get("memory/peak_gib", float("nan")))
         if not args.profile or int(os.environ.get("RANK", "0")) != 0:
             return
         if event.step == args.warmup + args.steps - 1:  # two extra steps after the timed ones
@@ -326,7 +326,15 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
         tokens_per_s = args.batch * world * args.seq * args.steps / elapsed
         name = "d9d_compile" if compiled else "d9d"
-        return _report(args, name, tokens_per_s, losses[-1], device, world=world, peak_gib=max(peaks))
+        return _report(
+            args,
+            name,
+            tokens_per_s,
+            losses[-1],
+            device,
+            world=world,
+            peak_gib=max(peaks, default=float("nan")),
+        )
 
 
 def _report(
@@ -340,8 +348,8 @@ def _report(
     peak_gib: float | None = None,
 ) -> float:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    if peak_gib is not None and peak_gib == peak_gib:  # not NaN
-        peak = max(peak, peak_gib)
+    if peak_gib is not None and peak_gib == peak_gib:  # not NaN: the loop's per-step peaks
+        peak = peak_gib
     result = Result(
         implementation=name,
         world_size=world,
