@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -348,7 +349,7 @@ def _report(
     peak_gib: float | None = None,
 ) -> float:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    if peak_gib is not None and peak_gib == peak_gib:  # not NaN: the loop's per-step peaks
+    if peak_gib is not None and not math.isnan(peak_gib):  # the loop's per-step peaks
         peak = peak_gib
     result = Result(
         implementation=name,
