@@ -23,6 +23,9 @@ DeviceType = Literal["cpu", "cuda"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
+NCCL_ERROR_HANDLING_ENV_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""torch's switch for what a failed NCCL collective does; d9d defaults it to 1 (tear down)."""
+
 
 class _RankLogger(logging.LoggerAdapter[logging.Logger]):
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
@@ -105,6 +108,11 @@ class DistributedContext:
         self._logger = _RankLogger(logging.getLogger("d9d"), {"rank": self._rank})
 
     def _start_process_group(self, world_size: int) -> None:
+        if self._backend == "nccl":
+            # By default a timed-out NCCL collective is reported by torch's watchdog but the wait
+            # on it can still return, leaving wrong values in the step. Tear the process down
+            # instead (the job then ends naming the collective), unless the user chose otherwise.
+            os.environ.setdefault(NCCL_ERROR_HANDLING_ENV_VAR, "1")
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
                 backend=self._backend, timeout=self._timeout, rank=self._rank, world_size=world_size
