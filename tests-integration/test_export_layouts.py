@@ -85,7 +85,13 @@ def test_pipelined_export_is_one_directory_equal_to_one_process(
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(source))
     run_distributed(_train_and_export, {}, {"name": "1f1b"}, str(source), str(tmp_path / "one"), world_size=1)
     run_distributed(
-        _train_and_export, mesh, schedule, str(source), str(tmp_path / "many"), world_size=world, timeout_s=240
+        _train_and_export,
+        mesh,
+        schedule,
+        str(source),
+        str(tmp_path / "many"),
+        world_size=world,
+        timeout_s=240,
     )
     reference, merged = _exported(tmp_path / "one"), _exported(tmp_path / "many")
     assert sorted(merged) == sorted(full.state_dict())

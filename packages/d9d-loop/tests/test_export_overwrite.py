@@ -15,7 +15,7 @@ def _export_twice(directory: str) -> list[str]:
     trainer.train()
     target = Path(directory) / "export"
     trainer.export(target)
-    with pytest.raises(FileExistsError, match="(?i)pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"(?i)pass overwrite=True"):
         trainer.export(target)
     trainer.export(target, overwrite=True)  # the advice of the error is accepted
     trainer.close()

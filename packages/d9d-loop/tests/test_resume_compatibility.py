@@ -45,7 +45,9 @@ def test_data_position_is_converted_in_samples(
 def test_a_position_that_is_no_whole_number_of_new_batches_is_refused_naming_both() -> None:
     old = _source(32)
     old.next_batch()
-    with pytest.raises(ValueError, match=r"global_batch_size=32, not a whole number .*trainer.global_batch_size=24"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=32, not a whole number .*trainer.global_batch_size=24"
+    ):
         _source(24).load_state_dict(old.state_dict())
 
 

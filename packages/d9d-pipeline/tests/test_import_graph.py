@@ -24,9 +24,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_import_cycles() -> None:
-    graph = {
-        _module_name(p): _imports(p) for p in _SOURCE.rglob("*.py") if p.name != "__init__.py"
-    }
+    graph = {_module_name(p): _imports(p) for p in _SOURCE.rglob("*.py") if p.name != "__init__.py"}
     cycles: list[list[str]] = []
 
     def visit(node: str, trail: list[str]) -> None:

@@ -48,14 +48,6 @@ from d9d.loop._config_trainer import (
 from d9d.loop._configurator import TrainingConfigurator
 from d9d.loop._directory_checks import DirectoryCheckError
 from d9d.loop._evaluation_data import EvaluationData
-from d9d.loop._inference import (
-    Inference,
-    InferenceConfig,
-    InferenceConfigurator,
-    InferenceFinishedContext,
-    InferenceTask,
-    ProcessOutputsContext,
-)
 from d9d.loop._events import (
     CheckpointSaved,
     ConfigReady,
@@ -71,6 +63,14 @@ from d9d.loop._events import (
 )
 from d9d.loop._exporter import ExportError, ModelExporter
 from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
+from d9d.loop._inference import (
+    Inference,
+    InferenceConfig,
+    InferenceConfigurator,
+    InferenceFinishedContext,
+    InferenceTask,
+    ProcessOutputsContext,
+)
 from d9d.loop._lr_schedule import AutoLRSchedulerProvider, PiecewiseSchedule
 from d9d.loop._model_provider import (
     FinalizeGradientsContext,
