@@ -105,3 +105,19 @@ def _partial_refused() -> None:
 
 def test_partial_gradients_are_refused() -> None:
     run_distributed(_partial_refused, world_size=2, timeout_s=120)
+
+
+def test_excluded_duplicates_leave_the_norm_and_are_clipped_alike() -> None:
+    # A tied weight's second copy (same gradient) must not count twice, yet gets the same factor.
+    generator = torch.Generator().manual_seed(5)
+    grads = [torch.randn(4, 3, generator=generator) for _ in range(2)]
+    reference = _reference(grads)
+    params = _reference(grads)
+    duplicate = nn.Parameter(torch.zeros(4, 3))
+    duplicate.grad = grads[0].clone()
+    torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    norm = clip_grad_norm([*params, duplicate], 0.5, grad_scale=2.0, exclude_from_norm=[duplicate])
+    torch.testing.assert_close(norm, 2.0 * torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    # clipped from twice the gradients to 0.5: the same gradients as clipping the originals
+    torch.testing.assert_close(params[0].grad, reference[0].grad)
+    torch.testing.assert_close(duplicate.grad, reference[0].grad)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import cast
 
 import torch
@@ -49,6 +49,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     pp_group: ProcessGroup | None = None,
     grad_scale: float = 1.0,
+    exclude_from_norm: Collection[nn.Parameter] = (),
 ) -> torch.Tensor:
     """Computes the norm of all gradients as one vector and scales them to at most ``max_norm``.
 
@@ -66,6 +67,9 @@ def clip_grad_norm(
         grad_scale: A factor the stored gradients still need (e.g. a loss-weight correction
             known only after backward): the norm is that of ``grad_scale * grad``, and the scale
             is applied in the same single multi-tensor multiplication as the clipping.
+        exclude_from_norm: Parameters of ``parameters`` whose gradient duplicates one counted
+            elsewhere (e.g. the last pipeline stage's copy of a tied embedding): left out of the
+            norm, still scaled and clipped by the same factor as the others.
 
     Returns:
         The total norm (of the scaled gradients) before clipping, a float32 scalar tensor on the
@@ -78,11 +82,17 @@ def clip_grad_norm(
         raise ValueError(f"norm_type must be > 0, got {norm_type}")
     is_max = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+    excluded = {id(p) for p in exclude_from_norm}
     parameters = list(parameters)
-    groups = _local_gradients(parameters)
-    if not groups:
+    groups = _local_gradients(p for p in parameters if id(p) not in excluded)
+    duplicates = [
+        g
+        for locals_ in _local_gradients(p for p in parameters if id(p) in excluded).values()
+        for g in locals_
+    ]
+    if not groups and not duplicates:
         return torch.zeros((), dtype=torch.float32)
-    device = next((g[0].device for g in groups.values() if g), torch.device("cpu"))
+    device = next((g[0].device for g in [*groups.values(), duplicates] if g), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, shard_dims), locals_ in groups.items():
         if is_max:
@@ -108,7 +118,7 @@ def clip_grad_norm(
     if max_norm is not None:
         factor = factor * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for locals_ in groups.values():
+    for locals_ in [*groups.values(), duplicates]:
         for grad in locals_:
             by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
     with torch.no_grad():
