@@ -20,7 +20,7 @@ from d9d.loop._evaluation_wiring import wire_metrics
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager
-from d9d.loop._model_provider import ModelProvider
+from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._nonfinite_guard import NonFiniteGuard
 from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
@@ -40,6 +40,7 @@ from d9d.loop._task import TaskFactory, TaskProvider, TaskProviderContext, Train
 from d9d.loop._tracker_group import build_trackers
 from d9d.loop._trackers import NoTracker, Tracker
 from d9d.loop._trainer import RunPlan, Trainer, TrainerParts
+from d9d.loop.peft import LoRAConfig
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.pipeline import PipelineExecutor, PipelineProgram, PipelineScheduleBuilder, PipelineStageInfo
 
@@ -143,6 +144,10 @@ class TrainingConfigurator:
         program = self._build_program()
         stages = self._build_stages(dist_context, program)
         models = [s.model for s in stages]
+        # Collective on every rank: e.g. a fresh tied head takes the first stage's embedding.
+        ready = self._model_provider.stages_ready(
+            StagesReadyContext(dist_context=dist_context, stages=[(s.stage, s.model) for s in stages])
+        )
         self._events.publish(ModelReady(model_stages=tuple(models)))
         batches = self._build_data(dist_context)
         total_steps = config.max_steps or (config.epochs or 1) * batches.steps_per_epoch
@@ -164,6 +169,7 @@ class TrainingConfigurator:
             bucket_size_mb=config.gradient_bucket_size_mb,
             clipping=config.gradient_clipping,
             pp_group=dist_context.pipeline_group() if program is not None else None,
+            norm_duplicates=ready.norm_duplicates,
         )
         return Trainer(
             TrainerParts(
@@ -208,6 +214,7 @@ class TrainingConfigurator:
             resume=config.checkpoint.resume_options,
             first_step_seconds=config.timeouts.first_step_seconds,
             step_seconds=config.timeouts.step_seconds,
+            checkpoint_trainable_only=isinstance(config.peft, LoRAConfig),
         )
 
     def _build_program(self) -> PipelineProgram | None:

@@ -20,7 +20,7 @@ from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._task import BuildForwardInputsContext, BuildForwardInputsResult
 from d9d.loop._train_state import ModelState
-from d9d.loop.peft import FullFineTuningConfig, PeftConfig
+from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
 from d9d.mesh import DistributedContext, MeshParameters, map_tree, shard_tree
 from d9d.pipeline import PipelineProgram, PipelineStageInfo, build_forward_only_program
 
@@ -40,6 +40,9 @@ class InferenceConfig(BaseModel):
             mapper) or a d9d checkpoint directory (``.../step_000000100``).
         weights_format: ``safetensors`` or ``checkpoint``.
         peft: The training run's ``peft`` (a checkpoint of a LoRA run holds its adapters).
+        base_weights: With ``peft: {kind: lora}`` and a checkpoint: the base model's safetensors
+            (read through the provider's state mapper), since a LoRA checkpoint holds only the
+            adapters and trained extras; None when the provider loads its base itself.
         seed: Seed of anything random (dropout is off).
         device: ``auto``, ``cpu`` or ``cuda``.
     """
@@ -51,6 +54,7 @@ class InferenceConfig(BaseModel):
     weights: NonEmptyPath
     weights_format: Literal["safetensors", "checkpoint"] = "safetensors"
     peft: PeftConfig = FullFineTuningConfig()
+    base_weights: NonEmptyPath | None = None
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -231,13 +235,18 @@ class InferenceConfigurator:
         factory = ModelStageFactory(
             provider=self._provider,
             dist_context=dist_context,
-            config=InitializationConfig(source=config.weights if from_export else None),
+            config=InitializationConfig(source=config.weights if from_export else config.base_weights),
             seed=config.seed,
             peft=config.peft,
         )
         stages = [factory.build(info, keep_meta_copy=program is not None) for info in infos]
         if not from_export:
             dcp.load(
-                {"model": ModelState([s.model for s in stages])}, checkpoint_id=str(Path(config.weights))
+                {
+                    "model": ModelState(
+                        [s.model for s in stages], trainable_only=isinstance(config.peft, LoRAConfig)
+                    )
+                },
+                checkpoint_id=str(Path(config.weights)),
             )
         return stages

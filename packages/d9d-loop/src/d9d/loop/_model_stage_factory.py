@@ -19,7 +19,7 @@ from d9d.loop._model_provider import (
     ModelT,
     ParallelizeModelStageContext,
 )
-from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters
+from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters, without_adapters
 from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import load_module_state
@@ -117,7 +117,8 @@ class ModelStageFactory(Generic[ModelT]):
                 )
             load_module_state(
                 self._config.source,
-                model,
+                # the base checkpoint has no adapters: load into the model's tensors without them
+                without_adapters(model),
                 result.state_mapper,
                 # a pipeline stage reads only its own tensors of the whole model's checkpoint
                 strict=stage.num_stages == 1,

@@ -27,15 +27,27 @@ class ModelState:
     """The parameters and buffers of all local stages (sharded tensors stay sharded).
 
     Keys are the stages' own names, so a checkpoint reshards across data/tensor-parallel layouts.
+    With ``trainable_only`` (LoRA) it holds only the parameters that train (the adapters and the
+    ``peft.trainable`` matches): the frozen base weights are not saved, and on resume they come
+    from where they came at the start (``trainer.initialization.source``, the provider, or the
+    seeded initialization).
     """
 
-    def __init__(self, stages: Sequence[nn.Module]) -> None:
+    def __init__(self, stages: Sequence[nn.Module], *, trainable_only: bool = False) -> None:
         self._stages = stages
+        self._trainable_only = trainable_only
+
+    def _own(self, stage: nn.Module) -> dict[str, Any]:
+        state = get_model_state_dict(stage)
+        if not self._trainable_only:
+            return state
+        trainable = {name for name, p in stage.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for stage in self._stages:
-            for key, value in get_model_state_dict(stage).items():
+            for key, value in self._own(stage).items():
                 if key in merged:
                     raise ValueError(
                         f"two local pipeline stages both have a tensor named '{key}'; give layers "
@@ -46,8 +58,10 @@ class ModelState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage in self._stages:
-            own = {k: state_dict[k] for k in get_model_state_dict(stage)}
-            set_model_state_dict(stage, own, options=StateDictOptions(strict=True))
+            own = {k: state_dict[k] for k in self._own(stage)}
+            # every key this state asked for is present (DCP loads exactly those); a partial state
+            # (trainable_only) leaves the frozen weights as they are
+            set_model_state_dict(stage, own, options=StateDictOptions(strict=not self._trainable_only))
 
 
 # Keys per parameter ("param_groups.<name>.lr"), not one param_groups list per rank: pipeline

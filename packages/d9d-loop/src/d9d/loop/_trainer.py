@@ -75,6 +75,7 @@ class RunPlan:
         resume: How to resume from the newest usable checkpoint; None: never resume.
         first_step_seconds: The step watchdog's allowance for the first step.
         step_seconds: The step watchdog's limit for later steps (None: no watchdog).
+        checkpoint_trainable_only: Checkpoints hold only the parameters that train (LoRA).
     """
 
     total_steps: int
@@ -85,6 +86,7 @@ class RunPlan:
     resume: ResumeConfig | None = None
     first_step_seconds: float | None = None
     step_seconds: float | None = None
+    checkpoint_trainable_only: bool = False
 
 
 @dataclass(kw_only=True)
@@ -203,7 +205,7 @@ class Trainer:
     def _checkpoint_state(self, with_optimizer: bool = True) -> dict[str, Any]:
         p = self._p
         state: dict[str, Any] = {
-            "model": ModelState(self.model_stages),
+            "model": ModelState(self.model_stages, trainable_only=p.plan.checkpoint_trainable_only),
             "optimizer": OptimizerState(self.model_stages, p.optimizer),
             "trainer": ObjectState(self._trainer_state, self._load_trainer_state),
             f"rng_rank{p.dist_context.rank}": RandomState(),

@@ -5,9 +5,11 @@ from d9d.loop.peft._inject import (
     LoRATargetError,
     apply_peft,
     inject_lora,
+    is_adapter,
     merged_state,
     reset_adapters,
     trainable_names,
+    without_adapters,
 )
 from d9d.loop.peft._lora import LoRALinear
 
@@ -19,7 +21,9 @@ __all__ = [
     "PeftConfig",
     "apply_peft",
     "inject_lora",
+    "is_adapter",
     "merged_state",
     "reset_adapters",
     "trainable_names",
+    "without_adapters",
 ]

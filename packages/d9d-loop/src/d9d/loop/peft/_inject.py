@@ -91,6 +91,37 @@ def trainable_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a state name is a LoRA adapter's (``....lora_A`` or ``....lora_B``)."""
+    return name.endswith((".lora_A", ".lora_B")) or name in ("lora_A", "lora_B")
+
+
+def without_adapters(model: nn.Module) -> nn.Module:
+    """A module tree holding ``model``'s own tensors under their names, adapters left out.
+
+    The same parameter and buffer objects (sharded ones stay sharded), so loading a base
+    checkpoint into the view fills the model's base weights, and the view's ``state_dict()`` is
+    what the model had before its adapters went in.
+    """
+    view = nn.Module()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if is_adapter(name):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = view
+        for part in parent_name.split(".") if parent_name else []:
+            child = dict(parent.named_children()).get(part)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        if isinstance(tensor, nn.Parameter):
+            parent.register_parameter(leaf, tensor)
+        else:
+            parent.register_buffer(leaf, tensor)
+    return view
+
+
 @torch.no_grad()
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state with every adapter folded into its base weight (``W + scale * B @ A``)
