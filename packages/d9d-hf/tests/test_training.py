@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from d9d.hf import CausalLMTask, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf import (
+    CausalLMTask,
+    PretrainedModelConfig,
+    ScratchModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_task,
+)
 from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3ModelProvider
 from d9d.loop import (
     AutoDataProvider,
@@ -25,6 +32,7 @@ from d9d.loop import (
     BuildForwardInputsContext,
     ComputeLossContext,
     ForwardBackwardFinished,
+    OptimizerStepFinished,
     ProjectConfig,
     TrainingConfigurator,
 )
@@ -56,7 +64,12 @@ class _Tokens:
 
 
 def _train(
-    directory: Path, mesh: dict[str, int], export: Path | None = None, *, clip: bool = True
+    directory: Path | ScratchModelConfig,
+    mesh: dict[str, int],
+    export: Path | None = None,
+    *,
+    clip: bool = True,
+    export_initial: Path | None = None,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -74,7 +87,13 @@ def _train(
         }
     )
     losses: list[float] = []
-    provider = Qwen3ModelProvider(PretrainedModelConfig(source=str(directory), attention_backend="eager"))
+    grad_norms: list[float] = []
+    model = (
+        directory
+        if isinstance(directory, ScratchModelConfig)
+        else PretrainedModelConfig(source=str(directory), attention_backend="eager")
+    )
+    provider = Qwen3ModelProvider(model)
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
@@ -88,8 +107,11 @@ def _train(
     ).configure()
     with trainer:
         trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.events.subscribe(OptimizerStepFinished, lambda event: grad_norms.append(event.grad_norm))
+        if export_initial is not None:
+            trainer.export(export_initial)
         trainer.train()
-        result: dict[str, Any] = {"losses": losses}
+        result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
         if export is not None:
             trainer.export(export)
         if mesh == {}:
@@ -153,14 +175,15 @@ def test_pipeline_with_tied_embeddings_trains_and_exports_for_transformers(
     checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
 ) -> None:
     # PP=2 x FSDP=2; the embedding and the LM head are two copies kept equal across stages.
-    # No clipping: the loop's global norm counts both copies (see the provider's docstring).
-    reference = _reference(checkpoints["tied"], clip=False)
+    # Clipping on: the global norm counts the tied weight once, as one process does.
+    reference = _reference(checkpoints["tied"])
+    assert max(reference["grad_norms"]) > 1.0  # max_norm 1.0 really clips
     export = tmp_path / "export"
     mesh = {"pipeline_parallel": 2, "data_parallel_shard": 2}
-    train = functools.partial(_train, clip=False)
-    results = run_distributed(train, checkpoints["tied"], mesh, export, world_size=4, timeout_s=180)
+    results = run_distributed(_train, checkpoints["tied"], mesh, export, world_size=4, timeout_s=180)
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], atol=1e-4, rtol=1e-4)
     assert (export / "tokenizer.json").exists() == (checkpoints["tied"] / "tokenizer.json").exists()
     hf = helpers.hf_model(export)
     with torch.no_grad():
@@ -184,3 +207,34 @@ def test_task_weights_each_microbatch_by_its_target_tokens() -> None:
     )
     assert result.loss.item() == pytest.approx((3 + 4 + 5 + 6) / 4)
     assert result.loss_weight == 4.0
+
+
+def test_pipeline_from_scratch_starts_with_equal_tied_copies(tmp_path: Path) -> None:
+    # PP=2, freshly initialized: the last stage's head takes the first stage's embedding before
+    # step 1. The export of the initial values (the tied weight from the first stage) started in
+    # one process must then train to the same losses and gradient norms.
+    config = ScratchModelConfig.model_validate(
+        {
+            "config": {
+                "model_type": "qwen3",
+                "vocab_size": 128,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "num_hidden_layers": 2,
+                "tie_word_embeddings": True,
+            },
+            "attention_backend": "eager",
+        }
+    )
+    initial = tmp_path / "initial"
+    mesh = {"pipeline_parallel": 2}
+    results = run_distributed(
+        functools.partial(_train, export_initial=initial), config, mesh, world_size=2, timeout_s=180
+    )
+    reference = run_distributed(_train, initial, {}, world_size=1, timeout_s=120)[0]
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], atol=1e-4, rtol=1e-4)

@@ -39,9 +39,9 @@ class TiedStageCopies:
     """The copies of ``tie_word_embeddings`` held by the first and the last pipeline stage.
 
     State: the process group of the ranks holding a copy (one per position in the other mesh
-    dims), found at the first step by asking the pipeline group; whether the values came from a
-    checkpoint (then equal already). A freshly initialized last-stage copy takes the first
-    stage's values at the first step (after that step's forward; later steps are exact).
+    dims), found by asking the pipeline group once the stages are ready (``align``); whether the
+    values came from a checkpoint (then equal already). ``align`` gives a freshly initialized
+    last-stage copy the first stage's values before the first step.
     """
 
     def __init__(self) -> None:
@@ -71,18 +71,32 @@ class TiedStageCopies:
         self._ready = True
 
     @torch.no_grad()
+    def align(
+        self, dist_context: DistributedContext, stages: Sequence[tuple[PipelineStageInfo, nn.Module]]
+    ) -> list[nn.Parameter]:
+        """Joins the copies' group and equalizes their values; collective over the pipeline group.
+
+        Returns:
+            This rank's copies other than the first stage's: their gradient duplicates the first
+            stage's after ``sum_gradients``, so the gradient norm must leave them out.
+        """
+        copies, holds_first = tied_copies(stages)
+        if not self._ready:
+            self._join(dist_context, bool(copies), holds_first)
+        if copies and not self._loaded:
+            self._align_values(copies)
+        return copies[1:] if holds_first else copies
+
+    @torch.no_grad()
     def sum_gradients(
         self, dist_context: DistributedContext, stages: Sequence[tuple[PipelineStageInfo, nn.Module]]
     ) -> None:
         """Sums the copies' gradients (local shards, identically sharded on both stages)."""
         copies, holds_first = tied_copies(stages)
-        first_step = not self._ready
-        if first_step:
+        if not self._ready:  # stages_ready was skipped: values are left as they are
             self._join(dist_context, bool(copies), holds_first)
         if not copies:
             return
-        if first_step and not self._loaded:
-            self._align_values(copies)
         total = torch.zeros_like(_local(copies[0]))
         for copy in copies:
             if copy.grad is not None:
@@ -95,7 +109,7 @@ class TiedStageCopies:
             _local(copy.grad).copy_(total)
 
     def _align_values(self, copies: list[nn.Parameter]) -> None:
-        """Gives every copy the first stage's values."""
+        """Gives every copy the first stage's values (broadcast from the first stage's rank)."""
         value = _local(copies[0]).clone()
         if self._group is not None:
             dist.broadcast(value, src=self._source_rank, group=self._group)

@@ -82,6 +82,8 @@ from d9d.loop._model_provider import (
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
+    StagesReadyContext,
+    StagesReadyResult,
 )
 from d9d.loop._nonfinite_guard import NonFiniteError
 from d9d.loop._optional_import import MissingExtraError
@@ -211,6 +213,8 @@ __all__ = [
     "SkipNonFinite",
     "SleepFinished",
     "SleepStarted",
+    "StagesReadyContext",
+    "StagesReadyResult",
     "StepFailedError",
     "StepFinished",
     "StepStarted",

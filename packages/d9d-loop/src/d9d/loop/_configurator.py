@@ -20,7 +20,7 @@ from d9d.loop._evaluation_wiring import wire_metrics
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._gradient_manager import GradientManager
-from d9d.loop._model_provider import ModelProvider
+from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._nonfinite_guard import NonFiniteGuard
 from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
@@ -144,6 +144,10 @@ class TrainingConfigurator:
         program = self._build_program()
         stages = self._build_stages(dist_context, program)
         models = [s.model for s in stages]
+        # Collective on every rank: e.g. a fresh tied head takes the first stage's embedding.
+        ready = self._model_provider.stages_ready(
+            StagesReadyContext(dist_context=dist_context, stages=[(s.stage, s.model) for s in stages])
+        )
         self._events.publish(ModelReady(model_stages=tuple(models)))
         batches = self._build_data(dist_context)
         total_steps = config.max_steps or (config.epochs or 1) * batches.steps_per_epoch
@@ -165,6 +169,7 @@ class TrainingConfigurator:
             bucket_size_mb=config.gradient_bucket_size_mb,
             clipping=config.gradient_clipping,
             pp_group=dist_context.pipeline_group() if program is not None else None,
+            norm_duplicates=ready.norm_duplicates,
         )
         return Trainer(
             TrainerParts(

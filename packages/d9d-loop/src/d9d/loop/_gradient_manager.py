@@ -31,12 +31,14 @@ class GradientManager:
         bucket_size_mb: float,
         clipping: GradientClippingConfig,
         pp_group: ProcessGroup | None,
+        norm_duplicates: Sequence[nn.Parameter] = (),
     ) -> None:
         # Parameter objects are fixed once the stages are materialized: list them once, not per step.
         self._parameters = [p for stage in stages for p in stage.parameters()]
         self._dp = data_parallel_size
         self._clipping = clipping
         self._pp_group = pp_group
+        self._norm_duplicates = list(norm_duplicates)  # counted once elsewhere, clipped alike
         self._pending_scale = 1.0
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
@@ -77,6 +79,7 @@ class GradientManager:
             norm_type=self._clipping.norm_type,
             pp_group=self._pp_group,
             grad_scale=scale,
+            exclude_from_norm=self._norm_duplicates,
         )
 
     def close(self) -> None:

@@ -116,6 +116,32 @@ class FinalizeGradientsContext(Generic[ModelT]):
     stages: Sequence[tuple[PipelineStageInfo, ModelT]]
 
 
+@dataclass(kw_only=True, frozen=True)
+class StagesReadyContext(Generic[ModelT]):
+    """Input of ``ModelProvider.stages_ready``: this rank's stages, built and initialized or loaded.
+
+    Attributes:
+        dist_context: The job's distributed context.
+        stages: This rank's stages and their models, in increasing stage order.
+    """
+
+    dist_context: DistributedContext
+    stages: Sequence[tuple[PipelineStageInfo, ModelT]]
+
+
+@dataclass(kw_only=True, frozen=True)
+class StagesReadyResult:
+    """What the loop should know about parameters that span stages.
+
+    Attributes:
+        norm_duplicates: Parameters of this rank whose gradient duplicates another parameter's
+            (after ``finalize_gradients``), e.g. the last stage's copy of a tied embedding: left out
+            of the global gradient norm so that the weight counts once, still clipped alike.
+    """
+
+    norm_duplicates: Sequence[nn.Parameter] = ()
+
+
 class ModelProvider(ABC, Generic[ModelT]):
     """Builds and distributes the model, one pipeline stage at a time.
 
@@ -151,6 +177,16 @@ class ModelProvider(ABC, Generic[ModelT]):
         """
         del context
         return EstimateFlopsResult()
+
+    def stages_ready(self, context: StagesReadyContext[ModelT]) -> StagesReadyResult:
+        """Runs once, on every rank, after all of the rank's stages are built and initialized.
+
+        May run collectives (every rank calls it, at the same point): e.g. copy a freshly
+        initialized tied embedding from the first stage to the last. Returns nothing to note by
+        default.
+        """
+        del context
+        return StagesReadyResult()
 
     def finalize_gradients(self, context: FinalizeGradientsContext[ModelT]) -> None:
         """Runs once per step after data-parallel gradient sync and before clipping.

@@ -28,6 +28,8 @@ from d9d.loop import (
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
+    StagesReadyContext,
+    StagesReadyResult,
 )
 from d9d.mesh import DistributedContext
 from d9d.state_mappers import SafetensorsCheckpoint
@@ -66,8 +68,10 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
     With a ``source`` each stage reads only its own tensors, each rank only its slice of them
     (``load_model_stage``); a head the checkpoint lacks keeps its fresh initialization. Export
     writes config.json, the tensors under transformers' names and the source's tokenizer files.
-    Under pipeline parallelism a tied embedding lives on the first and the last stage; their
-    gradients are summed every step (``finalize_gradients``), so both copies stay equal.
+    Under pipeline parallelism a tied embedding lives on the first and the last stage: a fresh
+    last-stage copy takes the first stage's values (``stages_ready``), their gradients are summed
+    every step (``finalize_gradients``), so both copies stay equal, and the last stage's copy is
+    left out of the gradient norm (it counts once, as in one process).
 
     Args:
         config: The ``model:`` section (``PretrainedModelConfig`` or ``ScratchModelConfig``).
@@ -145,11 +149,21 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
 
+    def stages_ready(self, context: StagesReadyContext[Qwen3ModelBase]) -> StagesReadyResult:
+        """Under PP with tied embeddings: copies the first stage's embedding to the last stage."""
+        if not self._tied_across_stages(context.dist_context):
+            return StagesReadyResult()
+        return StagesReadyResult(norm_duplicates=self._tied.align(context.dist_context, context.stages))
+
+    def _tied_across_stages(self, dist_context: DistributedContext) -> bool:
+        return (
+            dist_context.parameters.pipeline_parallel > 1
+            and self._resolve(dist_context).config.tie_word_embeddings
+        )
+
     def finalize_gradients(self, context: FinalizeGradientsContext[Qwen3ModelBase]) -> None:
         """Sums the gradients of a tied embedding's two copies (first and last pipeline stage)."""
-        if context.dist_context.parameters.pipeline_parallel == 1:
-            return
-        if not self._resolve(context.dist_context).config.tie_word_embeddings:
+        if not self._tied_across_stages(context.dist_context):
             return
         self._tied.sum_gradients(context.dist_context, context.stages)
 
