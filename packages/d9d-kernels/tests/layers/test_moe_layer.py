@@ -104,3 +104,28 @@ def test_local_dispatch_groups_tokens_by_expert() -> None:
     torch.testing.assert_close(per_expert, torch.tensor([2, 3, 3]))
     torch.testing.assert_close(tokens.reshape(-1), torch.tensor([0.0, 2.0, 1.0, 2.0, 3.0, 0.0, 1.0, 3.0]))
     torch.testing.assert_close(dispatcher.combine(tokens), hidden)  # 0.5 * t + 0.5 * t
+
+
+def test_collected_load_balancing_loss_is_handed_to_the_caller_once() -> None:
+    torch.manual_seed(0)
+    attached = MoELayer(HIDDEN, EXPERTS, TOP_K, INTERMEDIATE, load_balancing_loss_coefficient=0.5)
+    collected = MoELayer(
+        HIDDEN,
+        EXPERTS,
+        TOP_K,
+        INTERMEDIATE,
+        load_balancing_loss_coefficient=0.5,
+        collect_load_balancing_loss=True,
+    )
+    collected.load_state_dict(attached.state_dict())
+    hidden = torch.randn(12, HIDDEN)
+    attached(hidden).sum().backward()
+    out = collected(hidden)
+    loss = collected.pop_load_balancing_loss()
+    assert loss is not None and collected.pop_load_balancing_loss() is None
+    (out.sum() + loss).backward()  # the caller adds it: the same gradients as attaching it
+    assert collected.router.weight.grad is not None and attached.router.weight.grad is not None
+    torch.testing.assert_close(collected.router.weight.grad, attached.router.weight.grad)
+    with torch.no_grad():
+        collected.eval()(hidden)
+    assert collected.pop_load_balancing_loss() is None  # nothing outside training

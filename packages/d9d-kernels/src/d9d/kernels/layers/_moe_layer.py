@@ -24,7 +24,10 @@ class MoELayer(nn.Module):
     Load-balancing loss: with ``load_balancing_loss_coefficient`` set, the Switch-Transformer loss
     of every training forward is added to the backward pass (its gradient times the coefficient
     flows into the router) without changing the output, and its detached value is kept in
-    ``last_load_balancing_loss`` for logging.
+    ``last_load_balancing_loss`` for logging. With ``collect_load_balancing_loss=True`` the layer
+    attaches nothing: ``pop_load_balancing_loss()`` hands ``coefficient * loss`` (with its graph)
+    to the caller, who adds it to the objective with the weight it gives the main loss (so that
+    its share does not depend on how a batch is split into microbatches).
 
     Auxiliary-loss-free balancing: with ``expert_bias=True`` the layer counts tokens per expert in
     ``tokens_per_expert`` (summed over forwards) and ``update_expert_bias(rate)`` moves the router's
@@ -41,6 +44,8 @@ class MoELayer(nn.Module):
         renormalize: Renormalize the top-k weights to sum to one.
         expert_bias: Keep a selection bias per expert (auxiliary-loss-free balancing).
         load_balancing_loss_coefficient: Weight of the load-balancing loss; None disables it.
+        collect_load_balancing_loss: Keep the weighted loss for ``pop_load_balancing_loss``
+            instead of adding its gradient in backward.
         dispatcher: Token dispatcher; a ``LocalTokenDispatcher`` when None.
         init_std: Standard deviation of the truncated-normal initialization.
     """
@@ -59,6 +64,7 @@ class MoELayer(nn.Module):
         renormalize: bool = True,
         expert_bias: bool = False,
         load_balancing_loss_coefficient: float | None = None,
+        collect_load_balancing_loss: bool = False,
         dispatcher: TokenDispatcher | None = None,
         init_std: float = 0.02,
     ) -> None:
@@ -67,6 +73,8 @@ class MoELayer(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
+        self.collect_load_balancing_loss = collect_load_balancing_loss
+        self._pending_load_balancing_loss: torch.Tensor | None = None
         self.router = TopKRouter(
             hidden_size,
             num_experts,
@@ -116,11 +124,23 @@ class MoELayer(nn.Module):
         output = self.dispatcher.combine(self.experts(tokens, tokens_per_local_expert))
         if self.shared_expert is not None:
             output = output + self.shared_expert(hidden)
+        self._pending_load_balancing_loss = None
         if self.load_balancing_loss_coefficient is not None and self.training:
             loss = load_balancing_loss(routing.scores, routing.expert_indices, self.num_experts)
             self.last_load_balancing_loss = loss.detach()
-            output = attach_auxiliary_loss(output, loss, self.load_balancing_loss_coefficient)
+            if self.collect_load_balancing_loss:
+                self._pending_load_balancing_loss = self.load_balancing_loss_coefficient * loss
+            else:
+                output = attach_auxiliary_loss(output, loss, self.load_balancing_loss_coefficient)
         return output.reshape(shape)
+
+    def pop_load_balancing_loss(self) -> torch.Tensor | None:
+        """``coefficient * loss`` of the last training forward (collect mode), then forgets it.
+
+        None outside training, without a coefficient, or when the layer attaches the loss itself.
+        """
+        loss, self._pending_load_balancing_loss = self._pending_load_balancing_loss, None
+        return loss
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
