@@ -190,7 +190,11 @@ class TrainingConfigurator:
                 evaluator=wired.evaluator,
                 checkpointer=self._build_checkpointer(dist_context, models, optimizer),
                 exporter=ModelExporter(
-                    provider=self._model_provider, stages=stages, dist_context=dist_context
+                    provider=self._model_provider,
+                    stages=stages,
+                    dist_context=dist_context,
+                    peft=config.peft,
+                    base_model=None if config.initialization.source is None else str(config.initialization.source),
                 ),
                 tracker=self._build_tracker(dist_context),
                 instruments=build_run_instruments(

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from d9d.loop._model_provider import ModelProvider, PrepareExportModelStageContext
 from d9d.loop._model_stage_factory import BuiltStage
+from d9d.loop.peft import FullFineTuningConfig, PeftConfig
+from d9d.loop.peft._export import export_view, write_peft_layout
 from d9d.mesh import DistributedContext
 from d9d.state_mappers import save_module_state
 
@@ -38,7 +40,13 @@ class ModelExporter:
         provider: ModelProvider[Any],
         stages: Sequence[BuiltStage[Any]],
         dist_context: DistributedContext,
+        peft: PeftConfig | None = None,
+        base_model: str | None = None,
     ) -> None:
+        """``peft``: with LoRA, export the merged model or the adapters alone (PEFT's format, its
+        ``base_model_name_or_path`` set to ``base_model``)."""
+        self._peft: PeftConfig = peft or FullFineTuningConfig()
+        self._base_model = base_model
         self._provider = provider
         self._stages = stages
         self._dist = dist_context
@@ -77,11 +85,13 @@ class ModelExporter:
                         dist_context=self._dist, stage=built.stage, model=built.model
                     )
                 )
-                extra_files.update(result.files)
+                module, mapper, with_files = export_view(built.model, result.state_mapper, self._peft)
+                if with_files:
+                    extra_files.update(result.files)
                 save_module_state(
                     parts / f"stage_{built.stage.current_stage:05d}",
-                    built.model,
-                    result.state_mapper,
+                    module,
+                    mapper,
                     process_group=self._dist.stage_group(),
                     show_progress=self._dist.is_main_process,
                 )
@@ -97,6 +107,7 @@ class ModelExporter:
                     files.update(outcome[1])
             try:
                 _merge(parts, staging, files)
+                write_peft_layout(staging, self._peft, base_model=self._base_model)
                 _replace(staging, target, overwrite=overwrite)
             except Exception as e:
                 errors.append(f"rank {self._dist.rank} (merging): {type(e).__name__}: {e}")

@@ -29,6 +29,9 @@ class LoRAConfig(BaseModel):
         dropout: Dropout on the adapter's input (training only).
         trainable: A regular expression of parameter names trained in full beside the adapters
             (a fresh classification head, say); None: only the adapters.
+        export: What ``Trainer.export`` writes: ``merged``, the plain model with every adapter
+            folded into its weight (``W + alpha / r * B @ A``) through the provider's export
+            mapper; or ``adapters``, PEFT's ``adapter_model.safetensors`` + ``adapter_config.json``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,6 +42,7 @@ class LoRAConfig(BaseModel):
     alpha: float = Field(default=16.0, gt=0)
     dropout: float = Field(default=0.0, ge=0, lt=1)
     trainable: str | None = None
+    export: Literal["merged", "adapters"] = "merged"
 
 
 PeftConfig = Annotated[FullFineTuningConfig | LoRAConfig, Field(discriminator="kind")]

@@ -103,10 +103,27 @@ def without_adapters(model: nn.Module) -> nn.Module:
     checkpoint into the view fills the model's base weights, and the view's ``state_dict()`` is
     what the model had before its adapters went in.
     """
+    return view_of({k: v for k, v in model.state_dict(keep_vars=True).items() if not is_adapter(k)})
+
+
+@torch.no_grad()
+def merged_view(model: nn.Module) -> nn.Module:
+    """A module tree with the plain model's state: each adapted ``weight`` is a new tensor
+    ``W + scale * B @ A`` (a DTensor where the layer is sharded), adapters left out, every other
+    tensor ``model``'s own. Export saves it through the provider's export mapper."""
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if not is_adapter(k)}
+    for name, module in _named_modules(model):
+        if isinstance(module, LoRALinear):
+            key = f"{name}.weight" if name else "weight"
+            state[key] = (module.weight + module.delta_weight().to(module.weight.dtype)).detach()
+    return view_of(state)
+
+
+def view_of(state: dict[str, torch.Tensor]) -> nn.Module:
+    """A module tree holding ``state``'s tensors under their dotted names (parameters stay
+    parameters, the rest are buffers)."""
     view = nn.Module()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if is_adapter(name):
-            continue
+    for name, tensor in state.items():
         parent_name, _, leaf = name.rpartition(".")
         parent = view
         for part in parent_name.split(".") if parent_name else []:
