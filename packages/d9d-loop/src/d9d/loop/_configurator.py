@@ -194,7 +194,9 @@ class TrainingConfigurator:
                     stages=stages,
                     dist_context=dist_context,
                     peft=config.peft,
-                    base_model=None if config.initialization.source is None else str(config.initialization.source),
+                    base_model=None
+                    if config.initialization.source is None
+                    else str(config.initialization.source),
                 ),
                 tracker=self._build_tracker(dist_context),
                 instruments=build_run_instruments(
