@@ -8,8 +8,6 @@ export and gives the single-process model's logits.
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +44,16 @@ PROBE = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(
 class _Tokens:
     """16 rows of 16 tokens; odd rows pack two documents, even rows mask a 5-token prompt."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, identical: bool = False) -> None:
         generator = torch.Generator().manual_seed(3)
         self.ids = torch.randint(0, 128, (16, SEQ), generator=generator)
+        self.identical = identical  # every row row 1: any split gives equal microbatches
 
     def __len__(self) -> int:
         return 16
 
     def __getitem__(self, index: int) -> TokenSample:
+        index = 1 if self.identical else index
         ids = self.ids[index]
         if index % 2:
             documents = torch.tensor([0] * 6 + [1] * (SEQ - 6))
@@ -70,6 +70,8 @@ def _train(
     *,
     clip: bool = True,
     export_initial: Path | None = None,
+    microbatch_size: int = 2,
+    identical_rows: bool = False,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -77,7 +79,7 @@ def _train(
             "trainer": {
                 "max_steps": STEPS,
                 "global_batch_size": 8,
-                "microbatch_size": 2,
+                "microbatch_size": microbatch_size,
                 "logging": {"progress_bar": False},
                 "device": "cpu",
                 "gradient_clipping": {"max_norm": 1.0 if clip else None},
@@ -100,7 +102,9 @@ def _train(
         model_provider=provider,
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
-            dataset_factory=lambda _: _Tokens(), collator=TokenBatch.collate, config=config.data
+            dataset_factory=lambda _: _Tokens(identical=identical_rows),
+            collator=TokenBatch.collate,
+            config=config.data,
         ),
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
@@ -134,36 +138,20 @@ def _reference(directory: Path, *, clip: bool = True) -> dict[str, Any]:
     return _REFERENCES[key]
 
 
-@pytest.fixture(scope="module")
-def moe_without_aux_loss(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The MoE checkpoint with ``router_aux_loss_coef: 0``.
-
-    The load-balancing loss is attached inside each MoE layer per forward, so its gradient
-    weighs once per microbatch: one process with 4 microbatches and 4 ranks with 1 each
-    weigh it differently (a known limitation, not an EP matter).
-    """
-    directory = tmp_path_factory.mktemp("moe") / "no_aux"
-    shutil.copytree(checkpoints["moe"], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["router_aux_loss_coef"] = 0.0
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 LAYOUTS = [
     ("dense", {"data_parallel_shard": 4}),  # FSDP
     ("dense", {"data_parallel_replicate": 2, "data_parallel_shard": 2}),  # HSDP
     ("dense", {"tensor_parallel": 2, "data_parallel_shard": 2}),  # TP with sequence parallelism x FSDP
     ("dense", {"context_parallel_shard": 2, "data_parallel_shard": 2}),  # CP (packed rows, windows) x FSDP
-    ("moe_without_aux_loss", {"expert_parallel": 2, "data_parallel_shard": 4}),  # EP inside FSDP blocks
+    ("moe", {"expert_parallel": 2, "data_parallel_shard": 4}),  # EP inside FSDP, load-balancing loss on
 ]
 
 
 @pytest.mark.parametrize(("checkpoint", "mesh"), LAYOUTS)
 def test_layout_trains_to_the_single_process_losses(
-    checkpoints: dict[str, Path], request: pytest.FixtureRequest, checkpoint: str, mesh: dict[str, int]
+    checkpoints: dict[str, Path], checkpoint: str, mesh: dict[str, int]
 ) -> None:
-    directory = checkpoints.get(checkpoint) or request.getfixturevalue(checkpoint)
+    directory = checkpoints[checkpoint]
     expected = _reference(directory)["losses"]
     results = run_distributed(_train, directory, mesh, world_size=4, timeout_s=180)
     assert len(expected) == STEPS
@@ -238,3 +226,23 @@ def test_pipeline_from_scratch_starts_with_equal_tied_copies(tmp_path: Path) -> 
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], atol=1e-4, rtol=1e-4)
+
+
+def test_load_balancing_loss_weighs_the_same_for_any_number_of_microbatches(
+    checkpoints: dict[str, Path],
+) -> None:
+    # Identical rows: 1, 2 or 4 microbatches of a batch of 8 are the same data, so the
+    # (per-microbatch) load-balancing loss and every gradient must not change with the split.
+    runs = [
+        run_distributed(
+            functools.partial(_train, microbatch_size=size, identical_rows=True),
+            checkpoints["moe"],
+            {},
+            world_size=1,
+            timeout_s=120,
+        )[0]
+        for size in (8, 4)
+    ]
+    for run in runs[1:]:
+        torch.testing.assert_close(run["losses"], runs[0]["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(run["grad_norms"], runs[0]["grad_norms"], atol=1e-5, rtol=1e-5)

@@ -87,6 +87,15 @@ class Qwen3Backbone(nn.Module):
                     layer.mlp.tokens_per_expert, dtype=torch.float32
                 )
 
+    def pop_load_balancing_loss(self) -> torch.Tensor | None:
+        """Sum of this stage's weighted load-balancing losses of the last training forward, if any."""
+        losses = [
+            loss
+            for layer in self.decoder_layers()
+            if isinstance(layer.mlp, MoELayer) and (loss := layer.mlp.pop_load_balancing_loss()) is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
+
     def decoder_layers(self) -> list[Qwen3DecoderLayer]:
         """This stage's decoder layers in order."""
         return [layer for layer in self.layers.values() if isinstance(layer, Qwen3DecoderLayer)]

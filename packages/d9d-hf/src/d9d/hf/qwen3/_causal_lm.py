@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from d9d.hf.qwen3._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
 from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
 from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
@@ -21,7 +22,8 @@ class Qwen3CausalLM(Qwen3ModelBase):
     ``(tokens, vocab)`` logits never exist; ``logits`` is for inference. The step's loss is
     ``losses.sum() / (labels != -100).sum()``, as transformers computes it. On MoE layers the
     load-balancing loss (``router_aux_loss_coef`` times each layer's Switch loss) is added to the
-    backward pass in training mode.
+    backward pass in training mode, as if added to every target token's loss: the gradient of
+    that mean is the gradient of ``loss + aux``, the microbatch's weight applies to both.
 
     Tied embeddings (``tie_word_embeddings``): when one module holds both ends, ``lm_head.weight``
     *is* ``model.embed_tokens.weight``. Under pipeline parallelism the last stage holds its own
@@ -92,7 +94,11 @@ class Qwen3CausalLM(Qwen3ModelBase):
         labels = handoff.get("labels")
         if labels is None:
             raise ValueError("the causal-LM forward computes the loss and needs Qwen3Inputs.labels")
-        return self.lm_head(handoff["hidden_states"], labels)
+        losses = self.lm_head(handoff["hidden_states"], labels)
+        rows = handoff.get(LOAD_BALANCING_KEY)
+        if rows is None or not rows.requires_grad:
+            return losses
+        return attach_to_target_losses(losses, rows.sum(), labels != -100)
 
     def loss(
         self,

@@ -63,6 +63,7 @@ class Qwen3DecoderLayer(nn.Module):
                 moe.intermediate_size,
                 renormalize=moe.norm_topk_prob,
                 load_balancing_loss_coefficient=moe.router_aux_loss_coef or None,
+                collect_load_balancing_loss=True,  # weighted like the loss: see _auxiliary_loss
                 init_std=std,
             )
         else:

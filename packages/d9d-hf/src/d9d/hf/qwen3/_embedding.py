@@ -51,7 +51,8 @@ class Qwen3Embedding(Qwen3ModelBase):
         handoff = self.run_backbone(inputs)
         if self.head is None:
             return handoff
-        return self.head(handoff["hidden_states"], handoff.get("attention_mask"))
+        vectors = self.head(handoff["hidden_states"], handoff.get("attention_mask"))
+        return self.attach_load_balancing_loss(vectors, handoff)
 
     def embed(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings ``(batch, hidden)`` of the whole model."""

@@ -12,7 +12,8 @@ StageHandoff = dict[str, torch.Tensor]
 """What a non-last pipeline stage returns and the next one takes.
 
 Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``,
-``labels`` and ``attention_mask`` when the batch had them. A plain dict of tensors, so any
+``labels`` and ``attention_mask`` when the batch had them; ``load_balancing_loss`` ``(batch,)``
+on MoE models with ``router_aux_loss_coef``. A plain dict of tensors, so any
 pipeline transport and microbatch split can carry it.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from d9d.hf.qwen3._auxiliary_loss import LOAD_BALANCING_KEY, add_stage_share, attach_to_target_losses
 from d9d.hf.qwen3._backbone import Qwen3Backbone
 from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig, qwen3_spec
 from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
@@ -84,7 +85,23 @@ class Qwen3ModelBase(nn.Module):
             position_ids=handoff["position_ids"],
             document_ids=handoff.get("document_ids"),
         )
-        return {**handoff, "hidden_states": hidden}
+        out = {**handoff, "hidden_states": hidden}
+        moe = self.spec.moe
+        if moe is not None and moe.router_aux_loss_coef:  # the same keys in training and eval
+            out[LOAD_BALANCING_KEY] = add_stage_share(
+                handoff.get(LOAD_BALANCING_KEY), self.model.pop_load_balancing_loss(), hidden.shape[0]
+            )
+        return out
+
+    def attach_load_balancing_loss(self, output: torch.Tensor, handoff: StageHandoff) -> torch.Tensor:
+        """The head's ``output``, whose backward adds the load-balancing loss's gradient (weight 1).
+
+        For heads whose loss is not a per-token mean (the causal-LM head weights it by target).
+        """
+        rows = handoff.get(LOAD_BALANCING_KEY)
+        if rows is None or not rows.requires_grad:
+            return output
+        return attach_to_target_losses(output, rows.sum(), None)
 
     def require_whole_model(self, what: str) -> None:
         """Raises unless this module is the whole model (first and last stage)."""

@@ -73,7 +73,8 @@ class Qwen3SequenceClassification(Qwen3ModelBase):
         handoff = self.run_backbone(inputs)
         if self.score is None:
             return handoff
-        return self.score(handoff["hidden_states"], handoff.get("attention_mask"))
+        logits = self.score(handoff["hidden_states"], handoff.get("attention_mask"))
+        return self.attach_load_balancing_loss(logits, handoff)
 
     def classify(
         self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
