@@ -8,8 +8,13 @@ from typing import NoReturn
 from tqdm import tqdm
 
 
+# What the bar shows, in this order (every metric still goes to the trackers): the bar is read at
+# a glance, so timing splits, memory and task metrics stay out of it unless named here.
+BAR_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu", "memory/peak_gib")
+
+
 class ProgressBar:
-    """A tqdm bar over optimizer steps showing the latest metrics; does nothing when disabled."""
+    """A tqdm bar over optimizer steps showing the key metrics; does nothing when disabled."""
 
     def __init__(self, *, total: int, initial: int, enabled: bool) -> None:
         self._bar: tqdm[NoReturn] | None = None
@@ -20,7 +25,10 @@ class ProgressBar:
         """Advances one step and shows ``metrics``."""
         if self._bar is None:
             return
-        self._bar.set_postfix({k: _short(v) for k, v in metrics.items()}, refresh=False)
+        shown = {k: _short(metrics[k]) for k in BAR_METRICS if k in metrics}
+        if "tokens_per_s" in shown:
+            shown.pop("samples_per_s", None)
+        self._bar.set_postfix(shown, refresh=False)
         self._bar.update(1)
 
     def close(self) -> None:
