@@ -7,7 +7,6 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
-
 # What the bar shows, in this order (every metric still goes to the trackers): the bar is read at
 # a glance, so timing splits, memory and task metrics stay out of it unless named here.
 BAR_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu", "memory/peak_gib")
