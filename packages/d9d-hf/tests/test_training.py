@@ -44,10 +44,11 @@ PROBE = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(
 class _Tokens:
     """16 rows of 16 tokens; odd rows pack two documents, even rows mask a 5-token prompt."""
 
-    def __init__(self, *, identical: bool = False) -> None:
+    def __init__(self, *, identical: bool = False, documents: bool = True) -> None:
         generator = torch.Generator().manual_seed(3)
         self.ids = torch.randint(0, 128, (16, SEQ), generator=generator)
         self.identical = identical  # every row row 1: any split gives equal microbatches
+        self.documents = documents  # False: no document_ids at all (one document per row)
 
     def __len__(self) -> int:
         return 16
@@ -55,6 +56,8 @@ class _Tokens:
     def __getitem__(self, index: int) -> TokenSample:
         index = 1 if self.identical else index
         ids = self.ids[index]
+        if not self.documents:
+            return TokenSample(input_ids=ids, labels=ids.clone())
         if index % 2:
             documents = torch.tensor([0] * 6 + [1] * (SEQ - 6))
             return TokenSample(input_ids=ids, labels=ids.clone(), document_ids=documents)
@@ -72,6 +75,7 @@ def _train(
     export_initial: Path | None = None,
     microbatch_size: int = 2,
     identical_rows: bool = False,
+    documents: bool = True,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -102,7 +106,7 @@ def _train(
         model_provider=provider,
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
-            dataset_factory=lambda _: _Tokens(identical=identical_rows),
+            dataset_factory=lambda _: _Tokens(identical=identical_rows, documents=documents),
             collator=TokenBatch.collate,
             config=config.data,
         ),
@@ -126,14 +130,18 @@ def _train(
     return result
 
 
-_REFERENCES: dict[tuple[str, bool], dict[str, Any]] = {}
+_REFERENCES: dict[tuple[str, bool, bool], dict[str, Any]] = {}
 
 
-def _reference(directory: Path, *, clip: bool = True) -> dict[str, Any]:
-    key = (str(directory), clip)
+def _reference(directory: Path, *, clip: bool = True, documents: bool = True) -> dict[str, Any]:
+    key = (str(directory), clip, documents)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_distributed(
-            functools.partial(_train, clip=clip), directory, {}, world_size=1, timeout_s=120
+            functools.partial(_train, clip=clip, documents=documents),
+            directory,
+            {},
+            world_size=1,
+            timeout_s=120,
         )[0]
     return _REFERENCES[key]
 
@@ -177,6 +185,28 @@ def test_pipeline_with_tied_embeddings_trains_and_exports_for_transformers(
     with torch.no_grad():
         logits = hf(PROBE).logits
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "mesh"),
+    [
+        ("dense", {"pipeline_parallel": 2}),  # the shape pass without document ids (no value reads)
+        # MoE stages state their outputs (StageOutputMeta): routing cannot run on meta tensors
+        ("moe", {"pipeline_parallel": 2, "data_parallel_shard": 2, "expert_parallel": 2}),
+    ],
+)
+def test_pipeline_without_document_ids_trains_to_the_single_process_losses(
+    checkpoints: dict[str, Path], checkpoint: str, mesh: dict[str, int]
+) -> None:
+    directory = checkpoints[checkpoint]
+    expected = _reference(directory, documents=False)
+    world_size = 2 if mesh == {"pipeline_parallel": 2} else 4
+    train = functools.partial(_train, documents=False)
+    results = run_distributed(train, directory, mesh, world_size=world_size, timeout_s=180)
+    assert len(expected["losses"]) == STEPS
+    for result in results:
+        torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(result["grad_norms"], expected["grad_norms"], atol=1e-4, rtol=1e-4)
 
 
 def test_task_weights_each_microbatch_by_its_target_tokens() -> None:

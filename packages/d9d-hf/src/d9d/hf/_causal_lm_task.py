@@ -99,15 +99,22 @@ class CausalLMTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, Causal
         batch = ctx.batch
         labels = batch.input_ids if batch.labels is None else batch.labels
         targets = causal_lm_targets(labels, document_ids=batch.document_ids, ignore_index=IGNORE_INDEX)
-        document_ids, position_ids = resolve_positions(batch.input_ids, batch.document_ids, None)
         shard = self._shard
         local_targets = shard(targets)
-        inputs = Qwen3Inputs(
-            input_ids=shard(batch.input_ids),
-            labels=local_targets,
-            document_ids=None if document_ids is None else shard(document_ids),
-            position_ids=shard(position_ids),
-        )
+        document_ids = batch.document_ids
+        if self._cp_mesh is None and document_ids is None:
+            # One document per row: the model numbers the positions itself.
+            inputs = Qwen3Inputs(input_ids=batch.input_ids, labels=local_targets)
+        else:
+            if document_ids is None:  # a cut row's positions jump: state its one document
+                document_ids = torch.zeros_like(batch.input_ids)
+            document_ids, position_ids = resolve_positions(batch.input_ids, document_ids, None)
+            inputs = Qwen3Inputs(
+                input_ids=shard(batch.input_ids),
+                labels=local_targets,
+                document_ids=None if document_ids is None else shard(document_ids),
+                position_ids=shard(position_ids),
+            )
         return BuildForwardInputsResult(
             input=inputs,
             shared=None,

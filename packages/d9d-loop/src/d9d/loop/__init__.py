@@ -97,6 +97,7 @@ from d9d.loop._providers import (
     OptimizerProviderContext,
 )
 from d9d.loop._sleep import SleepFinished, SleepStarted, TensorOffloader, WakeFinished, WakeStarted
+from d9d.loop._stage_output_meta import StageOutputMeta
 from d9d.loop._task import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -213,6 +214,7 @@ __all__ = [
     "SkipNonFinite",
     "SleepFinished",
     "SleepStarted",
+    "StageOutputMeta",
     "StagesReadyContext",
     "StagesReadyResult",
     "StepFailedError",

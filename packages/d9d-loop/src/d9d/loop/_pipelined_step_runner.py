@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from d9d.loop._gradient_manager import GradientManager
+from d9d.loop._stage_output_meta import StageOutputMeta
 from d9d.loop._step_runner import MicrobatchTotals, loss_weight_of
 from d9d.loop._task import ComputeLossContext, TrainTask
 from d9d.mesh import map_tree, shard_tree, tree_tensors
@@ -20,7 +21,7 @@ class PipelineStageAdapter(nn.Module):
     The first stage's input may be a dataclass; it travels through the executor as a flat dict
     of tensors (split into microbatches there) and is rebuilt here. Output shapes come from a
     meta-device copy of the stage taken before parallelization, so the trial forward never
-    touches the sharded parameters.
+    touches the sharded parameters; a stage implementing ``StageOutputMeta`` states them itself.
     """
 
     def __init__(self, model: nn.Module, meta_model: nn.Module, *, is_first: bool) -> None:
@@ -44,8 +45,11 @@ class PipelineStageAdapter(nn.Module):
         return self.model(self._unflatten(inputs), shared)
 
     def pipeline_output_meta(self, inputs: Any, shared: Any) -> Any:
-        """Shapes of the stage's outputs, from the meta-device copy."""
-        return self._meta_model[0](self._unflatten(inputs), shared)
+        """Shapes of the stage's outputs, from the meta-device copy (its ``StageOutputMeta`` if any)."""
+        meta_model = self._meta_model[0]
+        if isinstance(meta_model, StageOutputMeta):
+            return meta_model.pipeline_output_meta(self._unflatten(inputs), shared)
+        return meta_model(self._unflatten(inputs), shared)
 
 
 class PipelinedStepRunner:

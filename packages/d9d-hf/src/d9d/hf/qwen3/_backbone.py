@@ -112,6 +112,7 @@ class Qwen3Backbone(nn.Module):
         *,
         position_ids: torch.Tensor,
         document_ids: torch.Tensor | None = None,
+        run_layers: bool = True,
     ) -> torch.Tensor:
         """Runs this stage's layers (and the final norm on the last stage).
 
@@ -119,9 +120,12 @@ class Qwen3Backbone(nn.Module):
             hidden_states: ``(batch, seq, hidden)``.
             position_ids: ``(batch, seq)`` rotary positions.
             document_ids: ``(batch, seq)`` packed-document ids, or None for one sequence per row.
+            run_layers: False skips the decoder layers (identity: each keeps the residual
+                stream's shape and dtype), for the pipeline's meta-device shape pass.
         """
+        layers = self.decoder_layers() if run_layers else []
         position_embeddings = self.rotary_emb(position_ids, dtype=hidden_states.dtype)
-        for layer in self.decoder_layers():
+        for layer in layers:
             if self.activation_checkpointing and self.training:
                 output = torch.utils.checkpoint.checkpoint(
                     layer, hidden_states, position_embeddings, document_ids, use_reentrant=False

@@ -57,7 +57,13 @@ class Qwen3Inputs:
 def resolve_positions(
     input_ids: torch.Tensor, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(document_ids, position_ids)`` completed from whichever of the two was given."""
+    """``(document_ids, position_ids)`` completed from whichever of the two was given.
+
+    Decided from which tensors are given, never from their values, so that it runs on the meta
+    device (the pipeline's shape pass) and yields the same keys there as on real data: positions
+    given without document ids always give document ids (Hugging Face packing), neither gives
+    ``0..seq-1`` and no document ids.
+    """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if position_ids is None:
@@ -66,7 +72,7 @@ def resolve_positions(
             position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         else:
             position_ids = position_ids_from_document_ids(document_ids)
-    elif document_ids is None and bool((position_ids[:, 1:] != position_ids[:, :-1] + 1).any()):
+    elif document_ids is None:
         document_ids = document_ids_from_position_ids(position_ids)
     return document_ids, position_ids
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -48,6 +50,20 @@ class Qwen3ModelBase(nn.Module):
             activation_checkpointing=activation_checkpointing,
             attention_backend=attention_backend,
         )
+        self._layers_as_identity = False
+
+    def pipeline_output_meta(self, inputs: Qwen3Inputs | StageHandoff, shared: Any) -> Any:
+        """The forward's output for meta ``inputs``, the decoder layers taken as identity.
+
+        d9d-loop's ``StageOutputMeta``: MoE routing (token counts per expert) cannot run on the
+        meta device, and every decoder layer keeps the residual stream's shape and dtype, so the
+        embedding, hand-off and head alone give the output's structure, shapes and dtypes.
+        """
+        self._layers_as_identity = True
+        try:
+            return self(inputs, shared)
+        finally:
+            self._layers_as_identity = False
 
     def reset_parameters(self) -> None:
         """Re-initializes the backbone (heads extend this)."""
@@ -84,6 +100,7 @@ class Qwen3ModelBase(nn.Module):
             handoff["hidden_states"],
             position_ids=handoff["position_ids"],
             document_ids=handoff.get("document_ids"),
+            run_layers=not self._layers_as_identity,
         )
         out = {**handoff, "hidden_states": hidden}
         moe = self.spec.moe
