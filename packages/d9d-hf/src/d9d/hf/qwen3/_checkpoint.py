@@ -10,6 +10,7 @@ from typing import Any
 
 import pydantic
 import torch
+from torch import nn
 
 from d9d.hf._head import HeadName
 from d9d.hf.qwen3._causal_lm import Qwen3CausalLM
@@ -18,6 +19,7 @@ from d9d.hf.qwen3._embedding import Qwen3Embedding
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
 from d9d.hf.qwen3._sequence_classification import Qwen3SequenceClassification
 from d9d.hf.qwen3._state_mapper import HF_HEAD_TENSORS, hf_prefix, qwen3_export_mapper, qwen3_load_mapper
+from d9d.loop.peft import without_adapters
 from d9d.state_mappers import (
     CastMapper,
     ParallelMapper,
@@ -88,8 +90,21 @@ def hf_architecture(config: Qwen3DenseConfig | Qwen3MoeConfig, head: HeadName) -
             return f"{family}Model"
 
 
+def base_state_module(module: nn.Module) -> nn.Module:
+    """``module``'s own tensors under their names, without LoRA adapters (``d9d.loop.peft``).
+
+    An HF checkpoint holds the base model only: with adapters injected (a LoRA run), they are
+    no target of loading or checking; they start at ``B = 0`` afterwards. The same tensor
+    objects, so loading into the view fills ``module`` (sharded tensors stay sharded).
+    """
+    return without_adapters(module)
+
+
 def _state_specs(model: Qwen3ModelBase) -> dict[str, TensorSpec]:
-    return {name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for name, t in model.state_dict().items()}
+    return {
+        name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype)
+        for name, t in base_state_module(model).state_dict().items()
+    }
 
 
 def check_checkpoint(checkpoint: SafetensorsCheckpoint, model: Qwen3ModelBase) -> None:
@@ -126,17 +141,18 @@ def load_qwen3_weights(
     """Fills a materialized (possibly sharded, possibly one-stage) Qwen3 model from an HF checkpoint.
 
     Each stage reads only its own tensors, each DTensor rank only its slice; tensors are cast to
-    the model's dtypes on the way.
+    the model's dtypes on the way. LoRA adapters in ``model`` are left alone.
     """
     checkpoint = source if isinstance(source, SafetensorsCheckpoint) else SafetensorsCheckpoint(source)
     check_checkpoint(checkpoint, model)
-    targets = model.state_dict()
+    target = base_state_module(model)
+    targets = target.state_dict()
     mapper = qwen3_load_mapper(
         model.spec, head_of(model), source_names=checkpoint.specs.keys(), target_names=targets.keys()
     )
     dtypes = {name: tensor.dtype for name, tensor in targets.items()}
     casts = ParallelMapper([CastMapper(name, dtype) for name, dtype in dtypes.items()])
-    load_module_state(checkpoint, model, SequentialMapper([mapper, casts]), show_progress=show_progress)
+    load_module_state(checkpoint, target, SequentialMapper([mapper, casts]), show_progress=show_progress)
 
 
 def export_config(model: Qwen3ModelBase, dtype: torch.dtype) -> dict[str, Any]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from d9d.hf.qwen3._checkpoint import check_checkpoint, head_of, load_qwen3_weights
+from d9d.hf.qwen3._causal_lm import Qwen3CausalLM
+from d9d.hf.qwen3._checkpoint import base_state_module, check_checkpoint, head_of, load_qwen3_weights
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf.qwen3._sequence_classification import Qwen3SequenceClassification
 from d9d.hf.qwen3._state_mapper import qwen3_load_mapper
 from d9d.state_mappers import (
     CastMapper,
@@ -41,12 +43,13 @@ def has_fresh_head(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> 
 
 
 def _casts(module: nn.Module) -> StateMapper:
-    return ParallelMapper([CastMapper(name, t.dtype) for name, t in module.state_dict().items()])
+    state = base_state_module(module).state_dict()
+    return ParallelMapper([CastMapper(name, t.dtype) for name, t in state.items()])
 
 
 def _backbone_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
-    """Checkpoint -> ``model.model``'s own state names (head tensors dropped unread)."""
-    names = list(model.model.state_dict().keys())
+    """Checkpoint -> ``model.model``'s own state names (head tensors dropped unread, adapters untouched)."""
+    names = list(base_state_module(model.model).state_dict().keys())
     mapper = qwen3_load_mapper(
         model.spec,
         "embedding",  # the head with no tensors: only the backbone is mapped
@@ -67,11 +70,11 @@ def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) 
     fresh = has_fresh_head(model, checkpoint)
     if not fresh:
         check_checkpoint(checkpoint, model)
-    target = model.model if fresh else model
+    target = base_state_module(model.model if fresh else model)
     if fresh:
         mapper = _backbone_mapper(model, checkpoint)
     else:
-        state = model.state_dict()
+        state = target.state_dict()
         mapper = SequentialMapper(
             [
                 qwen3_load_mapper(
@@ -88,18 +91,31 @@ def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) 
     return mapper
 
 
+def _reset_head(model: Qwen3ModelBase) -> None:
+    """Initializes the head alone: drawn first from the stage's seed, its values do not depend on
+    the backbone (whose values the checkpoint replaces) or on adapters injected into it."""
+    if isinstance(model, Qwen3SequenceClassification) and model.score is not None:
+        model.score.reset_parameters()
+    elif isinstance(model, Qwen3CausalLM) and model.lm_head is not None:
+        model.lm_head.reset_parameters()
+
+
 def load_stage_from_checkpoint(
     model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
 ) -> None:
     """Fills a materialized stage: each rank reads its slices; a fresh head is initialized instead.
 
-    Call after ``to_empty`` (the stage's seed set); non-persistent buffers are recomputed.
+    Call after ``to_empty`` (the stage's seed set); non-persistent buffers are recomputed. LoRA
+    adapters get no checkpoint values (the loop resets them to ``B = 0`` afterwards).
     """
     if has_fresh_head(model, checkpoint):
-        model.reset_parameters()
         model.reset_buffers()
+        _reset_head(model)
         load_module_state(
-            checkpoint, model.model, _backbone_mapper(model, checkpoint), show_progress=show_progress
+            checkpoint,
+            base_state_module(model.model),
+            _backbone_mapper(model, checkpoint),
+            show_progress=show_progress,
         )
         return
     model.reset_buffers()

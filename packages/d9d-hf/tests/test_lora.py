@@ -1,0 +1,171 @@
+"""LoRA (d9d.loop.peft) on Qwen3ModelProvider: the base checkpoint loads, step 0 is the base model,
+training moves the adapters, and the merged export is a plain transformers checkpoint.
+
+Two heads: the causal LM of its checkpoint, and a fresh two-class head on the same causal-LM
+checkpoint (trained in full beside the adapters), loaded back with
+``AutoModelForSequenceClassification``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3ModelProvider, Qwen3SequenceClassification
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    BuildForwardInputsContext,
+    BuildForwardInputsResult,
+    ComputeLossContext,
+    ComputeLossResult,
+    ForwardBackwardFinished,
+    ProjectConfig,
+    TaskProviderContext,
+    TrainingConfigurator,
+    TrainTask,
+)
+from d9d.loop.peft import LoRALinear
+from d9d.mesh.testing import run_distributed
+
+SEQ = 12
+PROBE = torch.randint(1, 128, (3, SEQ), generator=torch.Generator().manual_seed(11))  # no pad (0)
+LORA = {"kind": "lora", "target": r"q_proj|v_proj|down_proj", "r": 4, "alpha": 8.0}
+
+
+class _Rows:
+    """16 rows of random tokens (never the pad id 0); the class is the first token's parity."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 128, (16, SEQ), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> TokenSample:
+        ids = self.ids[index]
+        return TokenSample(input_ids=ids, labels=ids.clone())
+
+
+@dataclass(kw_only=True)
+class _Classes:
+    labels: torch.Tensor
+
+
+class _ClassifyTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, _Classes]):
+    """Cross-entropy of the class logits against the first token's parity."""
+
+    def build_forward_inputs(
+        self, ctx: BuildForwardInputsContext[TokenBatch]
+    ) -> BuildForwardInputsResult[Qwen3Inputs, None, _Classes]:
+        ids = ctx.batch.input_ids
+        return BuildForwardInputsResult(
+            input=Qwen3Inputs(input_ids=ids), shared=None, state=_Classes(labels=ids[:, 0] % 2)
+        )
+
+    def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, _Classes]) -> ComputeLossResult:
+        return ComputeLossResult(
+            loss=F.cross_entropy(ctx.pipeline_results, ctx.state.labels), loss_weight=None
+        )
+
+
+def _classify_task(_: TaskProviderContext) -> _ClassifyTask:
+    return _ClassifyTask()
+
+
+def _train(
+    directory: Path, head: str, peft: dict[str, Any], steps: int, export: Path | None
+) -> dict[str, Any]:
+    config = ProjectConfig.model_validate(
+        {
+            "trainer": {
+                "max_steps": steps,
+                "global_batch_size": 8,
+                "microbatch_size": 4,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+                "peft": peft,
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.02, "weight_decay": 0.0},
+        }
+    )
+    classify = head == "sequence_classification"
+    model_config = PretrainedModelConfig.model_validate(
+        {
+            "source": str(directory),
+            "head": head,
+            "attention_backend": "eager",
+            **({"num_labels": 2} if classify else {}),
+        }
+    )
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=Qwen3ModelProvider(model_config),
+        task_provider=_classify_task if classify else causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    losses: list[float] = []
+    with trainer:
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.train()
+        model = trainer.model_stages[0]
+        model.eval()
+        with torch.no_grad():
+            if isinstance(model, Qwen3SequenceClassification):
+                logits = model.classify(PROBE)
+            else:
+                assert isinstance(model, Qwen3CausalLM)
+                logits = model.logits(PROBE)
+        adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        if export is not None:
+            trainer.export(export)
+    return {
+        "losses": losses,
+        "logits": logits,
+        "num_adapted": len(adapters),
+        "max_lora_b": max((float(m.lora_B.abs().max()) for m in adapters), default=0.0),
+    }
+
+
+def _run(*args: Any) -> dict[str, Any]:
+    return run_distributed(_train, *args, world_size=1, timeout_s=180)[0]
+
+
+@pytest.mark.parametrize(
+    ("head", "extra"),
+    [
+        ("causal_lm", {}),  # the checkpoint's own head, adapters only
+        ("sequence_classification", {"trainable": "score"}),  # a fresh head, trained in full
+    ],
+)
+def test_lora_loads_the_base_checkpoint_trains_and_exports_a_merged_model(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any, head: str, extra: dict[str, Any]
+) -> None:
+    directory = checkpoints["dense"]  # a causal-LM checkpoint: a classifier head starts fresh
+    base = _run(directory, head, {"kind": "full"}, 1, None)
+    export = tmp_path / "export"
+    lora = _run(directory, head, {**LORA, **extra}, 4, export)
+
+    # 3 layers x (q, v, down); B = 0 at step 0, a fresh head drawn alike: the base model's loss
+    assert lora["num_adapted"] == 9
+    torch.testing.assert_close(lora["losses"][0], base["losses"][0], atol=1e-6, rtol=1e-6)
+    assert all(torch.isfinite(torch.tensor(lora["losses"])))
+    assert lora["max_lora_b"] > 0  # the adapters trained, so the merge changes the weights
+
+    hf = helpers.hf_model(export, head)
+    with torch.no_grad():
+        hf_logits = hf(PROBE).logits
+    torch.testing.assert_close(hf_logits, lora["logits"], atol=1e-4, rtol=1e-4)
