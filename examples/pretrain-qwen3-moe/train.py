@@ -66,10 +66,7 @@ class ProgressionRows:
         return self._ids.shape[0]
 
     def __getitem__(self, index: int) -> TokenSample:
-        ids = self._ids[index]
-        # One document per row, said explicitly: a pipeline's trial forward on meta tensors then
-        # need not inspect the positions (which it cannot).
-        return TokenSample(input_ids=ids, document_ids=torch.zeros_like(ids))
+        return TokenSample(input_ids=self._ids[index])  # one document per row
 
 
 def run(config: PretrainConfig) -> tuple[list[float], Path]:
