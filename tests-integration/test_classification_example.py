@@ -1,0 +1,72 @@
+"""examples/classification: a short CPU run reports AUROC and F1 on the held-out split, AUROC
+well above chance, and the inference pass writes one JSONL line per held-out sample."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "classification"
+
+
+def test_script_without_arguments_prints_usage() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py")], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 2
+    assert "usage: train.py CONFIG.yaml" in result.stderr
+
+
+def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py"), str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert str(missing) in result.stderr
+
+
+def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path) -> None:
+    config = (EXAMPLE / "config.yaml").read_text()
+    config = config.replace("runs/classification", str(tmp_path / "runs"))
+    for old, new in [
+        ("max_steps: 60", "max_steps: 24"),
+        ("every_steps: 20", "every_steps: 12"),
+        ("train_samples: 2048", "train_samples: 768"),
+        ("eval_samples: 256", "eval_samples: 100"),  # not a multiple of the inference batch (64)
+        ("warmup: {steps: 10}", "warmup: {steps: 3}"),
+        ("lr: 0.003", "lr: 0.005"),
+    ]:
+        assert old in config, old
+        config = config.replace(old, new)
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    pattern = r"eval after (\d+) steps: eval/loss=([\d.]+) eval/auroc=([\d.]+) eval/f1=([\d.]+)"
+    reports = [(int(s), float(auroc), float(f1)) for s, _, auroc, f1 in re.findall(pattern, result.stdout)]
+    assert [s for s, _, _ in reports] == [12, 24], result.stdout
+    _, auroc, f1 = reports[-1]
+    assert auroc > 0.8, result.stdout
+    assert 0.0 < f1 <= 1.0
+
+    lines = (tmp_path / "runs" / "predictions.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 100
+    assert [r["id"] for r in records] == list(range(768, 868))
+    assert all(r["label"] in (0, 1) and 0.0 <= r["score"] <= 1.0 for r in records)
+    assert (tmp_path / "runs" / "export" / "config.json").is_file()
