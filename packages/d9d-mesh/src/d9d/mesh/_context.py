@@ -279,11 +279,10 @@ class DistributedContext:
 
         A collective that does not finish within ``timeout`` raises instead of hanging.
         """
-        # torch has no public setter for a live group's timeout; this is the one it uses itself.
-        set_pg_timeout = cast(
-            Callable[[timedelta, ProcessGroup | None], None],
-            dist.distributed_c10d.__dict__["_set_pg_timeout"],
-        )
+        # Newer torch has a public setter for a live group's timeout (torch.distributed.set_timeout);
+        # older releases (2.11) only the private one it replaced.
+        setter = dist.__dict__.get("set_timeout") or dist.distributed_c10d.__dict__["_set_pg_timeout"]
+        set_pg_timeout = cast(Callable[[timedelta, ProcessGroup | None], None], setter)
         set_pg_timeout(timeout, None)
         for mesh in self._meshes.values():
             for group in mesh.get_all_groups():
