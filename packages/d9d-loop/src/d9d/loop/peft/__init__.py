@@ -1,6 +1,7 @@
 """Parameter-efficient fine-tuning: LoRA adapters injected by name, the rest frozen."""
 
 from d9d.loop.peft._config import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.peft._grouped import GroupedExperts, GroupedLoRAExperts
 from d9d.loop.peft._inject import (
     LoRATargetError,
     apply_peft,
@@ -15,6 +16,8 @@ from d9d.loop.peft._lora import LoRALinear
 
 __all__ = [
     "FullFineTuningConfig",
+    "GroupedExperts",
+    "GroupedLoRAExperts",
     "LoRAConfig",
     "LoRALinear",
     "LoRATargetError",

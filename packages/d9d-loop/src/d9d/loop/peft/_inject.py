@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from d9d.loop.peft._config import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.peft._grouped import GroupedLoRAExperts, grouped_weight_names
 from d9d.loop.peft._lora import LoRALinear
 
 
@@ -24,7 +25,9 @@ class LoRATargetError(ValueError):
 
 
 def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
-    """Replaces every ``nn.Linear`` whose name matches ``config.target`` by a ``LoRALinear``.
+    """Replaces every ``nn.Linear`` whose name matches ``config.target`` by a ``LoRALinear``, and
+    every grouped-experts module (direct 3-d ``(E, in, out)`` weights, see ``GroupedExperts``)
+    with a matching ``<module>.<weight>`` name by a ``GroupedLoRAExperts`` adapting those weights.
 
     Works on the meta device (before parallelization and initialization); the new layer keeps
     the base layer's device and dtype. Then freezes every parameter but the adapters and those
@@ -41,7 +44,13 @@ def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     pattern = re.compile(config.target)
     linears = [(n, m) for n, m in _named_modules(model) if type(m) is nn.Linear]
     chosen = [(n, m) for n, m in linears if pattern.search(n)]
-    if not chosen:
+    grouped = [
+        (n, m, [w for w in grouped_weight_names(m) if pattern.search(f"{n}.{w}" if n else w)])
+        for n, m in _named_modules(model)
+        if not isinstance(m, nn.Linear)
+    ]
+    grouped = [(n, m, w) for n, m, w in grouped if w]
+    if not chosen and not grouped:
         some = ", ".join(n for n, _ in linears[:8]) or "none"
         raise LoRATargetError(
             f"peft.target={config.target!r} matches no linear layer of {type(model).__name__} "
@@ -61,13 +70,30 @@ def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             )
         except ValueError as e:
             raise ValueError(f"peft: layer '{name}': {e}") from e
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, adapted)
+        _replace(model, name, adapted)
+    for name, base, weights in grouped:
+        if config.dropout > 0:
+            raise ValueError(
+                f"peft: layer '{name}': LoRA on grouped expert weights has no dropout "
+                f"(peft.dropout={config.dropout}); set dropout: 0 or narrow peft.target"
+            )
+        try:
+            grouped_adapted = GroupedLoRAExperts(base, weights, r=config.r, alpha=config.alpha)
+        except ValueError as e:
+            raise ValueError(f"peft: layer '{name}': {e}") from e
+        _replace(model, name, grouped_adapted)
     trainable = re.compile(config.trainable) if config.trainable is not None else None
     for name, parameter in model.named_parameters():
         is_adapter = name.endswith(("lora_A", "lora_B"))
         parameter.requires_grad_(is_adapter or (trainable is not None and bool(trainable.search(name))))
-    return [n for n, _ in chosen]
+    return [n for n, _ in chosen] + [n for n, _, _ in grouped]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    if not parent_name and not child:
+        raise ValueError("peft: the root module itself cannot be replaced by an adapted layer")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def apply_peft(model: nn.Module, config: PeftConfig) -> None:
@@ -82,7 +108,7 @@ def apply_peft(model: nn.Module, config: PeftConfig) -> None:
 def reset_adapters(model: nn.Module) -> None:
     """Gives every adapter its initial value (after the base weights were loaded from a source)."""
     for module in model.modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, LoRALinear | GroupedLoRAExperts):
             module.reset_lora_parameters()
 
 
@@ -116,6 +142,9 @@ def merged_view(model: nn.Module) -> nn.Module:
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
             state[key] = (module.weight + module.delta_weight().to(module.weight.dtype)).detach()
+        elif isinstance(module, GroupedLoRAExperts):
+            for weight, value in module.merged_weights().items():
+                state[f"{name}.{weight}" if name else weight] = value.detach()
     return view_of(state)
 
 
@@ -148,4 +177,8 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
             state[key] = module.weight + module.delta_weight().to(module.weight.dtype)
+        elif isinstance(module, GroupedLoRAExperts):
+            for weight in module.adapted:
+                key = f"{name}.{weight}" if name else weight
+                state[key] = module.merged_weights()[weight]
     return state

@@ -52,8 +52,8 @@ class LoRALinear(nn.Linear):
     def reset_lora_parameters(self) -> None:
         """A Kaiming uniform (as ``nn.Linear``'s weight), B zero: the update starts at zero."""
         with torch.no_grad():
-            _fill(self.lora_A, lambda full: nn.init.kaiming_uniform_(full, a=math.sqrt(5)))
-            _fill(self.lora_B, nn.init.zeros_)
+            fill_adapter(self.lora_A, lambda full: nn.init.kaiming_uniform_(full, a=math.sqrt(5)))
+            fill_adapter(self.lora_B, nn.init.zeros_)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(input), self.lora_A), self.lora_B)
@@ -64,7 +64,7 @@ class LoRALinear(nn.Linear):
         return self.scale * (self.lora_B @ self.lora_A)
 
 
-def _fill(parameter: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+def fill_adapter(parameter: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
     """Initializes a parameter from a full CPU tensor, sliced per rank for a DTensor (so every
     layout starts from the same adapters as one process)."""
     if parameter.device.type == "meta":
