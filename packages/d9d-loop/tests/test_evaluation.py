@@ -23,6 +23,7 @@ from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
     EventBus,
+    StepFailedError,
     StepFinished,
     TrainingConfigurator,
 )
@@ -107,3 +108,73 @@ def test_evaluation_without_data_is_refused_before_anything_starts() -> None:
             optimizer_provider=AutoOptimizerProvider(config.optimizer),
             lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
         )
+
+
+class _KilledError(RuntimeError):
+    """Stands in for a job killed mid-run."""
+
+
+def _records_of_run(
+    directory: str, *, kill_at: int | None = None
+) -> tuple[list[dict[str, float]], float | None]:
+    trainer_section: dict[str, Any] = {
+        "max_steps": 8,
+        "logging": {"progress_bar": False, "every_steps": 5},
+        # "max" on a falling loss: the best is the first evaluation's, which a resumed run never sees.
+        "evaluation": {"every_steps": 2, "best": {"metric": "eval/loss", "mode": "max"}},
+        "checkpoint": {"directory": directory, "every_steps": 4},
+    }
+    events = EventBus()
+    records: list[dict[str, float]] = []
+
+    def record(event: StepFinished) -> None:
+        records.append({"step": float(event.step), **event.metrics})
+        if event.step == kill_at:
+            raise _KilledError(f"killed after step {event.step}")
+
+    events.subscribe(StepFinished, record)
+    trainer = build_classifier_trainer(classification_config(trainer=trainer_section), events=events)
+    if kill_at is None:
+        trainer.train()
+    else:
+        with pytest.raises(StepFailedError, match="_KilledError: killed after step"):
+            trainer.train()
+    evaluator = trainer._p.evaluator  # pyright: ignore[reportPrivateUsage]
+    best = evaluator.best if evaluator is not None else None
+    trainer.close()
+    return records, best
+
+
+def _straight_and_resumed(straight_dir: str, resumed_dir: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    straight, straight_best = _records_of_run(straight_dir)
+    torch.manual_seed(0)
+    # Killed during step 5: the last checkpoint (after step 3) is mid logging window (steps 1..5).
+    first, first_best = _records_of_run(resumed_dir, kill_at=5)
+    resumed, resumed_best = _records_of_run(resumed_dir)
+    return {
+        "straight": straight,
+        "straight_best": straight_best,
+        "first": first,
+        "first_best": first_best,
+        "resumed": resumed,
+        "resumed_best": resumed_best,
+    }
+
+
+def test_best_so_far_and_the_training_metrics_window_survive_a_resume(tmp_path: Path) -> None:
+    result = run_distributed(_straight_and_resumed, str(tmp_path / "a"), str(tmp_path / "b"), world_size=1)[0]
+    straight = {int(r["step"]): r for r in result["straight"]}
+    resumed = {int(r["step"]): r for r in result["resumed"]}
+    assert sorted(resumed) == [4, 5, 6, 7]  # the second run continues from the checkpoint after step 3
+    assert result["first_best"] == max(r["eval/loss"] for r in result["first"] if "eval/loss" in r)
+    # The best so far is carried over: the resumed run's best is over the evaluations of both runs.
+    assert result["resumed_best"] == result["straight_best"]
+    for step in (5, 7):  # evaluations after the resume
+        assert resumed[step]["eval/loss/best"] == straight[step]["eval/loss/best"]
+    # No evaluation after the resume beat the saved best, so none was checkpointed as one (step 6).
+    saved = sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("step_"))
+    assert saved == ["step_000000004", "step_000000008"]
+    # Step 5 closes the logging window of steps 1..5, which straddles the resume.
+    for name in ("accuracy", "auroc", "f1/f1", "loss"):
+        assert resumed[5][name] == straight[5][name], name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,15 @@ class Evaluator:
         created = task.create_metrics(CreateMetricsContext(purpose="evaluation"))
         self._metrics = MetricSet(created.metrics, contributes=contributes)
         self.best: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best result so far (the same on every rank; saved with the trainer state)."""
+        return {"best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the best result so far, so a resumed run checkpoints only real improvements."""
+        best = state.get("best")
+        self.best = None if best is None else float(best)
 
     def is_due(self, step: int) -> bool:
         """Whether to evaluate after ``step`` optimizer steps."""

@@ -210,6 +210,9 @@ class Trainer:
             "trainer": ObjectState(self._trainer_state, self._load_trainer_state),
             f"rng_rank{p.dist_context.rank}": RandomState(),
         }
+        if p.train_metrics:
+            # Each rank's partial window (the updates since the last logged step) differs: one key per rank.
+            state[self._metrics_key()] = ObjectState(self._metrics_state, self._load_metrics_state)
         if not with_optimizer:
             del state["optimizer"]
         return state
@@ -219,14 +222,29 @@ class Trainer:
             global_batch_size=self._p.plan.batch.global_batch_size, optimizer=type(self._p.optimizer).__name__
         )
 
+    def _metrics_key(self) -> str:
+        return f"train_metrics_rank{self._p.dist_context.rank}"
+
+    def _metrics_state(self) -> dict[str, Any]:
+        assert self._p.train_metrics is not None
+        state = self._p.train_metrics.state_dict()
+        return {name: {k: v.detach().cpu() for k, v in sums.items()} for name, sums in state.items()}
+
+    def _load_metrics_state(self, state: dict[str, Any]) -> None:
+        assert self._p.train_metrics is not None
+        self._p.train_metrics.load_state_dict(state)
+
     def _trainer_state(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "step": self._step,
             "data": self._p.batches.state_dict(),
             "lr_scheduler": scheduler_state(self._p.lr_scheduler),
             "task": self._p.task.state_dict(),
             "tracker": self._p.tracker.state_dict(),
         }
+        if self._p.evaluator is not None:
+            state["evaluation"] = self._p.evaluator.state_dict()
+        return state
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
@@ -235,6 +253,9 @@ class Trainer:
         scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
         self._p.task.load_state_dict(state["task"])
         self._p.tracker.load_state_dict(state["tracker"])
+        if self._p.evaluator is not None:
+            # A checkpoint from before evaluation was configured has no best yet: none so far.
+            self._p.evaluator.load_state_dict(state.get("evaluation", {}))
 
     def resume(self) -> CheckpointLocation | None:
         """Loads the newest usable checkpoint (verified, else the next older) if resume is on."""
@@ -245,7 +266,7 @@ class Trainer:
         resumed = load_newest_usable(
             checkpointer,
             state=self._checkpoint_state,
-            optional=(f"rng_rank{self._p.dist_context.rank}",),
+            optional=(f"rng_rank{self._p.dist_context.rank}", self._metrics_key()),
             layout=self._layout(),
             options=options,
             logger=self._p.dist_context.logger,
@@ -253,11 +274,14 @@ class Trainer:
         if resumed is None:
             return None
         location, absent = resumed.location, resumed.absent
-        if absent:
+        if f"rng_rank{self._p.dist_context.rank}" in absent:
             # The checkpoint was written by fewer ranks (resharded resume): this rank keeps its seed.
             self._p.dist_context.logger.warning(
                 "%s has no random state for this rank; keeping the seeded one", location.path
             )
+        if self._p.train_metrics and self._metrics_key() in absent:
+            # Fewer ranks, or a checkpoint from before metrics were saved: this rank's window starts empty.
+            self._p.train_metrics.reset()
         if self._p.dist_context.is_main_process:
             self._p.tracker.on_resume(self._step)
         self._p.instruments.resumed()
