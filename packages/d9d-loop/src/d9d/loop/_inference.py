@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._config_trainer import InitializationConfig, NonEmptyPath
@@ -37,7 +37,10 @@ class InferenceConfig(BaseModel):
         global_batch_size: Samples per forward pass over all data-parallel ranks.
         microbatch_size: Samples per microbatch (pipeline parallelism overlaps microbatches).
         weights: A safetensors export (file or directory, read through the provider's state
-            mapper) or a d9d checkpoint directory (``.../step_000000100``).
+            mapper) or a d9d checkpoint directory (``.../step_000000100``). None (``safetensors``
+            only): the provider loads the weights itself in ``load_model_stage``, as d9d-hf's
+            providers do when built from the export (``PretrainedModelConfig(source=<export
+            dir>)``); a provider that loads nothing is then an error.
         weights_format: ``safetensors`` or ``checkpoint``.
         peft: The training run's ``peft`` (a checkpoint of a LoRA run holds its adapters).
         base_weights: With ``peft: {kind: lora}`` and a checkpoint: the base model's safetensors
@@ -51,12 +54,18 @@ class InferenceConfig(BaseModel):
 
     global_batch_size: int = Field(ge=1)
     microbatch_size: int = Field(ge=1)
-    weights: NonEmptyPath
+    weights: NonEmptyPath | None = None
     weights_format: Literal["safetensors", "checkpoint"] = "safetensors"
     peft: PeftConfig = FullFineTuningConfig()
     base_weights: NonEmptyPath | None = None
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _checkpoint_needs_weights(self) -> InferenceConfig:
+        if self.weights_format == "checkpoint" and self.weights is None:
+            raise ValueError("weights_format='checkpoint' needs weights: the checkpoint directory")
+        return self
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -240,7 +249,14 @@ class InferenceConfigurator:
             peft=config.peft,
         )
         stages = [factory.build(info, keep_meta_copy=program is not None) for info in infos]
+        if config.weights is None and not all(s.loaded_by_provider for s in stages):
+            raise ValueError(
+                f"InferenceConfig.weights is unset but {type(self._provider).__name__}.load_model_stage "
+                f"loaded no weights: set weights, or build the provider from the export (d9d-hf: "
+                f"PretrainedModelConfig(source=<export dir>))"
+            )
         if not from_export:
+            assert config.weights is not None  # the config's validator
             dcp.load(
                 {
                     "model": ModelState(

@@ -32,6 +32,7 @@ class BuiltStage(Generic[ModelT]):
     stage: PipelineStageInfo
     model: ModelT
     meta_model: nn.Module | None = None
+    loaded_by_provider: bool = False  # the provider's ``load_model_stage`` gave the values
 
 
 def _reset(module: nn.Module) -> None:
@@ -107,7 +108,10 @@ class ModelStageFactory(Generic[ModelT]):
             if self._config.source is not None:
                 raise ValueError(
                     f"trainer.initialization.source={self._config.source} is set but "
-                    f"{type(self._provider).__name__} loads the model from its own source; set only one"
+                    f"{type(self._provider).__name__} loads the model from its own source; set only one "
+                    f"(for inference from a safetensors export: build the provider from the export, "
+                    f"e.g. d9d-hf's PretrainedModelConfig(source=<export dir>), and leave "
+                    f"InferenceConfig.weights unset)"
                 )
         elif self._config.source is not None:
             if result.state_mapper is None:
@@ -133,7 +137,7 @@ class ModelStageFactory(Generic[ModelT]):
             _reset(model)
         if loaded or self._config.source is not None or shadow is None:
             reset_adapters(model)  # whatever the base weights came from, adapters start at B = 0
-        return BuiltStage(stage=stage, model=model, meta_model=meta_model)
+        return BuiltStage(stage=stage, model=model, meta_model=meta_model, loaded_by_provider=loaded)
 
 
 def _copy_full_into(target: nn.Module, full: nn.Module) -> None:
