@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from loop_classification_job import (
     Batch,
@@ -80,3 +81,22 @@ def test_inference_from_checkpoint_and_export_under_pp2_x_dp2_matches_one_proces
     ranks = run_distributed(_infer, mesh, checkpoint, "checkpoint", world_size=4, timeout_s=240)
     rows = sorted(row for rank_rows in ranks for row in rank_rows)  # the last stage's two dp ranks
     torch.testing.assert_close(torch.tensor(rows), torch.tensor(sorted(single)))
+
+
+def _infer_without_weights() -> None:
+    with pytest.raises(
+        ValueError, match=r"InferenceConfig.weights is unset but StagedProvider.load_model_stage "
+    ):
+        InferenceConfigurator(
+            mesh=MeshParameters(),
+            parameters=InferenceConfig(global_batch_size=8, microbatch_size=2, device="cpu"),
+            model_provider=StagedProvider(),  # loads nothing itself
+            task=Scores(),
+            data=EvaluationData(dataset_factory=lambda d: Points(4, seed=1), collator=collate),
+        ).configure()
+
+
+def test_unset_weights_need_a_provider_that_loads_them() -> None:
+    with pytest.raises(ValueError, match=r"weights_format='checkpoint' needs weights"):
+        InferenceConfig(global_batch_size=8, microbatch_size=2, weights_format="checkpoint")
+    run_distributed(_infer_without_weights, world_size=1)  # never silently random weights
