@@ -13,6 +13,7 @@ from d9d.loop.peft._inject import (
     without_adapters,
 )
 from d9d.loop.peft._lora import LoRALinear
+from d9d.loop.peft._tensor_parallel import place_adapters_like_base
 
 __all__ = [
     "FullFineTuningConfig",
@@ -26,6 +27,7 @@ __all__ = [
     "inject_lora",
     "is_adapter",
     "merged_state",
+    "place_adapters_like_base",
     "reset_adapters",
     "trainable_names",
     "without_adapters",

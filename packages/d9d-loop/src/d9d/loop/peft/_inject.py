@@ -12,11 +12,11 @@ from d9d.loop.peft._grouped import GroupedLoRAExperts, grouped_weight_names
 from d9d.loop.peft._lora import LoRALinear
 
 
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every submodule with its qualified name (the root as ``""``), walked through ``named_children``."""
     named: list[tuple[str, nn.Module]] = [("", model)]
     for child_name, child in model.named_children():
-        named += [(f"{child_name}.{n}" if n else child_name, m) for n, m in _named_modules(child)]
+        named += [(f"{child_name}.{n}" if n else child_name, m) for n, m in named_modules(child)]
     return named
 
 
@@ -42,11 +42,11 @@ def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
         ValueError: When ``r`` exceeds a matched layer's smaller side.
     """
     pattern = re.compile(config.target)
-    linears = [(n, m) for n, m in _named_modules(model) if type(m) is nn.Linear]
+    linears = [(n, m) for n, m in named_modules(model) if type(m) is nn.Linear]
     chosen = [(n, m) for n, m in linears if pattern.search(n)]
     grouped = [
         (n, m, [w for w in grouped_weight_names(m) if pattern.search(f"{n}.{w}" if n else w)])
-        for n, m in _named_modules(model)
+        for n, m in named_modules(model)
         if not isinstance(m, nn.Linear)
     ]
     grouped = [(n, m, w) for n, m, w in grouped if w]
@@ -138,7 +138,7 @@ def merged_view(model: nn.Module) -> nn.Module:
     ``W + scale * B @ A`` (a DTensor where the layer is sharded), adapters left out, every other
     tensor ``model``'s own. Export saves it through the provider's export mapper."""
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if not is_adapter(k)}
-    for name, module in _named_modules(model):
+    for name, module in named_modules(model):
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
             state[key] = (module.weight + module.delta_weight().to(module.weight.dtype)).detach()
@@ -173,7 +173,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state with every adapter folded into its base weight (``W + scale * B @ A``)
     and the adapter tensors left out: the plain model's state (unsharded modules only)."""
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("lora_A", "lora_B"))}
-    for name, module in _named_modules(model):
+    for name, module in named_modules(model):
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
             state[key] = module.weight + module.delta_weight().to(module.weight.dtype)

@@ -40,7 +40,8 @@ class LoRALinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.lora_A = nn.Parameter(torch.empty(r, in_features, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.empty(out_features, r, device=device, dtype=dtype))
-        self.lora_dropout = nn.Dropout(dropout)
+        # a float, not an nn.Dropout child: RowwiseParallel partitions every submodule as a linear
+        self.lora_dropout = dropout
         self.reset_lora_parameters()
 
     def reset_parameters(self) -> None:
@@ -56,7 +57,9 @@ class LoRALinear(nn.Linear):
             fill_adapter(self.lora_B, nn.init.zeros_)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        update = F.linear(F.linear(self.lora_dropout(input), self.lora_A), self.lora_B)
+        update = F.linear(
+            F.linear(F.dropout(input, self.lora_dropout, self.training), self.lora_A), self.lora_B
+        )
         return super().forward(input) + self.scale * update
 
     def delta_weight(self) -> torch.Tensor:
