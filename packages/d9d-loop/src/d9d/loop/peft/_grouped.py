@@ -83,8 +83,10 @@ class GroupedLoRAExperts(nn.Module):
     def delta_weight(self, name: str) -> torch.Tensor:
         """``scale * A @ B`` of shape ``(E, in, out)``, the update the adapters add to ``name``."""
         adapter = self.get_submodule(f"lora_{name}")
-        lora_a, lora_b = adapter.get_parameter("lora_A"), adapter.get_parameter("lora_B")
-        return self.scale * torch.bmm(lora_a, lora_b)
+        if not isinstance(adapter, _ExpertAdapter):
+            raise TypeError(f"lora_{name} is a {type(adapter).__name__}, not a grouped adapter")
+        # attribute reads: under expert parallelism the forward sees the local tensors there
+        return self.scale * torch.bmm(adapter.lora_A, adapter.lora_B)
 
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """Every base parameter and buffer by name, each adapted weight merged."""
