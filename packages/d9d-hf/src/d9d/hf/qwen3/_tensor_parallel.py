@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.loop.peft import place_adapters_like_base
 from d9d.parallel import (
     LocalParameterSlot,
     SequenceParallelNorm,
@@ -98,6 +99,8 @@ def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh
     if backbone.norm is not None:
         plan["norm"] = SequenceParallelNorm()
     parallelize_module(backbone, mesh, plan)
+    # LoRA adapters (d9d.loop.peft) laid out after their column- / row-parallel base weights
+    place_adapters_like_base(backbone)
     for name in ("lm_head", "score", "head"):
         head = getattr(model, name, None)
         if isinstance(head, nn.Module):
