@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from d9d.loop.peft import GroupedLoRAExperts, LoRAConfig, inject_lora
+from d9d.loop.peft import GroupedLoRAExperts, LoRAConfig, inject_lora, merged_state
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import parallelize_expert_parallel
 
@@ -104,7 +104,8 @@ def _train(expert_parallel: bool) -> dict[str, Any]:
             for parameter in model.parameters():
                 if parameter.grad is not None:
                     parameter.sub_(0.5 * parameter.grad)
-    return {"losses": losses, "grads": grads}
+    merged = {n: _full(t) for n, t in merged_state(model).items() if n.startswith("experts.")}
+    return {"losses": losses, "grads": grads, "merged": merged}
 
 
 def test_grouped_lora_under_expert_parallelism_matches_one_process() -> None:
@@ -115,3 +116,7 @@ def test_grouped_lora_under_expert_parallelism_matches_one_process() -> None:
             assert set(got) == {f"experts.lora_{w}.lora_{m}" for w in ("w_in", "w_out") for m in "AB"}
             for name, value in expected.items():
                 torch.testing.assert_close(got[name], value, msg=name)
+        # the merged export (W + scale * A @ B per expert) gathers to the single process's
+        assert set(result["merged"]) == {"experts.w_in", "experts.w_out"}
+        for name, value in single["merged"].items():
+            torch.testing.assert_close(result["merged"][name], value, msg=name)
