@@ -33,7 +33,7 @@ from d9d.loop import (
     TrainingConfigurator,
     TrainTask,
 )
-from d9d.loop.peft import LoRALinear
+from d9d.loop.peft import GroupedLoRAExperts, LoRALinear
 from d9d.mesh.testing import run_distributed
 
 SEQ = 12
@@ -145,6 +145,15 @@ def _train(
         "losses": losses,
         "logits": logits,
         "num_adapted": len(adapters),
+        "num_grouped": sum(isinstance(m, GroupedLoRAExperts) for m in model.modules()),
+        "max_grouped_b": max(
+            (
+                float(_full(p).abs().max())
+                for n, p in model.named_parameters()
+                if "experts.lora_" in n and n.endswith("lora_B")
+            ),
+            default=0.0,
+        ),
         "placements": {
             n: str(p.placements)
             for n, p in model.named_parameters()
@@ -152,6 +161,10 @@ def _train(
         },
         "max_lora_b": max((float(m.lora_B.abs().max()) for m in adapters), default=0.0),
     }
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _run(*args: Any) -> dict[str, Any]:
@@ -207,3 +220,29 @@ def test_lora_under_tensor_parallelism_matches_one_process(
         assert placements["model.layers.0.self_attn.q_proj.lora_B"] == str((Shard(0),))
         assert placements["model.layers.0.mlp.down_proj.lora_A"] == str((Shard(1),))
         assert placements["model.layers.0.mlp.down_proj.lora_B"] == str((Replicate(),))
+
+
+MOE_LORA = {"kind": "lora", "target": r"experts|q_proj", "r": 2, "alpha": 4.0}
+
+
+def test_grouped_lora_on_moe_experts_exports_merged_and_matches_under_expert_parallelism(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
+    directory = checkpoints["moe"]
+    base = _run(directory, "causal_lm", {"kind": "full"}, 1, None)
+    export = tmp_path / "export"
+    single = _run(directory, "causal_lm", MOE_LORA, 2, export)
+    # every MoE layer's experts got per-expert adapters, and they trained
+    assert single["num_grouped"] > 0 and single["max_grouped_b"] > 0
+    torch.testing.assert_close(single["losses"][0], base["losses"][0], atol=1e-6, rtol=1e-6)
+    hf = helpers.hf_model(export, "causal_lm")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(PROBE).logits, single["logits"], atol=1e-4, rtol=1e-4)
+    mesh = {"expert_parallel": 2, "data_parallel_shard": 2}
+    for result in run_distributed(
+        _train, directory, "causal_lm", MOE_LORA, 2, None, mesh, world_size=2, timeout_s=180
+    ):
+        assert result["num_grouped"] == single["num_grouped"]
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(single["losses"]), atol=1e-5, rtol=1e-5
+        )
