@@ -11,16 +11,36 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
-from arithmetic import PAD, arithmetic_prompts, arithmetic_reward, decode
+from arithmetic import (
+    EOS,
+    PAD,
+    all_prompts,
+    arithmetic_prompts,
+    arithmetic_reward,
+    balanced_prompts,
+    decode,
+    greedy_accuracy,
+    shaped_reward,
+)
 from pydantic import BaseModel, ConfigDict
 
 from d9d.hf import ScratchModelConfig
 from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider
 from d9d.loop import AutoLRSchedulerProvider, AutoOptimizerProvider, ProjectConfig, TrainingConfigurator
-from d9d.rl import ColocatedRollouts, EmbeddedRolloutEngine, GRPOLossConfig, GRPOTask, SamplingParams
+from d9d.rl import (
+    ColocatedRollouts,
+    EmbeddedRolloutEngine,
+    GRPOLossConfig,
+    GRPOTask,
+    SamplingParams,
+    stream_weights,
+)
 
 
 class RLConfig(BaseModel):
@@ -30,6 +50,8 @@ class RLConfig(BaseModel):
 
     prompts_per_step: int
     sampling: SamplingParams
+    reward: Literal["exact", "shaped"] = "exact"
+    prompts: Literal["pairs", "balanced"] = "pairs"
     loss: GRPOLossConfig = GRPOLossConfig()
 
 
@@ -40,8 +62,29 @@ class GRPOProjectConfig(ProjectConfig):
     rl: RLConfig
 
 
-def run(config: GRPOProjectConfig) -> ColocatedRollouts:
-    """Trains; returns the rollout source (its ``history`` holds the mean reward of every step)."""
+@dataclass(kw_only=True, frozen=True)
+class RunResult:
+    """What a run measured: the mean reward of every step, greedy accuracy before and after."""
+
+    rewards: list[float]
+    accuracy_before: float
+    accuracy_after: float
+    seconds: float
+
+
+def evaluate(engine: EmbeddedRolloutEngine, *, show: int = 0) -> float:
+    """Greedy accuracy of the engine's current weights over the whole table (55 prompts)."""
+    prompts = all_prompts()
+    samples = engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, stop_token_ids=(EOS,)))
+    completions = [s.token_ids for s in samples]
+    for index in range(0, len(prompts), len(prompts) // show if show else len(prompts) + 1):
+        print(f"{decode(prompts[index])} {decode(completions[index])}", file=sys.stderr)
+    return greedy_accuracy(prompts, completions)
+
+
+def run(config: GRPOProjectConfig) -> RunResult:
+    """Trains; returns the reward of every step and the greedy accuracy before and after."""
+    started = time.perf_counter()
     device = torch.device(config.trainer.device or "cpu")
     torch.manual_seed(config.trainer.seed + 1)  # the engine's model is overwritten by the first stream
     engine = EmbeddedRolloutEngine(
@@ -51,8 +94,8 @@ def run(config: GRPOProjectConfig) -> ColocatedRollouts:
     )
     rollouts = ColocatedRollouts(
         engine=engine,
-        prompts=arithmetic_prompts,
-        reward=arithmetic_reward,
+        prompts=balanced_prompts if config.rl.prompts == "balanced" else arithmetic_prompts,
+        reward=shaped_reward if config.rl.reward == "shaped" else arithmetic_reward,
         sampling=config.rl.sampling,
         prompts_per_step=config.rl.prompts_per_step,
         pad_token_id=PAD,
@@ -68,19 +111,27 @@ def run(config: GRPOProjectConfig) -> ColocatedRollouts:
     ).configure()
     rollouts.attach(trainer)
     with trainer:
+        stream_weights(trainer.model_stages[0], engine)  # the initial weights, to measure "before"
+        before = evaluate(engine)
         trainer.train()
+        engine.wake()
+        stream_weights(trainer.model_stages[0], engine)  # the weights after the last step
+        after = evaluate(engine, show=6)
         if trainer.dist_context.is_main_process:
             for record in rollouts.history[:: max(len(rollouts.history) // 10, 1)]:
                 print(f"step {record.step:4d}  mean reward {record.mean_reward:.3f}", file=sys.stderr)
-            engine.wake()
-            samples = engine.generate(
-                arithmetic_prompts(step=10**6, dp_rank=0, count=6),
-                SamplingParams(max_tokens=2, temperature=0.0, stop_token_ids=(1,)),
-            )
-            prompts = arithmetic_prompts(step=10**6, dp_rank=0, count=6)
-            for prompt, sample in zip(prompts, samples, strict=True):
-                print(f"{decode(prompt)} {decode(sample.token_ids)}", file=sys.stderr)
-    return rollouts
+    seconds = time.perf_counter() - started
+    print(
+        f"greedy accuracy on all 55 prompts: {before:.3f} before, {after:.3f} after "
+        f"({len(rollouts.history)} steps, {seconds:.0f} s)",
+        file=sys.stderr,
+    )
+    return RunResult(
+        rewards=[r.mean_reward for r in rollouts.history],
+        accuracy_before=before,
+        accuracy_after=after,
+        seconds=seconds,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -94,9 +145,18 @@ def main(argv: list[str]) -> int:
         config = config.model_copy(
             update={"trainer": config.trainer.model_copy(update={"max_steps": args.steps})}
         )
-    rollouts = run(config)
+    result = run(config)
     if args.report is not None:
-        args.report.write_text(json.dumps([r.mean_reward for r in rollouts.history]))
+        args.report.write_text(
+            json.dumps(
+                {
+                    "rewards": result.rewards,
+                    "accuracy_before": result.accuracy_before,
+                    "accuracy_after": result.accuracy_after,
+                    "seconds": result.seconds,
+                }
+            )
+        )
     return 0
 
 
