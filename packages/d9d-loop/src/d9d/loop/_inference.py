@@ -16,7 +16,7 @@ from d9d.loop._config_trainer import InitializationConfig, NonEmptyPath
 from d9d.loop._evaluation_data import EvaluationData, first_rows, padded_batches, real_rows_per_microbatch
 from d9d.loop._evaluation_wiring import counts_metrics, forward_runner
 from d9d.loop._forward_runner import ForwardRunner
-from d9d.loop._model_provider import ModelProvider
+from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._task import BuildForwardInputsContext, BuildForwardInputsResult
 from d9d.loop._train_state import ModelState
@@ -265,4 +265,8 @@ class InferenceConfigurator:
                 },
                 checkpoint_id=str(Path(config.weights)),
             )
+        # As in training: collective on every rank (e.g. a tied head takes the first stage's embedding).
+        self._provider.stages_ready(
+            StagesReadyContext(dist_context=dist_context, stages=[(s.stage, s.model) for s in stages])
+        )
         return stages
