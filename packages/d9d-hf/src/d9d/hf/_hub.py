@@ -7,11 +7,7 @@ from pathlib import Path
 
 import huggingface_hub
 
-SNAPSHOT_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -19,7 +15,11 @@ SNAPSHOT_PATTERNS = (
     "merges.txt",
     "added_tokens.json",
     "chat_template.jinja",
+    "generation_config.json",
 )
+"""The tokenizer and generation files of a checkpoint (fetched, and copied into every export)."""
+
+SNAPSHOT_PATTERNS = ("config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES)
 """What a snapshot fetches: the config, the weights with their index, and the tokenizer files."""
 
 

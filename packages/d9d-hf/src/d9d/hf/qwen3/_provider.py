@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from d9d.hf._head import HeadName
-from d9d.hf._hub import resolve_snapshot
+from d9d.hf._hub import TOKENIZER_FILES, resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
 from d9d.hf.qwen3._checkpoint import build_qwen3, export_config, read_qwen3_config
@@ -33,18 +33,6 @@ from d9d.loop import (
 )
 from d9d.mesh import DistributedContext
 from d9d.state_mappers import SafetensorsCheckpoint
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-"""Files copied from the source into every export, when present."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
