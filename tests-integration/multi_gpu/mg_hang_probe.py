@@ -39,8 +39,16 @@ def _collective(device: str) -> None:
         os._exit(0)
     print("PROBE rank 0 enters the second collective", flush=True)
     dist.all_reduce(tensor)
-    float(tensor)  # NCCL: waits on the stream; the NCCL watchdog ends the process
+    float(tensor)  # gloo raises here; NCCL: the watchdog aborts the communicator, so the wait returns
     print("PROBE rank 0: the collective returned without its peer", flush=True)
+    # Carry on as a training loop would. With NCCL the watchdog tears the process down (or the next
+    # collective on the aborted communicator raises); exiting 0 below means nothing ended the job.
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        dist.all_reduce(tensor)
+        float(tensor)
+        time.sleep(0.5)
+    print("PROBE rank 0 carried on for 60 s after the timeout", flush=True)
     os._exit(0)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from d9d.hf import (
     CausalLMTask,
@@ -22,7 +23,7 @@ from d9d.hf import (
     TokenSample,
     causal_lm_task,
 )
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3ModelProvider
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider, parallelize_qwen3
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -34,6 +35,7 @@ from d9d.loop import (
     ProjectConfig,
     TrainingConfigurator,
 )
+from d9d.mesh import DistributedContext, MeshParameters
 from d9d.mesh.testing import run_distributed
 
 SEQ = 16
@@ -276,3 +278,51 @@ def test_load_balancing_loss_weighs_the_same_for_any_number_of_microbatches(
     for run in runs[1:]:
         torch.testing.assert_close(run["losses"], runs[0]["losses"], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(run["grad_norms"], runs[0]["grad_norms"], atol=1e-5, rtol=1e-5)
+
+
+# One data-parallel rank with a bf16 compute dtype: nothing is sharded, so the recipe wraps the
+# stage in one FSDP unit (parameters cast once per step) and must train as the sharded layout does.
+TINY_SCRATCH: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+}
+
+
+def _units(mesh: dict[str, int]) -> tuple[bool, list[bool]]:
+    context = DistributedContext(MeshParameters(**mesh), device_type="cpu")
+    try:
+        with torch.device("meta"):
+            model = Qwen3CausalLM(Qwen3DenseConfig.model_validate(TINY_SCRATCH), attention_backend="eager")
+        parallelize_qwen3(model, dist_context=context, param_dtype=torch.bfloat16)
+        return isinstance(model, FSDPModule), [
+            isinstance(layer, FSDPModule) for layer in model.model.decoder_layers()
+        ]
+    finally:
+        context.close()
+
+
+def test_one_rank_wraps_the_stage_once_and_several_ranks_wrap_each_layer() -> None:
+    root, layers = run_distributed(_units, {}, world_size=1, timeout_s=120)[0]
+    assert root and layers == [False, False]
+    for root, layers in run_distributed(_units, {"data_parallel_shard": 2}, world_size=2, timeout_s=120):
+        assert root and layers == [True, True]
+
+
+def test_one_rank_in_bf16_trains_as_two_sharded_ranks() -> None:
+    config = ScratchModelConfig.model_validate(
+        {"config": TINY_SCRATCH, "param_dtype": "bfloat16", "attention_backend": "eager"}
+    )
+    # (an explicit one-rank mesh: `_train` reads the logits, outside forward, only for `{}`)
+    single = run_distributed(_train, config, {"data_parallel_shard": 1}, world_size=1, timeout_s=120)[0]
+    sharded = run_distributed(_train, config, {"data_parallel_shard": 2}, world_size=2, timeout_s=180)
+    assert len(single["losses"]) == 3
+    for result in sharded:
+        # bf16 compute, float32 master weights and reductions: only the summation order differs
+        torch.testing.assert_close(result["losses"], single["losses"], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(result["grad_norms"], single["grad_norms"], atol=2e-3, rtol=2e-3)

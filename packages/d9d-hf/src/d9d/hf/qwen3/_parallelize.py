@@ -44,7 +44,8 @@ def parallelize_qwen3(
     order matters: tensor parallelism first (it places parameters on the tp mesh dim), then
     context parallelism (an attention backend, no parameters), expert parallelism (the experts
     leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
-    decoder layer and then the rest, so each layer's parameters are gathered only around it.
+    decoder layer and then the rest, so each layer's parameters are gathered only around it (on a
+    single data-parallel rank, one unit for the whole stage: there is nothing to shard).
 
     Args:
         model: The stage, on the meta device.
@@ -69,10 +70,24 @@ def parallelize_qwen3(
                 experts += list(layer.mlp.parameters())
     dp_mesh = _data_parallel_mesh(dense)
     reduce_dtype = None if param_dtype is None else torch.float32
-    for layer in layers:
-        parallelize_hsdp(
-            layer, mesh=dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, ignored_params=experts
-        )
+    # One data-parallel rank shards nothing: per-layer units would only add a gather, a cast and a
+    # reduce per layer and step (host time the GPU waits on), so one unit casts the whole stage once
+    # per step and keeps the cast parameters until backward is done.
+    sharded = dp_mesh.size() > 1
+    if sharded:
+        for layer in layers:
+            parallelize_hsdp(
+                layer,
+                mesh=dp_mesh,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                ignored_params=experts,
+            )
     parallelize_hsdp(
-        model, mesh=dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, ignored_params=experts
+        model,
+        mesh=dp_mesh,
+        reshard_after_forward=sharded,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        ignored_params=experts,
     )
