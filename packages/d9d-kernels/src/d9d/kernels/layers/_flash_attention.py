@@ -56,6 +56,9 @@ class _FlashAttentionBackend:
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         raise NotImplementedError
 
+    def _check_supported(self, query: torch.Tensor, *, needs_grad: bool) -> None:
+        """Raises before launching for what the kernels of this version cannot run; by default nothing."""
+
     def attend(
         self,
         query: torch.Tensor,
@@ -76,6 +79,10 @@ class _FlashAttentionBackend:
         check_sliding_window(sliding_window)
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FlashAttention needs float16 or bfloat16 inputs, got {query.dtype}")
+        if not query.is_cuda:
+            raise ValueError(f"FlashAttention needs CUDA tensors, got device {query.device}")
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        self._check_supported(query, needs_grad=needs_grad)
         window = self._window(causal=causal, sliding_window=sliding_window)
         if document_ids is None:
             return _first(
@@ -122,6 +129,13 @@ class FlashAttention2Backend(_FlashAttentionBackend):
 class FlashAttention4Backend(_FlashAttentionBackend):
     """FlashAttention 4 (``flash_attn.cute``; extra ``backend-sdpa-flash-attention-4``), Hopper and Blackwell.
 
+    Checked against ``flash-attn-4`` 4.0.0b36: ``flash_attn_func`` / ``flash_attn_varlen_func`` take
+    ``softmax_scale``, ``causal`` and ``window_size=(left, right)`` (``None`` for unbounded) and
+    return ``(out, lse)``; GQA needs only ``q_heads % kv_heads == 0``. On Hopper (9.x) forward and
+    backward cover every mode d9d uses (causal or not, sliding window, packed documents through
+    varlen) for head dims 8 to 256 in multiples of 8; Blackwell (10.x, 11.x) takes head dims up to
+    128, or 256. FlashAttention 4 has no backward before Hopper, so Ampere runs it forward only.
+
     Raises:
         AttentionBackendUnavailableError: At construction, when the extra is not installed.
     """
@@ -135,3 +149,29 @@ class FlashAttention4Backend(_FlashAttentionBackend):
         if sliding_window is None:
             return (None, None)
         return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+    def _check_supported(self, query: torch.Tensor, *, needs_grad: bool) -> None:
+        """Names the unsupported mode instead of an assertion deep inside the kernel launcher.
+
+        Raises:
+            NotImplementedError: For a backward before Hopper, or a head dim the GPU's kernels lack.
+        """
+        major, minor = torch.cuda.get_device_capability(query.device)
+        head_dim = query.shape[-1]
+        if needs_grad and major < 9:
+            raise NotImplementedError(
+                f"flash_attention_4 has no backward on compute capability {major}.{minor} (needs 9.x or "
+                "newer); use flash_attention_2 or sdpa for training on this GPU"
+            )
+        match major:
+            case 9:
+                supported = 8 <= head_dim <= 256 and head_dim % 8 == 0
+            case 10 | 11:
+                supported = (8 <= head_dim <= 128 and head_dim % 8 == 0) or head_dim == 256
+            case _:
+                supported = True
+        if not supported:
+            raise NotImplementedError(
+                f"flash_attention_4 does not support head_dim={head_dim} on compute capability "
+                f"{major}.{minor}"
+            )
