@@ -1,0 +1,121 @@
+"""FlashAttention 2 and 4 on a GPU at Qwen3-0.6B attention shapes, forward and gradients.
+
+Each backend runs in bf16 and is compared with d9d's eager backend in fp32 on the same bf16 inputs.
+A bf16 result cannot be exact, so the bar is SDPA's: the FlashAttention error may be at most twice
+SDPA's own bf16 error plus half a bf16 step at the tensor's scale. A backend whose extra is not
+installed skips, so does everything without a CUDA GPU.
+"""
+
+import pytest
+import torch
+
+from d9d.kernels.layers import (
+    AttentionBackend,
+    AttentionBackendName,
+    AttentionBackendUnavailableError,
+    EagerAttentionBackend,
+    SdpaAttentionBackend,
+    build_attention_backend,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B: GQA, two query heads per key head
+WINDOW = 200  # not a multiple of any kernel tile
+HALF_BF16_STEP = 2.0**-8  # relative to the tensor's largest value, as in tests/_compare.py
+SLACK = 2.0
+
+FLASH_BACKENDS: list[AttentionBackendName] = ["flash_attention_2", "flash_attention_4"]
+
+# (causal, sliding window, packed documents, batch, seq)
+CASES = [
+    pytest.param(True, None, False, 2, 1024, id="causal"),
+    pytest.param(False, None, False, 2, 1024, id="bidirectional"),
+    pytest.param(True, WINDOW, False, 2, 1024, id="causal-window"),
+    pytest.param(False, WINDOW, False, 2, 1024, id="two-sided-window"),
+    pytest.param(True, None, True, 2, 1024, id="causal-packed"),
+    pytest.param(False, None, True, 2, 1024, id="bidirectional-packed"),
+    pytest.param(True, WINDOW, True, 2, 1024, id="causal-window-packed"),
+    pytest.param(True, None, False, 1, 4096, id="causal-long"),
+    pytest.param(True, None, True, 1, 4096, id="causal-packed-long"),
+]
+
+
+def _flash_backend(name: AttentionBackendName) -> AttentionBackend:
+    try:
+        return build_attention_backend(name)
+    except AttentionBackendUnavailableError as error:
+        pytest.skip(str(error).split(" (")[0])
+
+
+def _documents(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """Uneven documents, none aligned to a tile; the last row is one document of the whole row."""
+    lengths = torch.tensor([100, 312, 311, seq - 723])
+    first = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    rows = [first] + [torch.zeros(seq, dtype=torch.int64)] * (batch - 1)
+    return torch.stack(rows).to(device)
+
+
+def _run(
+    backend: AttentionBackend,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    upstream: torch.Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    documents: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Output and query/key/value gradients, in fp32."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out = backend.attend(
+        *leaves, causal=causal, softmax_scale=HEAD_DIM**-0.5, sliding_window=window, document_ids=documents
+    )
+    grads = torch.autograd.grad(out, leaves, upstream.to(dtype))
+    return [out.detach().float(), *(g.float() for g in grads)]
+
+
+@pytest.mark.parametrize("name", FLASH_BACKENDS)
+@pytest.mark.parametrize(("causal", "window", "packed", "batch", "seq"), CASES)
+def test_flash_attention_matches_fp32_reference_like_sdpa(
+    name: AttentionBackendName, causal: bool, window: int | None, packed: bool, batch: int, seq: int
+) -> None:
+    backend = _flash_backend(name)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def sample(heads: int) -> torch.Tensor:
+        shape = (batch, seq, heads, HEAD_DIM)
+        return torch.randn(shape, device=device, generator=generator).to(torch.bfloat16)
+
+    inputs = (sample(Q_HEADS), sample(KV_HEADS), sample(KV_HEADS))
+    upstream = sample(Q_HEADS)
+    documents = _documents(batch, seq, device) if packed else None
+    kw = {"causal": causal, "window": window, "documents": documents}
+
+    reference = _run(EagerAttentionBackend(), inputs, upstream, **kw, dtype=torch.float32)
+    sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
+    flash = _run(backend, inputs, upstream, **kw, dtype=torch.bfloat16)
+
+    for label, got, bf16, expected in zip(("out", "dq", "dk", "dv"), flash, sdpa, reference, strict=True):
+        assert got.shape == expected.shape
+        assert bool(got.isfinite().all()), f"{label}: not finite"
+        error = (got - expected).abs().max().item()
+        sdpa_error = (bf16 - expected).abs().max().item()
+        bound = SLACK * sdpa_error + HALF_BF16_STEP * expected.abs().max().item()
+        message = f"{name} {label}: max error {error:.3g}, SDPA bf16 {sdpa_error:.3g}, bound {bound:.3g}"
+        print(message)
+        assert error <= bound, message
+
+
+def test_flash_attention_4_names_an_unsupported_head_dim() -> None:
+    backend = _flash_backend("flash_attention_4")
+    major, _ = torch.cuda.get_device_capability()
+    if major not in (9, 10, 11):
+        pytest.skip("head dim limits are checked on Hopper and Blackwell")
+    q, k, v = (torch.zeros(1, 16, 2, 264, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="head_dim=264"):
+        backend.attend(q, k, v, causal=True, softmax_scale=1.0)
