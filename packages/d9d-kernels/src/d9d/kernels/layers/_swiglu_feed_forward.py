@@ -7,6 +7,7 @@ from torch import nn
 
 from d9d.kernels import swiglu
 from d9d.kernels.layers._init import init_linear_
+from d9d.kernels.layers._recomputed_activation import recompute_when_saved
 
 
 class SwiGLU(nn.Module):
@@ -14,6 +15,9 @@ class SwiGLU(nn.Module):
 
     The three projections are plain ``nn.Linear`` modules named ``gate_proj``, ``up_proj`` and
     ``down_proj`` so tensor parallelism can shard gate/up by columns and down by rows from outside.
+    The gated activation is not kept for backward: ``down_proj``'s backward recomputes it from the
+    gate and up projections (kept anyway by the activation's own backward), which saves
+    ``intermediate_size`` values per token for one cheap elementwise kernel.
 
     Args:
         hidden_size: Model width.
@@ -39,4 +43,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        activation = swiglu(gate, up)
+        with recompute_when_saved(activation, lambda: swiglu(gate.detach(), up.detach())):
+            return self.down_proj(activation)
