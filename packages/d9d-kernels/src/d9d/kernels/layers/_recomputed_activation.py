@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ class _Recompute:
 
 
 @contextmanager
-def recompute_when_saved(activation: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
+def recompute_when_saved(activation: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Generator[None]:
     """Within the block, ops that save ``activation`` (or a view of it) keep ``recompute`` instead.
 
     For an activation computed cheaply from tensors that backward keeps anyway (SwiGLU's output
@@ -39,7 +39,7 @@ def recompute_when_saved(activation: torch.Tensor, recompute: Callable[[], torch
 
     def pack(tensor: torch.Tensor) -> torch.Tensor | _Recompute:
         if type(tensor) is torch.Tensor and tensor.untyped_storage().data_ptr() == pointer:
-            return _Recompute(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+            return _Recompute(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
         return tensor
 
     def unpack(saved: torch.Tensor | _Recompute) -> torch.Tensor:
