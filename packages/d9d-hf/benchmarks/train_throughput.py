@@ -7,8 +7,26 @@ random tokens, and reports tokens/s, MFU and peak memory. MFU counts
 same run.
 
     python train_throughput.py --model dense                 # every implementation, one GPU
-    torchrun --nproc-per-node 2 train_throughput.py --impl d9d --model dense   # d9d on 2 GPUs
     python train_throughput.py --quick --device cpu          # a tiny smoke run on a CPU
+
+d9d on several GPUs (``--batch`` is samples per data-parallel replica and step, so the global
+batch is ``batch x data_parallel_shard``; the ranks that ``--pp`` and ``--cp`` leave over shard data):
+
+    python train_throughput.py --impl d9d --json ref.jsonl                       # the 1-GPU reference
+    torchrun --nproc-per-node 2 train_throughput.py --impl d9d --reference-json ref.jsonl  # dp_shard 2
+    python train_throughput.py --impl d9d --microbatches 4 --busy --json ref.jsonl   # PP's reference
+    torchrun --nproc-per-node 2 train_throughput.py --impl d9d --pp 2 --schedule zbv \
+        --microbatches 4 --busy --reference-json ref.jsonl             # PP=2, ZBV (or 1f1b, ...)
+    python train_throughput.py --impl d9d --seq 32768 --batch 1 --json ref.jsonl   # CP's reference
+    torchrun --nproc-per-node 2 train_throughput.py --impl d9d --cp 2 --seq 32768 --batch 1 \
+        --reference-json ref.jsonl                                                # CP=2
+
+``--microbatches M`` splits each replica's batch into M microbatches: the pipeline's microbatches
+under ``--pp``, gradient accumulation without it. A reference is the last one-process record in
+``--reference-json`` of the same implementation, ``--seq``, ``--batch`` and microbatch size; against it
+the run prints its speed-up and per-GPU efficiency, and under ``--pp`` the pipeline bubble: the
+simulator's prediction for the schedule, the stage imbalance of the layer split, and the measured
+bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's GPU idle time).
 
 Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM, plain loop, bf16),
 ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's Qwen3 model and
@@ -26,6 +44,7 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +88,7 @@ MOE_30B_A3B_6_LAYERS: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {
     "hidden_size": 64,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 4,  # ZBV on 2 ranks builds 4 stages
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
@@ -88,8 +107,8 @@ def model_shape(name: str, quick: bool) -> dict[str, Any]:
     return shape
 
 
-def flops_per_token(shape: dict[str, Any], seq: int) -> float:
-    """Training FLOPs per token: 6 x active matmul parameters (LM head included) + causal attention."""
+def flops_of_layer_and_head(shape: dict[str, Any], seq: int) -> tuple[float, float]:
+    """Training FLOPs per token of one decoder layer (causal attention included) and of the LM head."""
     h, heads, kv, dh = (
         shape["hidden_size"],
         shape["num_attention_heads"],
@@ -103,10 +122,14 @@ def flops_per_token(shape: dict[str, Any], seq: int) -> float:
         )
     else:
         mlp_params = 3 * h * shape["intermediate_size"]
-    layers = shape["num_hidden_layers"]
-    dense = 6 * (layers * (attention_params + mlp_params) + h * shape["vocab_size"])
-    attention = 6 * seq * heads * dh * layers  # causal: half of the 12 x s x H x dh of full attention
-    return float(dense + attention)
+    attention = 6 * seq * heads * dh  # causal: half of the 12 x s x H x dh of full attention
+    return float(6 * (attention_params + mlp_params) + attention), float(6 * h * shape["vocab_size"])
+
+
+def flops_per_token(shape: dict[str, Any], seq: int) -> float:
+    """Training FLOPs per token: 6 x active matmul parameters (LM head included) + causal attention."""
+    layer, head = flops_of_layer_and_head(shape, seq)
+    return shape["num_hidden_layers"] * layer + head
 
 
 def measure_peak_tflops(device: torch.device) -> float:
@@ -246,6 +269,209 @@ class _RandomTokens:
         return TokenSample(input_ids=torch.randint(0, self._vocab, (self._seq,), generator=generator))
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ParallelLayout:
+    """How a d9d job spreads over its ranks: the mesh, and one replica's batch split.
+
+    Attributes:
+        pp: Pipeline-parallel ranks.
+        cp: Context-parallel ranks (``context_parallel_shard``: they also shard parameters).
+        dp_shard: Data-parallel ranks, the ranks that ``pp`` and ``cp`` leave over.
+        batch: Samples one data-parallel replica takes per step.
+        microbatches: Microbatches of one replica's batch (pipeline microbatches, or gradient
+            accumulation without a pipeline).
+    """
+
+    pp: int
+    cp: int
+    dp_shard: int
+    batch: int
+    microbatches: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.cp * self.dp_shard
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.dp_shard
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch // self.microbatches
+
+
+def parallel_layout(args: argparse.Namespace, world: int) -> ParallelLayout:
+    """The layout ``--pp``, ``--cp``, ``--batch`` and ``--microbatches`` ask for on ``world`` ranks."""
+    if world % (args.pp * args.cp) != 0:
+        raise ValueError(f"--pp {args.pp} x --cp {args.cp} does not divide the {world} ranks")
+    if args.batch % args.microbatches != 0:
+        raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}")
+    if args.pp > 1 and args.microbatches < args.pp:
+        print(f"note: {args.microbatches} microbatches on {args.pp} pipeline ranks", flush=True)
+    return ParallelLayout(
+        pp=args.pp,
+        cp=args.cp,
+        dp_shard=world // (args.pp * args.cp),
+        batch=args.batch,
+        microbatches=args.microbatches,
+    )
+
+
+def pipeline_prediction(
+    schedule: Any, layout: ParallelLayout, shape: dict[str, Any], seq: int
+) -> dict[str, Any]:
+    """The simulator's bubble of ``schedule`` and the FLOP share of each rank under its layer split.
+
+    The simulator takes one cost per kind of action (F = 1, B = 2, I = W = 1 for every stage) and
+    free transfers, so its bubble is the schedule's alone; the FLOP shares add what the stages'
+    unequal work costs: the provider splits the decoder layers evenly over the stages, the first
+    stage also holds the embedding (a lookup, no FLOPs counted) and the last the head and loss.
+    """
+    from d9d.pipeline import ActionCosts, assign_layers, simulate_program
+
+    program = schedule.build_program(num_ranks=layout.pp, num_microbatches=layout.microbatches)
+    simulated = simulate_program(program, ActionCosts(forward=1.0, backward=2.0))
+    layer, head = flops_of_layer_and_head(shape, seq)
+    ranges = assign_layers(shape["num_hidden_layers"], program.num_stages)
+    work = [
+        sum(
+            len(ranges[i.current_stage]) * layer + (head if i.is_last else 0.0)
+            for i in program.stage_infos(r)
+        )
+        for r in range(layout.pp)
+    ]
+    shares = [w / sum(work) for w in work]
+    return {
+        "schedule": schedule.name,
+        "stages": program.num_stages,
+        "predicted_bubble": simulated.bubble_fraction,
+        "timeline": simulated.draw_text(width=120),
+        "flop_share_per_rank": shares,
+        "imbalance_bubble": 1.0 - (1.0 / layout.pp) / max(shares),
+    }
+
+
+def device_busy_fraction(profiler: Any, seconds: float) -> float:
+    """Share of ``seconds`` in which this rank's GPU ran a kernel other than NCCL's (copies count).
+
+    Kernels on several streams that overlap count once; NCCL kernels are left out because a
+    receive's kernel spins on the GPU while it waits for its peer.
+    """
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in profiler.events()
+        if e.device_type == DeviceType.CUDA and "nccl" not in e.name.lower()
+    )
+    busy_us, reached = 0.0, -math.inf
+    for begin, end in spans:
+        if end > reached:
+            busy_us += end - max(begin, reached)
+            reached = end
+    return busy_us / 1e6 / seconds if seconds > 0 else float("nan")
+
+
+def load_reference(
+    args: argparse.Namespace, implementation: str, layout: ParallelLayout
+) -> dict[str, Any] | None:
+    """The last one-process record of ``implementation`` that did one replica's work of this run.
+
+    That is the same sequence length, batch (``--batch``: samples per data-parallel replica) and
+    microbatch size, so the per-GPU comparison leaves out nothing but the parallelism.
+    """
+    if args.reference_json is None:
+        return None
+    path = Path(args.reference_json)
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    matches = [
+        r
+        for r in records
+        if r.get("implementation") == implementation
+        and r.get("world_size") == 1
+        and r.get("seq") == args.seq
+        and r.get("microbatch_size") == layout.microbatch_size
+        and r.get("global_batch") == layout.batch
+    ]
+    if not matches:
+        print(
+            f"no reference in {path}: no one-process {implementation} record with seq {args.seq}, "
+            f"batch {layout.batch} and microbatch size {layout.microbatch_size}",
+            flush=True,
+        )
+        return None
+    return matches[-1]
+
+
+def compare(
+    record: dict[str, Any], layout: ParallelLayout, reference: dict[str, Any] | None
+) -> tuple[dict[str, Any], list[str]]:
+    """The figures of ``record`` against its one-process ``reference``: fields and printed lines."""
+    world = layout.world
+    per_gpu = record["tokens_per_s"] / world
+    mesh = f"pp={layout.pp} cp={layout.cp} dp_shard={layout.dp_shard}"
+    lines = [
+        f"{record['implementation']} on {world} rank(s) ({mesh}), seq {record['seq']}, global batch "
+        f"{layout.global_batch} in microbatches of {layout.microbatch_size}: "
+        f"{record['tokens_per_s']:.0f} tok/s, "
+        f"{per_gpu:.0f} tok/s per GPU; step {record['step_ms']:.1f} ms (forward-backward "
+        f"{record['forward_backward_ms']:.1f} ms, optimizer {record['optimizer_ms']:.1f} ms)"
+    ]
+    fields: dict[str, Any] = {}
+    pipeline = record.get("pipeline")
+    if pipeline is not None:
+        shares = " / ".join(f"{s:.1%}" for s in pipeline["flop_share_per_rank"])
+        lines += [
+            f"pipeline {pipeline['schedule']}: {layout.pp} ranks, {pipeline['stages']} stages, "
+            f"{layout.microbatches} microbatches",
+            f"  predicted bubble (d9d-pipeline simulator, F=1 B=2 I=W=1 per stage, balanced stages, "
+            f"free transfers): {pipeline['predicted_bubble']:.1%}",
+            *("    " + row for row in pipeline["timeline"].splitlines()),
+            f"  FLOP share per rank (layers split evenly over stages; the first stage adds the "
+            f"embedding, the last the head and loss): {shares}; that imbalance alone idles "
+            f"{pipeline['imbalance_bubble']:.1%}",
+        ]
+    idle = record.get("device_idle_per_rank")
+    if reference is None:
+        if idle is not None:
+            lines.append("GPU idle per rank (profiled steps): " + ", ".join(f"{i:.1%}" for i in idle))
+        return fields, lines
+    ref_tps = reference["tokens_per_s"]
+    fields["reference_tokens_per_s"] = ref_tps
+    fields["speedup"] = record["tokens_per_s"] / ref_tps
+    lines.append(
+        f"one GPU, same seq, batch and microbatch size: "
+        f"{ref_tps:.0f} tok/s "
+        f"-> {fields['speedup']:.2f}x on {world} GPUs, per-GPU tok/s {per_gpu / ref_tps:.1%} of one GPU's"
+    )
+    if pipeline is not None:
+        # the one-process time of this replica's batch, spread perfectly over the pipeline ranks
+        scale = layout.batch / reference["global_batch"] / (layout.pp * layout.cp)
+        ideal_fb = reference["forward_backward_ms"] * scale
+        fields["measured_bubble_step"] = 1.0 - per_gpu / ref_tps
+        fields["measured_bubble_forward_backward"] = 1.0 - ideal_fb / record["forward_backward_ms"]
+        lines += [
+            f"  measured bubble, forward-backward phase: 1 - (one GPU's "
+            f"{reference['forward_backward_ms']:.1f} ms"
+            f" x {scale:.3g}) / {record['forward_backward_ms']:.1f} ms = "
+            f"{fields['measured_bubble_forward_backward']:.1%}; includes the schedule's bubble, P2P "
+            f"transfers and their waits, the stage imbalance above, and per-action host overhead",
+            f"  measured bubble, whole step: 1 - per-GPU tok/s / one GPU's = "
+            f"{fields['measured_bubble_step']:.1%}"
+            f"; adds the optimizer phase (a tied embedding keeps a copy on the last stage: one more "
+            f"vocab x hidden matrix to step, and a gradient sum across the pipeline)",
+        ]
+    if idle is not None:
+        ref_idle = (reference.get("device_idle_per_rank") or [None])[0]
+        lines.append(
+            "GPU idle per rank (profiled steps, non-NCCL kernels over wall time): "
+            + ", ".join(f"r{r} {i:.1%}" for r, i in enumerate(idle))
+            + ("" if ref_idle is None else f"; one GPU: {ref_idle:.1%}")
+        )
+    return fields, lines
+
+
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     from d9d.hf import ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.hf.qwen3 import Qwen3ModelProvider
@@ -259,29 +485,46 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     )
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    profiled = 2 if args.profile else 0
+    rank = int(os.environ.get("RANK", "0"))
+    layout = parallel_layout(args, world)
+    name = "d9d_compile" if compiled else "d9d"
+    profiled = 2 if args.profile or args.busy else 0
     total_steps = args.warmup + args.steps + profiled
+    trainer: dict[str, Any] = {
+        "max_steps": total_steps,
+        "global_batch_size": layout.global_batch,
+        "microbatch_size": layout.microbatch_size,
+        "logging": {"progress_bar": False},
+        "device": device.type,
+        "initialization": {"layout_invariant": False},
+        "gradient_clipping": {"max_norm": 1.0},
+    }
+    if layout.pp > 1:
+        trainer["pipeline"] = {"name": args.schedule}
     config = ProjectConfig.model_validate(
         {
-            "mesh": {"data_parallel_shard": world},
-            "trainer": {
-                "max_steps": total_steps,
-                "global_batch_size": args.batch * world,
-                "microbatch_size": args.batch,
-                "logging": {"progress_bar": False},
-                "device": device.type,
-                "initialization": {"layout_invariant": False},
-                "gradient_clipping": {"max_norm": 1.0},
+            "mesh": {
+                "pipeline_parallel": layout.pp,
+                "context_parallel_shard": layout.cp,
+                "data_parallel_shard": layout.dp_shard,
             },
+            "trainer": trainer,
             "optimizer": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0},
         }
     )
+    pipeline = (
+        pipeline_prediction(config.trainer.pipeline, layout, shape, args.seq) if layout.pp > 1 else None
+    )
+    reference = load_reference(args, name, layout) if rank == 0 else None
     model = ScratchModelConfig.model_validate(
         {"config": shape, "param_dtype": "bfloat16" if device.type == "cuda" else None, "compile": compiled}
     )
     times: list[float] = []
     losses: list[float] = []
     peaks: list[float] = []
+    phases: list[tuple[float, float]] = []
+    busy: list[float] = []
+    window: list[float] = []
 
     profiler: Any = None
 
@@ -289,9 +532,15 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         nonlocal profiler
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
+        phases.append(
+            (
+                event.metrics.get("time/forward_backward_s", float("nan")),
+                event.metrics.get("time/optimizer_s", float("nan")),
+            )
+        )
         # the loop reads and resets the allocator's peak every step: take its per-step figure
         peaks.append(event.metrics.get("memory/peak_gib", float("nan")))
-        if not args.profile or int(os.environ.get("RANK", "0")) != 0:
+        if not args.busy and not (args.profile and rank == 0):
             return
         if event.step == args.warmup + args.steps - 1:  # two extra steps after the timed ones
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -299,11 +548,16 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
+            window.append(time.perf_counter())
         elif profiler is not None and event.step == args.warmup + args.steps + 1:
+            window.append(times[-1])  # the loop synced the device when it read the gradient norm
             _sync(device)
             profiler.__exit__(None, None, None)
-            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-            print(profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+            if args.busy:
+                busy.append(device_busy_fraction(profiler, window[1] - window[0]))
+            if args.profile and rank == 0:
+                sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                print(profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
             profiler = None
 
     with TrainingConfigurator(
@@ -313,29 +567,57 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _ctx: _RandomTokens(
-                total_steps * args.batch * world, args.seq, shape["vocab_size"]
+                total_steps * layout.global_batch, args.seq, shape["vocab_size"]
             ),
             collator=TokenBatch.collate,
             config=config.data,
         ),
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
-    ).configure() as trainer:
-        trainer.events.subscribe(StepFinished, on_step)
-        trainer.train()
+    ).configure() as trainer_:
+        trainer_.events.subscribe(StepFinished, on_step)
+        trainer_.train()
         _sync(device)
-        elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
-        tokens_per_s = args.batch * world * args.seq * args.steps / elapsed
-        name = "d9d_compile" if compiled else "d9d"
-        return _report(
-            args,
-            name,
-            tokens_per_s,
-            losses[-1],
-            device,
-            world=world,
-            peak_gib=max(peaks, default=float("nan")),
+        idle: list[float] | None = None
+        if args.busy:  # every rank's figure, gathered while the process group is still up
+            gathered: list[Any] = [None] * world
+            if world > 1:
+                torch.distributed.all_gather_object(gathered, 1.0 - busy[0])
+            else:
+                gathered = [1.0 - busy[0]]
+            idle = [float(i) for i in gathered]
+    timed = slice(args.warmup, args.warmup + args.steps)
+    elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
+    tokens_per_s = layout.global_batch * args.seq * args.steps / elapsed
+    record: dict[str, Any] = {
+        "mesh": {"pp": layout.pp, "cp": layout.cp, "dp_shard": layout.dp_shard},
+        "seq": args.seq,
+        "global_batch": layout.global_batch,
+        "microbatches": layout.microbatches,
+        "microbatch_size": layout.microbatch_size,
+        "step_ms": 1e3 * elapsed / args.steps,
+        "forward_backward_ms": 1e3 * sum(p[0] for p in phases[timed]) / args.steps,
+        "optimizer_ms": 1e3 * sum(p[1] for p in phases[timed]) / args.steps,
+        "tokens_per_s_per_gpu": tokens_per_s / world,
+        "device_idle_per_rank": idle,
+        "pipeline": pipeline,
+    }
+    if rank == 0:
+        fields, lines = compare(
+            {"implementation": name, "tokens_per_s": tokens_per_s, **record}, layout, reference
         )
+        record |= fields
+        print("\n".join(lines), flush=True)
+    return _report(
+        args,
+        name,
+        tokens_per_s,
+        losses[-1],
+        device,
+        world=world,
+        peak_gib=max(peaks, default=float("nan")),
+        extra=record,
+    )
 
 
 def _report(
@@ -347,6 +629,7 @@ def _report(
     *,
     world: int = 1,
     peak_gib: float | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> float:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if peak_gib is not None and not math.isnan(peak_gib):  # the loop's per-step peaks
@@ -359,7 +642,7 @@ def _report(
         final_loss=loss,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        line = json.dumps(dataclasses.asdict(result))
+        line = json.dumps({**dataclasses.asdict(result), **(extra or {"seq": args.seq})})
         print(f"RESULT {line}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
@@ -375,6 +658,10 @@ def run_one(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = model_shape(args.model, args.quick)
+    if not args.impl.startswith("d9d") and (args.pp > 1 or args.cp > 1 or args.microbatches > 1):
+        raise ValueError(
+            f"--pp, --cp and --microbatches are options of the d9d implementations, not {args.impl}"
+        )
     match args.impl:
         case "hf":
             run_hf(args, shape, device, compiled=False)
@@ -437,6 +724,16 @@ def run_all(args: argparse.Namespace) -> None:
         )
 
 
+def pipeline_schedules() -> list[str]:
+    """The training schedules d9d-loop's ``trainer.pipeline.name`` accepts."""
+    from d9d.pipeline import PipelineScheduleConfig
+
+    configs = typing.get_args(typing.get_args(PipelineScheduleConfig)[0])
+    return [
+        c.model_fields["name"].default for c in configs if c.model_fields["name"].default != "forward_only"
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -453,6 +750,20 @@ def main() -> None:
     parser.add_argument("--json", help="append each result as a JSON line here")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--profile", action="store_true", help="d9d: print the top kernels of two steps")
+    parser.add_argument("--pp", type=int, default=1, help="d9d: pipeline-parallel ranks")
+    parser.add_argument("--schedule", choices=pipeline_schedules(), default="1f1b", help="d9d: with --pp")
+    parser.add_argument(
+        "--microbatches", type=int, default=1, help="d9d: microbatches of a replica's batch per step"
+    )
+    parser.add_argument(
+        "--cp", type=int, default=1, help="d9d: context-parallel ranks (context_parallel_shard)"
+    )
+    parser.add_argument(
+        "--busy", action="store_true", help="d9d: profile two extra steps on every rank, report GPU idle time"
+    )
+    parser.add_argument(
+        "--reference-json", help="d9d: a file of one-process results to compare with (see the usage above)"
+    )
     args = parser.parse_args()
     if args.impl == "all":
         run_all(args)
