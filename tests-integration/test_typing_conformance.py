@@ -35,6 +35,7 @@ from d9d.parallel import (
     AttentionBackend,
     AttentionLayerLike,
     ContextParallelAttention,
+    DeepEPTokenDispatcher,
     MoELayerLike,
     TokenDispatcher,
     parallelize_context_parallel,
@@ -73,6 +74,10 @@ def context_parallel_backend(mesh: DeviceMesh) -> KernelsAttentionBackend:
 
 def all_to_all_dispatcher(group: ProcessGroup) -> KernelsTokenDispatcher:
     return AllToAllTokenDispatcher(num_experts=4, group=group)
+
+
+def deep_ep_dispatcher(group: ProcessGroup) -> KernelsTokenDispatcher:
+    return DeepEPTokenDispatcher(num_experts=4, group=group)
 
 
 def install(attention: GroupedQueryAttention, moe: MoELayer, mesh: DeviceMesh, group: ProcessGroup) -> None:

@@ -18,7 +18,9 @@ from d9d.parallel._context_parallel_sharding import (
     context_parallel_shard,
     context_parallel_unshard,
 )
-from d9d.parallel._expert_parallel import MoELayerLike, parallelize_expert_parallel
+from d9d.parallel._deep_ep_buffer import DeepEPBuffer, DeepEPBufferFactory, DeepEPBuffers
+from d9d.parallel._deep_ep_dispatcher import DeepEPTokenDispatcher
+from d9d.parallel._expert_parallel import MoELayerLike, TokenDispatcherKind, parallelize_expert_parallel
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
@@ -38,6 +40,10 @@ __all__ = [
     "AttentionLayerLike",
     "CheckpointingPolicy",
     "ContextParallelAttention",
+    "DeepEPBuffer",
+    "DeepEPBufferFactory",
+    "DeepEPBuffers",
+    "DeepEPTokenDispatcher",
     "FullCheckpointing",
     "GradientReduction",
     "GradientSynchronizer",
@@ -46,6 +52,7 @@ __all__ = [
     "SelectiveCheckpointing",
     "SequenceParallelNorm",
     "TokenDispatcher",
+    "TokenDispatcherKind",
     "VocabParallelEmbedding",
     "all_to_all",
     "checkpoint_modules",

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from d9d.parallel._deep_ep_buffer import DeepEPBuffers
+from d9d.parallel._deep_ep_dispatcher import DeepEPTokenDispatcher
 from d9d.parallel._local_forward import LocalParameterSlot, install_local_forward
 from d9d.parallel._mesh_dims import mesh_dim_names, shard_dim_name
 from d9d.parallel._module_parameters import owned_parameters, require_parameters
 from d9d.parallel._reduction import GradientReduction, partial_for
 from d9d.parallel._replicate import parallelize_replicate
 from d9d.parallel._token_dispatcher import AllToAllTokenDispatcher, TokenDispatcher
+
+TokenDispatcherKind = Literal["all_to_all", "deep_ep"]
+"""Which dispatcher ``parallelize_expert_parallel`` installs: ``AllToAllTokenDispatcher`` (any
+backend) or ``DeepEPTokenDispatcher`` (DeepEP's NVLink kernels; CUDA bfloat16, one host)."""
 
 
 class MoELayerLike(Protocol):
@@ -64,8 +71,10 @@ def parallelize_expert_parallel(
     *,
     mesh: DeviceMesh,
     gradient_reduction: GradientReduction = "mean",
+    dispatcher: TokenDispatcherKind = "all_to_all",
+    deep_ep_buffers: DeepEPBuffers | None = None,
 ) -> None:
-    """Shards the experts over the expert-parallel ranks and installs an all-to-all dispatcher.
+    """Shards the experts over the expert-parallel ranks and installs an expert-parallel dispatcher.
 
     Every ``experts`` parameter becomes a DTensor placed ``Shard(0)`` (over the expert dim) on
     the ep dim of ``mesh`` and ``Replicate()`` on its other dims; the router and the shared
@@ -80,10 +89,15 @@ def parallelize_expert_parallel(
         mesh: A 1-D ep mesh, or a mesh whose dim named ``*shard`` is the ep dim (e.g. d9d's
             expert domain ``mesh["ep_replicate", "ep_shard"]``); other dims are replicas.
         gradient_reduction: Average (default) or sum gradients over the data-parallel ranks.
+        dispatcher: ``"all_to_all"`` (default) or ``"deep_ep"``; both give the same results.
+        deep_ep_buffers: With ``"deep_ep"``, buffers shared by the layers given the same object
+            (pass one to every layer of a model); a private one per layer when None.
 
     Raises:
         ValueError: If the mesh lacks the ep dim, ``num_experts`` is not divisible by the ep
-            degree, or an expert parameter does not lead with ``num_experts``.
+            degree, an expert parameter does not lead with ``num_experts``, the dispatcher is
+            unknown, or ``deep_ep_buffers`` comes without ``"deep_ep"``.
+        ImportError: If ``"deep_ep"`` is chosen and DeepEP is not installed.
     """
     layer = type(moe).__name__
     purpose = f"parallelize_expert_parallel on {layer}"
@@ -97,6 +111,11 @@ def parallelize_expert_parallel(
             f"degree {ep} (mesh dim {ep_dim!r})"
         )
     require_parameters(moe.experts, purpose=purpose)
+    # The dispatcher first: a missing DeepEP fails before any parameter is replaced.
+    group = mesh.get_group(ep_index)
+    token_dispatcher = _make_dispatcher(
+        dispatcher, num_experts=moe.num_experts, group=group, deep_ep_buffers=deep_ep_buffers, purpose=purpose
+    )
     placements: list[Placement] = [Replicate()] * mesh.ndim
     placements[ep_index] = Shard(0)
     grad_placements = tuple(
@@ -131,4 +150,23 @@ def parallelize_expert_parallel(
     for dense in (moe.router, moe.shared_expert):
         if dense is not None and any(not isinstance(p, DTensor) for p in dense.parameters()):
             parallelize_replicate(dense, mesh=mesh, gradient_reduction=gradient_reduction)
-    moe.dispatcher = AllToAllTokenDispatcher(num_experts=moe.num_experts, group=mesh.get_group(ep_index))
+    moe.dispatcher = token_dispatcher
+
+
+def _make_dispatcher(
+    kind: TokenDispatcherKind,
+    *,
+    num_experts: int,
+    group: ProcessGroup,
+    deep_ep_buffers: DeepEPBuffers | None,
+    purpose: str,
+) -> TokenDispatcher:
+    if deep_ep_buffers is not None and kind != "deep_ep":
+        raise ValueError(f"{purpose}: deep_ep_buffers is for dispatcher='deep_ep', not {kind!r}")
+    match kind:
+        case "all_to_all":
+            return AllToAllTokenDispatcher(num_experts=num_experts, group=group)
+        case "deep_ep":
+            return DeepEPTokenDispatcher(num_experts=num_experts, group=group, buffers=deep_ep_buffers)
+        case _:  # a string from untyped code
+            raise ValueError(f"{purpose}: dispatcher={kind!r}; choose 'all_to_all' or 'deep_ep'")
