@@ -472,6 +472,19 @@ def compare(
     return fields, lines
 
 
+def _head_weight(shape: dict[str, Any], seq: int) -> float:
+    """The head's (and loss's) training FLOPs in decoder layers: the last pipeline stage's extra cost."""
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape["head_dim"]
+    attention_params = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    if "num_experts" in shape:
+        mlp_params = shape["num_experts_per_tok"] * 3 * hidden * shape["moe_intermediate_size"]
+    else:
+        mlp_params = 3 * hidden * shape["intermediate_size"]
+    per_layer = attention_params + mlp_params + seq * heads * head_dim  # + causal attention, in params
+    return shape["vocab_size"] * hidden / per_layer
+
+
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     from d9d.hf import ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.hf.qwen3 import Qwen3ModelProvider
@@ -517,7 +530,12 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     )
     reference = load_reference(args, name, layout) if rank == 0 else None
     model = ScratchModelConfig.model_validate(
-        {"config": shape, "param_dtype": "bfloat16" if device.type == "cuda" else None, "compile": compiled}
+        {
+            "config": shape,
+            "param_dtype": "bfloat16" if device.type == "cuda" else None,
+            "compile": compiled,
+            "last_stage_weight": _head_weight(shape, args.seq) if args.pp > 1 else 0.0,
+        }
     )
     times: list[float] = []
     losses: list[float] = []

@@ -122,6 +122,7 @@ def _train(
             trainer.export(export_initial)
         trainer.train()
         result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
+        result["layers"] = [list(stage.layout.layers) for stage in trainer.model_stages]
         if export is not None:
             trainer.export(export)
         if mesh == {}:
@@ -326,3 +327,26 @@ def test_one_rank_in_bf16_trains_as_two_sharded_ranks() -> None:
         # bf16 compute, float32 master weights and reductions: only the summation order differs
         torch.testing.assert_close(result["losses"], single["losses"], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(result["grad_norms"], single["grad_norms"], atol=2e-3, rtol=2e-3)
+
+
+def test_pipeline_gives_the_last_stage_fewer_layers_for_its_head(tmp_path: Path) -> None:
+    # 4 layers, the head weighs 2: stage 0 takes layers 0-2, stage 1 layer 3 and the head.
+    config = ScratchModelConfig.model_validate(
+        {
+            "config": {**TINY_SCRATCH, "num_hidden_layers": 4},
+            "attention_backend": "eager",
+            "last_stage_weight": 2.0,
+        }
+    )
+    initial = tmp_path / "initial"
+    results = run_distributed(
+        functools.partial(_train, export_initial=initial),
+        config,
+        {"pipeline_parallel": 2},
+        world_size=2,
+        timeout_s=180,
+    )
+    reference = run_distributed(_train, initial, {}, world_size=1, timeout_s=120)[0]
+    assert [result["layers"] for result in results] == [[[0, 1, 2]], [[3]]]
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)

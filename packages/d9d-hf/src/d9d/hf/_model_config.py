@@ -24,6 +24,7 @@ class _ModelOptions(BaseModel):
     attention_backend: AttentionBackendName | None = None
     param_dtype: ParamDtype | None = None
     compile: bool = False
+    last_stage_weight: float = Field(default=0.0, ge=0.0)
 
 
 class PretrainedModelConfig(_ModelOptions):
@@ -39,6 +40,10 @@ class PretrainedModelConfig(_ModelOptions):
         attention_backend: Attention implementation; None auto-detects.
         param_dtype: Compute dtype of the parameters (FSDP mixed precision); None keeps float32.
         compile: Compile each decoder layer's body with ``torch.compile`` (regional compilation).
+        last_stage_weight: Under pipeline parallelism, the extra cost of the last stage (final
+            norm, head and loss) in decoder layers, so that it gets fewer layers (0: an even split).
+            The head's FLOPs over one layer's: ``vocab x hidden`` over a layer's parameters plus
+            ``seq x heads x head_dim`` (attention); a Qwen3-0.6B head at seq 4096 weighs about 6.4.
     """
 
     source: str = Field(min_length=1)

@@ -32,6 +32,7 @@ from d9d.loop import (
     StagesReadyResult,
 )
 from d9d.mesh import DistributedContext
+from d9d.pipeline import layers_of_stage
 from d9d.state_mappers import SafetensorsCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +108,11 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             resolved.config,
             self._config.head,
             stage=context.stage,
+            layers=layers_of_stage(
+                context.stage,
+                resolved.config.num_hidden_layers,
+                last_stage_weight=self._config.last_stage_weight,
+            ),
             activation_checkpointing=self._config.activation_checkpointing,
             attention_backend=self._config.attention_backend,
         )
