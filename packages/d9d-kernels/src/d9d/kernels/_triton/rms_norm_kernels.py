@@ -2,7 +2,11 @@
 # ruff: noqa: N803 (Triton's convention: compile-time constants are UPPER_CASE)
 # Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
 # reports every expression; the launch wrappers below still carry full annotations.
-"""RMSNorm forward and backward Triton kernels."""
+"""RMSNorm forward and backward Triton kernels over tiles of ROWS x BLOCK elements.
+
+A tile holds several rows when rows are short (32 rows of 128 for Qwen3's qk-norm), so each program
+moves a few thousand elements instead of one short row, and narrow norms stop being latency-bound.
+"""
 
 import functools
 
@@ -11,6 +15,12 @@ import triton
 import triton.language as tl
 
 from d9d.kernels._triton.launch import launch_options, next_power_of_2, warps_for_block
+
+TILE_ELEMENTS = 4096
+"""Elements (rows x padded columns) one program holds at a time, unless a row alone is wider."""
+MAX_TILE_ROWS = 64
+BACKWARD_PROGRAMS_PER_SM = 4
+"""Persistent backward programs per multiprocessor: enough loads in flight to saturate memory."""
 
 
 @functools.cache
@@ -25,6 +35,11 @@ def multiprocessor_count(device: torch.device) -> int:
     return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def tile_rows(block: int) -> int:
+    """Rows per tile for rows padded to ``block`` columns: about TILE_ELEMENTS per tile."""
+    return max(1, min(MAX_TILE_ROWS, TILE_ELEMENTS // block))
+
+
 @triton.jit
 def _rms_norm_forward_kernel(
     x_ptr,
@@ -33,21 +48,26 @@ def _rms_norm_forward_kernel(
     rstd_ptr,
     stride_x,
     stride_y,
+    n_rows,
     n_cols,
     eps,
     ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    tl.store(y_ptr + row * stride_y + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -63,33 +83,36 @@ def _rms_norm_backward_kernel(
     stride_dx,
     n_rows,
     n_cols,
-    rows_per_program,
+    tiles_per_program,
     ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program):
-        r = row_start + i
-        row_mask = mask & (
-            (cols * 0 + r) < n_rows
-        )  # broadcast first: the interpreter rejects scalar & vector masks
-        x = tl.load(x_ptr + r * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + r * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + r, mask=r < n_rows, other=0.0)
-        x_hat = x * rstd
-        wdy = w * dy
-        c = tl.sum(x_hat * wdy, axis=0) / n_cols
-        dx = (wdy - x_hat * c) * rstd
-        tl.store(dx_ptr + r * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+    dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for i in range(0, tiles_per_program):
+        # Tiles are dealt round-robin; past the last tile every row is masked (no memory traffic).
+        rows = (pid + i * programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        x_hat = x * rstd[:, None]
+        wdy = w[None, :] * dy
+        c = tl.sum(x_hat * wdy, axis=1) / n_cols
+        dx = (wdy - x_hat * c[:, None]) * rstd[:, None]
+        tl.store(
+            dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+        )
         dw_acc += dy * x_hat
-    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -98,61 +121,100 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_weight: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered_weight: bool,
+    *,
+    rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(y, rstd)``: the normalized rows and each row's fp32 reciprocal RMS."""
+    """Returns ``(y, rstd)``: the normalized rows and each row's fp32 reciprocal RMS.
+
+    Args:
+        x: Input of shape (..., hidden).
+        weight: Scale of shape (hidden,).
+        eps: Added to the mean square before the square root.
+        zero_centered_weight: Use ``1 + weight`` as the scale.
+        rows_per_tile: Rows per program, a power of two (``tile_rows`` by default; for benchmarks).
+    """
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
     block = next_power_of_2(n_cols)
+    rows = tile_rows(block) if rows_per_tile is None else rows_per_tile
     if n_rows > 0:
-        _rms_norm_forward_kernel[(n_rows,)](
+        _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows),)](
             x2,
             weight,
             y,
             rstd,
             x2.stride(0),
             y.stride(0),
+            n_rows,
             n_cols,
             eps,
             **launch_options(
-                ZERO_CENTERED=zero_centered_weight, BLOCK=block, num_warps=warps_for_block(block)
+                ZERO_CENTERED=zero_centered_weight,
+                ROWS=rows,
+                BLOCK=block,
+                num_warps=warps_for_block(rows * block),
             ),
         )
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, zero_centered_weight: bool
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered_weight: bool,
+    *,
+    rows_per_tile: int | None = None,
+    programs_per_sm: int = BACKWARD_PROGRAMS_PER_SM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(dx, dweight)``; dweight is reduced over rows from per-program fp32 partial sums."""
+    """Returns ``(dx, dweight)``; dweight is reduced over rows from per-program fp32 partial sums.
+
+    Args:
+        dy: Gradient of the output, shaped like ``x``.
+        x: The forward's input.
+        weight: The forward's scale.
+        rstd: The forward's fp32 reciprocal RMS per row.
+        zero_centered_weight: Whether the forward used ``1 + weight``.
+        rows_per_tile: Rows per tile, a power of two (``tile_rows`` by default; for benchmarks).
+        programs_per_sm: Persistent programs per multiprocessor (for benchmarks).
+    """
     x2, dy2 = _rows(x), _rows(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    # Several programs per multiprocessor keep enough loads in flight to saturate memory bandwidth.
-    programs = max(1, min(n_rows, multiprocessor_count(x.device) * 4))
-    rows_per_program = triton.cdiv(n_rows, programs) if n_rows > 0 else 1
-    programs = triton.cdiv(n_rows, rows_per_program) if n_rows > 0 else 1
-    dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return dx.view(x.shape), torch.zeros_like(weight)
     block = next_power_of_2(n_cols)
-    if n_rows > 0:
-        _rms_norm_backward_kernel[(programs,)](
-            dy2,
-            x2,
-            weight,
-            rstd.reshape(-1),
-            dx,
-            dw_partial,
-            dy2.stride(0),
-            x2.stride(0),
-            dx.stride(0),
-            n_rows,
-            n_cols,
-            rows_per_program,
-            **launch_options(
-                ZERO_CENTERED=zero_centered_weight, BLOCK=block, num_warps=warps_for_block(block)
-            ),
-        )
+    rows = tile_rows(block) if rows_per_tile is None else rows_per_tile
+    tiles = triton.cdiv(n_rows, rows)
+    programs = min(tiles, multiprocessor_count(x.device) * programs_per_sm)
+    # Every program stores its partial (zeros if it had no tile), so the buffer needs no memset.
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    _rms_norm_backward_kernel[(programs,)](
+        dy2,
+        x2,
+        weight,
+        rstd.reshape(-1),
+        dx,
+        dw_partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        n_rows,
+        n_cols,
+        triton.cdiv(tiles, programs),
+        **launch_options(
+            ZERO_CENTERED=zero_centered_weight,
+            ROWS=rows,
+            BLOCK=block,
+            num_warps=warps_for_block(rows * block),
+        ),
+    )
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     return dx.view(x.shape), dw

@@ -1,4 +1,9 @@
-"""RMSNorm as ``torch.library`` custom ops with autograd (opaque to torch.compile, traced around)."""
+"""RMSNorm as ``torch.library`` custom ops with autograd (opaque to torch.compile, traced around).
+
+In eager mode the same kernels run through a ``torch.autograd.Function`` instead: the custom-op
+dispatcher (op, Python autograd wrapper, backward op) costs more host time per call than the
+kernels take on the GPU for a small norm such as Qwen3's qk-norm.
+"""
 
 from typing import Any
 
@@ -54,9 +59,61 @@ def _backward(ctx: Any, dy: torch.Tensor, _drstd: torch.Tensor | None) -> tuple[
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _RmsNormFunction(torch.autograd.Function):
+    """The same kernels for eager mode, without the custom-op dispatch overhead."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_weight: bool
+    ) -> torch.Tensor:
+        from d9d.kernels._triton.rms_norm_kernels import rms_norm_forward
+
+        y, rstd = rms_norm_forward(x, weight, eps, zero_centered_weight)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered_weight = zero_centered_weight
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        from d9d.kernels._triton.rms_norm_kernels import rms_norm_backward
+
+        (dy,) = grad_outputs
+        x, weight, rstd = ctx.saved_tensors
+        args = (dy.contiguous(), x, weight, rstd, ctx.zero_centered_weight)
+        # Grad mode is on here only under create_graph=True: record a node that refuses a double backward.
+        dx, dw = _RmsNormBackward.apply(*args) if torch.is_grad_enabled() else rms_norm_backward(*args)
+        return dx, dw, None, None
+
+
+class _RmsNormBackward(torch.autograd.Function):
+    """The backward kernels as a graph node that raises when differentiated, as the custom op does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        zero_centered_weight: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from d9d.kernels._triton.rms_norm_kernels import rms_norm_backward
+
+        return rms_norm_backward(dy, x, weight, rstd, zero_centered_weight)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        raise RuntimeError("rms_norm: the Triton path is differentiable once; its backward has no gradient")
+
+
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_weight: bool
 ) -> torch.Tensor:
-    """RMSNorm through the Triton kernels; see ``d9d.kernels.rms_norm``."""
-    y, _ = _forward(x, weight, eps, zero_centered_weight)
-    return y
+    """RMSNorm through the Triton kernels; see ``d9d.kernels.rms_norm``.
+
+    The custom op under torch.compile, an ``autograd.Function`` over the same kernels in eager mode.
+    """
+    if torch.compiler.is_compiling():
+        y, _ = _forward(x, weight, eps, zero_centered_weight)
+        return y
+    return _RmsNormFunction.apply(x, weight, eps, zero_centered_weight)

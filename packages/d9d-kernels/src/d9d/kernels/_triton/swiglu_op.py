@@ -64,7 +64,26 @@ class _SwigluFunction(torch.autograd.Function):
         from d9d.kernels._triton.swiglu_kernels import swiglu_backward
 
         gate, up = ctx.saved_tensors
+        # Grad mode is on here only under create_graph=True: record a node that refuses a double backward.
+        if torch.is_grad_enabled():
+            return _SwigluBackward.apply(dout, gate, up)
         return swiglu_backward(dout, gate, up)
+
+
+class _SwigluBackward(torch.autograd.Function):
+    """The backward kernel as a graph node that raises when differentiated, as the custom op does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from d9d.kernels._triton.swiglu_kernels import swiglu_backward
+
+        return swiglu_backward(dout, gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        raise RuntimeError("swiglu: the Triton path is differentiable once; its backward has no gradient")
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
