@@ -535,6 +535,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
             "param_dtype": "bfloat16" if device.type == "cuda" else None,
             "compile": compiled,
             "last_stage_weight": _head_weight(shape, args.seq) if args.pp > 1 else 0.0,
+            "attention_backend": args.attention_backend,
         }
     )
     times: list[float] = []
@@ -711,6 +712,8 @@ def run_all(args: argparse.Namespace) -> None:
             for k, v in vars(args).items()
             if k in ("model", "device", "seq", "batch", "steps", "warmup")
         ]
+        if args.attention_backend is not None and name.startswith("d9d"):
+            command.append(f"--attention-backend={args.attention_backend}")
         command += ["--quick"] if args.quick else []
         command += ["--profile"] if args.profile and name == "d9d" else []
         started = time.perf_counter()
@@ -759,6 +762,11 @@ def main() -> None:
     parser.add_argument("--impl", choices=[*IMPLEMENTATIONS, "all"], default="all")
     parser.add_argument("--only", nargs="*", choices=IMPLEMENTATIONS, help="with --impl all: these only")
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="d9d: an attention backend name (default: auto, SDPA on CUDA)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
