@@ -78,6 +78,8 @@ def _train(
     microbatch_size: int = 2,
     identical_rows: bool = False,
     documents: bool = True,
+    param_dtype: str | None = None,
+    pipeline: str | None = None,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -89,6 +91,7 @@ def _train(
                 "logging": {"progress_bar": False},
                 "device": "cpu",
                 "gradient_clipping": {"max_norm": 1.0 if clip else None},
+                **({} if pipeline is None else {"pipeline": {"name": pipeline}}),
             },
             "data": {"shuffle": False},
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
@@ -99,7 +102,7 @@ def _train(
     model = (
         directory
         if isinstance(directory, ScratchModelConfig)
-        else PretrainedModelConfig(source=str(directory), attention_backend="eager")
+        else PretrainedModelConfig(source=str(directory), attention_backend="eager", param_dtype=param_dtype)
     )
     provider = Qwen3ModelProvider(model)
     trainer = TrainingConfigurator(
@@ -350,3 +353,33 @@ def test_pipeline_gives_the_last_stage_fewer_layers_for_its_head(tmp_path: Path)
     assert [result["layers"] for result in results] == [[[0, 1, 2]], [[3]]]
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_pipeline_in_bf16_hands_bf16_activations_on(tmp_path: Path, schedule: str) -> None:
+    # FSDP mixed precision computes in bf16: the stage's announced output dtype must say so, or
+    # the first stage refuses its own output (and the next stage waits for it forever on NCCL).
+    config = ScratchModelConfig.model_validate(
+        {
+            "config": {**TINY_SCRATCH, "num_hidden_layers": 4},
+            "attention_backend": "eager",
+            "param_dtype": "bfloat16",
+        }
+    )
+    initial = tmp_path / "initial"
+    results = run_distributed(
+        functools.partial(_train, export_initial=initial, pipeline=schedule),
+        config,
+        {"pipeline_parallel": 2},
+        world_size=2,
+        timeout_s=180,
+    )
+    reference = run_distributed(
+        functools.partial(_train, param_dtype="bfloat16"),
+        initial,
+        {"data_parallel_shard": 1},
+        world_size=1,
+        timeout_s=120,
+    )[0]
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-3, rtol=2e-3)

@@ -51,18 +51,29 @@ class Qwen3ModelBase(nn.Module):
             attention_backend=attention_backend,
         )
         self._layers_as_identity = False
+        # The dtype forward computes in when it differs from the parameters' (FSDP mixed
+        # precision casts them); set by whoever parallelizes, read by ``pipeline_output_meta``.
+        self.compute_dtype: torch.dtype | None = None
 
     def pipeline_output_meta(self, inputs: Qwen3Inputs | StageHandoff, shared: Any) -> Any:
         """The forward's output for meta ``inputs``, the decoder layers taken as identity.
 
         d9d-loop's ``StageOutputMeta``: MoE routing (token counts per expert) cannot run on the
         meta device, and every decoder layer keeps the residual stream's shape and dtype, so the
-        embedding, hand-off and head alone give the output's structure, shapes and dtypes.
+        embedding, hand-off and head alone give the output's structure, shapes and dtypes (in
+        ``compute_dtype`` when set, as FSDP mixed precision computes).
         """
+        # Under mixed precision the parameters are cast before forward: so are they here.
+        cast = [p for p in self.parameters() if p.is_floating_point()] if self.compute_dtype else []
+        stored = [p.data for p in cast]
         self._layers_as_identity = True
         try:
+            for parameter in cast:
+                parameter.data = parameter.data.to(self.compute_dtype)
             return self(inputs, shared)
         finally:
+            for parameter, data in zip(cast, stored, strict=True):
+                parameter.data = data
             self._layers_as_identity = False
 
     def reset_parameters(self) -> None:

@@ -45,7 +45,7 @@ def parallelize_qwen3(
     context parallelism (an attention backend, no parameters), expert parallelism (the experts
     leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
     decoder layer and then the rest, so each layer's parameters are gathered only around it (on a
-    single data-parallel rank, one unit for the whole stage: there is nothing to shard).
+    single data-parallel rank of a dense model, one unit for the whole stage: nothing to shard).
 
     Args:
         model: The stage, on the meta device.
@@ -72,8 +72,9 @@ def parallelize_qwen3(
     reduce_dtype = None if param_dtype is None else torch.float32
     # One data-parallel rank shards nothing: per-layer units would only add a gather, a cast and a
     # reduce per layer and step (host time the GPU waits on), so one unit casts the whole stage once
-    # per step and keeps the cast parameters until backward is done.
-    sharded = dp_mesh.size() > 1
+    # per step and keeps the cast parameters until backward is done. Not with experts: one unit
+    # would hold every expert's cast weights and unreduced gradients at once (gigabytes).
+    sharded = dp_mesh.size() > 1 or model.spec.moe is not None
     if sharded:
         for layer in layers:
             parallelize_hsdp(

@@ -116,6 +116,8 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             activation_checkpointing=self._config.activation_checkpointing,
             attention_backend=self._config.attention_backend,
         )
+        dtype = self._config.param_dtype
+        model.compute_dtype = None if dtype is None else _DTYPES[dtype]
         mapper = None
         if resolved.checkpoint is not None:
             mapper = stage_load_mapper(model, resolved.checkpoint)  # raises early on a misfit
