@@ -383,3 +383,23 @@ def test_pipeline_in_bf16_hands_bf16_activations_on(tmp_path: Path, schedule: st
     )[0]
     for result in results:
         torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-3, rtol=2e-3)
+
+
+def test_zero_bubble_schedule_on_fsdp_stages_is_refused_before_training() -> None:
+    # bf16 compute puts each stage under FSDP, whose gradient reduction runs in the input pass of
+    # a split backward: the weight gradients would be lost, so the job stops before step 0.
+    config = ScratchModelConfig.model_validate(
+        {
+            "config": {**TINY_SCRATCH, "num_hidden_layers": 4},
+            "attention_backend": "eager",
+            "param_dtype": "bfloat16",
+        }
+    )
+    with pytest.raises(Exception, match=r"splits backward into input and weight gradients.*stage \d"):
+        run_distributed(
+            functools.partial(_train, pipeline="zbv"),
+            config,
+            {"pipeline_parallel": 2},
+            world_size=2,
+            timeout_s=120,
+        )

@@ -121,3 +121,18 @@ def test_excluded_duplicates_leave_the_norm_and_are_clipped_alike() -> None:
     # clipped from twice the gradients to 0.5: the same gradients as clipping the originals
     torch.testing.assert_close(params[0].grad, reference[0].grad)
     torch.testing.assert_close(duplicate.grad, reference[0].grad)
+
+
+def _stage_without_gradients() -> list[float]:
+    # Stage 1 has no gradient yet: it must still join the pipeline reduction (a rank that skips
+    # it leaves the other waiting forever).
+    group = torch.distributed.group.WORLD
+    param = nn.Parameter(torch.zeros(3))
+    if torch.distributed.get_rank() == 0:
+        param.grad = torch.tensor([3.0, 0.0, 4.0])
+    norm = clip_grad_norm([param], 1.0, pp_group=group)
+    return [float(norm)]
+
+
+def test_a_stage_without_gradients_still_joins_the_pipeline_reduction() -> None:
+    assert run_distributed(_stage_without_gradients, world_size=2, timeout_s=60) == [[5.0], [5.0]]

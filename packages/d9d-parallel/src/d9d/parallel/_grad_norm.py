@@ -42,6 +42,13 @@ def _local_gradients(
     return groups
 
 
+def _group_device(group: ProcessGroup) -> torch.device:
+    # NCCL reduces device tensors only; gloo takes CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def clip_grad_norm(
     parameters: Iterable[nn.Parameter],
     max_norm: float | None,
@@ -90,9 +97,11 @@ def clip_grad_norm(
         for locals_ in _local_gradients(p for p in parameters if id(p) in excluded).values()
         for g in locals_
     ]
-    if not groups and not duplicates:
+    if not groups and not duplicates and pp_group is None:
         return torch.zeros((), dtype=torch.float32)
-    device = next((g[0].device for g in [*groups.values(), duplicates] if g), torch.device("cpu"))
+    # A stage without gradients still joins the pipeline group's reduction below (with zero).
+    fallback = torch.device("cpu") if pp_group is None else _group_device(pp_group)
+    device = next((g[0].device for g in [*groups.values(), duplicates] if g), fallback)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, shard_dims), locals_ in groups.items():
         if is_max:
