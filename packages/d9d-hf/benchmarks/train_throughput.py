@@ -325,15 +325,18 @@ def pipeline_prediction(
 
     The simulator takes one cost per kind of action (F = 1, B = 2, I = W = 1 for every stage) and
     free transfers, so its bubble is the schedule's alone; the FLOP shares add what the stages'
-    unequal work costs: the provider splits the decoder layers evenly over the stages, the first
-    stage also holds the embedding (a lookup, no FLOPs counted) and the last the head and loss.
+    unequal work costs: the provider gives the last stage fewer decoder layers (the model config's
+    ``last_stage_weight``, set to the head's weight in layers), the first stage also holds the
+    embedding (a lookup, no FLOPs counted) and the last the head and loss.
     """
     from d9d.pipeline import ActionCosts, assign_layers, simulate_program
 
     program = schedule.build_program(num_ranks=layout.pp, num_microbatches=layout.microbatches)
     simulated = simulate_program(program, ActionCosts(forward=1.0, backward=2.0))
     layer, head = flops_of_layer_and_head(shape, seq)
-    ranges = assign_layers(shape["num_hidden_layers"], program.num_stages)
+    ranges = assign_layers(
+        shape["num_hidden_layers"], program.num_stages, last_stage_weight=_head_weight(shape, seq)
+    )
     work = [
         sum(
             len(ranges[i.current_stage]) * layer + (head if i.is_last else 0.0)
@@ -428,8 +431,8 @@ def compare(
             f"  predicted bubble (d9d-pipeline simulator, F=1 B=2 I=W=1 per stage, balanced stages, "
             f"free transfers): {pipeline['predicted_bubble']:.1%}",
             *("    " + row for row in pipeline["timeline"].splitlines()),
-            f"  FLOP share per rank (layers split evenly over stages; the first stage adds the "
-            f"embedding, the last the head and loss): {shares}; that imbalance alone idles "
+            f"  FLOP share per rank (layers split with the head weighed as layers; the first stage "
+            f"adds the embedding, the last the head and loss): {shares}; that imbalance alone idles "
             f"{pipeline['imbalance_bubble']:.1%}",
         ]
     idle = record.get("device_idle_per_rank")
