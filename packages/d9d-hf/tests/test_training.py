@@ -284,8 +284,8 @@ def test_load_balancing_loss_weighs_the_same_for_any_number_of_microbatches(
         torch.testing.assert_close(run["grad_norms"], runs[0]["grad_norms"], atol=1e-5, rtol=1e-5)
 
 
-# One data-parallel rank with a bf16 compute dtype: nothing is sharded, so the recipe wraps the
-# stage in one FSDP unit (parameters cast once per step) and must train as the sharded layout does.
+# One data-parallel rank with a bf16 compute dtype: nothing is sharded, so the recipe casts the
+# parameters for each forward without FSDP and must train as the sharded layout does.
 TINY_SCRATCH: dict[str, Any] = {
     "model_type": "qwen3",
     "vocab_size": 128,
@@ -298,11 +298,15 @@ TINY_SCRATCH: dict[str, Any] = {
 }
 
 
-def _units(mesh: dict[str, int]) -> tuple[bool, list[bool]]:
+def _units(mesh: dict[str, int], checkpointing: bool = False) -> tuple[bool, list[bool]]:
     context = DistributedContext(MeshParameters(**mesh), device_type="cpu")
     try:
         with torch.device("meta"):
-            model = Qwen3CausalLM(Qwen3DenseConfig.model_validate(TINY_SCRATCH), attention_backend="eager")
+            model = Qwen3CausalLM(
+                Qwen3DenseConfig.model_validate(TINY_SCRATCH),
+                attention_backend="eager",
+                activation_checkpointing=checkpointing,
+            )
         parallelize_qwen3(model, dist_context=context, param_dtype=torch.bfloat16)
         return isinstance(model, FSDPModule), [
             isinstance(layer, FSDPModule) for layer in model.model.decoder_layers()
@@ -311,9 +315,11 @@ def _units(mesh: dict[str, int]) -> tuple[bool, list[bool]]:
         context.close()
 
 
-def test_one_rank_wraps_the_stage_once_and_several_ranks_wrap_each_layer() -> None:
+def test_one_rank_casts_without_fsdp_and_several_ranks_wrap_each_layer() -> None:
     root, layers = run_distributed(_units, {}, world_size=1, timeout_s=120)[0]
-    assert root and layers == [False, False]
+    assert not root and layers == [False, False]  # cast per forward, no FSDP
+    root, layers = run_distributed(_units, {}, True, world_size=1, timeout_s=120)[0]
+    assert root and layers == [False, False]  # recomputed layers: one FSDP unit for the stage
     for root, layers in run_distributed(_units, {"data_parallel_shard": 2}, world_size=2, timeout_s=120):
         assert root and layers == [True, True]
 
@@ -355,7 +361,7 @@ def test_pipeline_gives_the_last_stage_fewer_layers_for_its_head(tmp_path: Path)
         torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_pipeline_in_bf16_hands_bf16_activations_on(tmp_path: Path, schedule: str) -> None:
     # FSDP mixed precision computes in bf16: the stage's announced output dtype must say so, or
     # the first stage refuses its own output (and the next stage waits for it forever on NCCL).
@@ -386,13 +392,14 @@ def test_pipeline_in_bf16_hands_bf16_activations_on(tmp_path: Path, schedule: st
 
 
 def test_zero_bubble_schedule_on_fsdp_stages_is_refused_before_training() -> None:
-    # bf16 compute puts each stage under FSDP, whose gradient reduction runs in the input pass of
-    # a split backward: the weight gradients would be lost, so the job stops before step 0.
+    # bf16 compute with recomputed layers puts each stage under FSDP, whose gradient reduction runs
+    # in the input pass of a split backward: the weight gradients would be lost, so the job stops.
     config = ScratchModelConfig.model_validate(
         {
             "config": {**TINY_SCRATCH, "num_hidden_layers": 4},
             "attention_backend": "eager",
             "param_dtype": "bfloat16",
+            "activation_checkpointing": True,
         }
     )
     with pytest.raises(Exception, match=r"splits backward into input and weight gradients.*stage \d"):

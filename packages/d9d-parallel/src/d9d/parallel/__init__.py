@@ -7,6 +7,7 @@ from d9d.parallel._activation_checkpointing import (
     checkpoint_modules,
 )
 from d9d.parallel._all_to_all import all_to_all
+from d9d.parallel._compute_cast import cast_parameters_for_compute
 from d9d.parallel._context_parallel_attention import (
     AttentionBackend,
     AttentionLayerLike,
@@ -56,6 +57,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_to_all",
     "checkpoint_modules",
+    "cast_parameters_for_compute",
     "clip_grad_norm",
     "context_parallel_position_ids",
     "context_parallel_shard",

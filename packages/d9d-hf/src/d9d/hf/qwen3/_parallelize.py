@@ -11,6 +11,7 @@ from d9d.hf.qwen3._tensor_parallel import parallelize_qwen3_tensor_parallel
 from d9d.kernels.layers import MoELayer
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
+    cast_parameters_for_compute,
     hsdp_mesh,
     parallelize_context_parallel,
     parallelize_expert_parallel,
@@ -36,7 +37,11 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
 
 
 def parallelize_qwen3(
-    model: Qwen3ModelBase, *, dist_context: DistributedContext, param_dtype: torch.dtype | None = None
+    model: Qwen3ModelBase,
+    *,
+    dist_context: DistributedContext,
+    param_dtype: torch.dtype | None = None,
+    layers_compiled: bool = False,
 ) -> None:
     """Parallelizes one (meta-device) Qwen3 stage in place, as ``dist_context.parameters`` asks.
 
@@ -44,13 +49,16 @@ def parallelize_qwen3(
     order matters: tensor parallelism first (it places parameters on the tp mesh dim), then
     context parallelism (an attention backend, no parameters), expert parallelism (the experts
     leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
-    decoder layer and then the rest, so each layer's parameters are gathered only around it (on a
-    single data-parallel rank of a dense model, one unit for the whole stage: nothing to shard).
+    decoder layer and then the rest, so each layer's parameters are gathered only around it.
+    On a single data-parallel rank of a dense model there is nothing to shard: the parameters
+    are cast once per forward without FSDP (``cast_parameters_for_compute``), or, where forward
+    reruns in backward (activation checkpointing) or is compiled, the stage is one FSDP unit.
 
     Args:
         model: The stage, on the meta device.
         dist_context: The job's distributed context (its mesh domains).
-        param_dtype: FSDP's compute dtype of gathered parameters (None: the stored dtype).
+        param_dtype: The compute dtype of the parameters (None: the stored dtype).
+        layers_compiled: The decoder layers will be compiled after this call.
     """
     mesh = dist_context.parameters
     dense = dist_context.mesh_for(DENSE_DOMAIN)
@@ -71,10 +79,14 @@ def parallelize_qwen3(
     dp_mesh = _data_parallel_mesh(dense)
     reduce_dtype = None if param_dtype is None else torch.float32
     # One data-parallel rank shards nothing: per-layer units would only add a gather, a cast and a
-    # reduce per layer and step (host time the GPU waits on), so one unit casts the whole stage once
-    # per step and keeps the cast parameters until backward is done. Not with experts: one unit
-    # would hold every expert's cast weights and unreduced gradients at once (gigabytes).
+    # reduce per layer and step (host time the GPU waits on). Not with experts: one unit would hold
+    # every expert's cast weights and unreduced gradients at once (gigabytes).
     sharded = dp_mesh.size() > 1 or model.spec.moe is not None
+    # A forward that reruns in backward or is compiled must see the cast parameters as parameters.
+    reruns = layers_compiled or model.model.activation_checkpointing
+    if not sharded and param_dtype is not None and mesh.tensor_parallel == 1 and not reruns:
+        cast_parameters_for_compute(model, param_dtype)
+        return
     if sharded:
         for layer in layers:
             parallelize_hsdp(

@@ -130,6 +130,7 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             context.model,
             dist_context=context.dist_context,
             param_dtype=None if dtype is None else _DTYPES[dtype],
+            layers_compiled=self._config.compile,
         )
         if self._config.compile:
             context.model.model.compile_layers()
