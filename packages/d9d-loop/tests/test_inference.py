@@ -100,3 +100,13 @@ def test_unset_weights_need_a_provider_that_loads_them() -> None:
     with pytest.raises(ValueError, match=r"weights_format='checkpoint' needs weights"):
         InferenceConfig(global_batch_size=8, microbatch_size=2, weights_format="checkpoint")
     run_distributed(_infer_without_weights, world_size=1)  # never silently random weights
+
+
+def test_collective_timeout_is_configured_and_validated() -> None:
+    assert InferenceConfig(global_batch_size=8, microbatch_size=2).collective_seconds == 600.0
+    assert (
+        InferenceConfig(global_batch_size=8, microbatch_size=2, collective_seconds=30).collective_seconds
+        == 30
+    )
+    with pytest.raises(ValueError, match="collective_seconds"):
+        InferenceConfig(global_batch_size=8, microbatch_size=2, collective_seconds=0)

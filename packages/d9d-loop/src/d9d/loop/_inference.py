@@ -48,6 +48,8 @@ class InferenceConfig(BaseModel):
             adapters and trained extras; None when the provider loads its base itself.
         seed: Seed of anything random (dropout is off).
         device: ``auto``, ``cpu`` or ``cuda``.
+        collective_seconds: Timeout of every collective operation (a hung rank ends the run
+            with an error naming the collective instead of waiting forever).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +62,7 @@ class InferenceConfig(BaseModel):
     base_weights: NonEmptyPath | None = None
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    collective_seconds: float = Field(default=600.0, gt=0)
 
     @model_validator(mode="after")
     def _checkpoint_needs_weights(self) -> InferenceConfig:
@@ -207,7 +210,7 @@ class InferenceConfigurator:
         dist_context = DistributedContext(
             self._mesh,
             device_type=None if config.device == "auto" else config.device,
-            timeout=timedelta(seconds=600),
+            timeout=timedelta(seconds=config.collective_seconds),
         )
         try:
             dist_context.seed(config.seed)
