@@ -477,15 +477,8 @@ def compare(
 
 def _head_weight(shape: dict[str, Any], seq: int) -> float:
     """The head's (and loss's) training FLOPs in decoder layers: the last pipeline stage's extra cost."""
-    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_dim = shape["head_dim"]
-    attention_params = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    if "num_experts" in shape:
-        mlp_params = shape["num_experts_per_tok"] * 3 * hidden * shape["moe_intermediate_size"]
-    else:
-        mlp_params = 3 * hidden * shape["intermediate_size"]
-    per_layer = attention_params + mlp_params + seq * heads * head_dim  # + causal attention, in params
-    return shape["vocab_size"] * hidden / per_layer
+    layer, head = flops_of_layer_and_head(shape, seq)
+    return head / layer
 
 
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:

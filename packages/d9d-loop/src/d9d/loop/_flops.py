@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from d9d.mesh import DistributedContext
-from d9d.pipeline import PipelineStageInfo
+from d9d.loop._rank_stages import RankStagesContext
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -29,16 +27,13 @@ _BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 
 
 @dataclass(kw_only=True, frozen=True)
-class EstimateFlopsContext(Generic[ModelT]):
+class EstimateFlopsContext(RankStagesContext[ModelT]):
     """Input of ``ModelProvider.estimate_flops``: this rank's stages, built and parallelized.
 
     Attributes:
         dist_context: The job's distributed context.
         stages: This rank's stages and their models, in increasing stage order.
     """
-
-    dist_context: DistributedContext
-    stages: Sequence[tuple[PipelineStageInfo, ModelT]]
 
 
 @dataclass(kw_only=True, frozen=True)

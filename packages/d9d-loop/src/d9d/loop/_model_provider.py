@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 from torch import nn
 
 from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
+from d9d.loop._rank_stages import RankStagesContext
 from d9d.mesh import DistributedContext
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import StateMapper
@@ -104,7 +105,7 @@ class PrepareExportModelStageResult:
 
 
 @dataclass(kw_only=True, frozen=True)
-class FinalizeGradientsContext(Generic[ModelT]):
+class FinalizeGradientsContext(RankStagesContext[ModelT]):
     """Input of ``ModelProvider.finalize_gradients``: this rank's stages, gradients synchronized.
 
     Attributes:
@@ -112,21 +113,15 @@ class FinalizeGradientsContext(Generic[ModelT]):
         stages: This rank's stages and their models, in increasing stage order.
     """
 
-    dist_context: DistributedContext
-    stages: Sequence[tuple[PipelineStageInfo, ModelT]]
-
 
 @dataclass(kw_only=True, frozen=True)
-class StagesReadyContext(Generic[ModelT]):
+class StagesReadyContext(RankStagesContext[ModelT]):
     """Input of ``ModelProvider.stages_ready``: this rank's stages, built and initialized or loaded.
 
     Attributes:
         dist_context: The job's distributed context.
         stages: This rank's stages and their models, in increasing stage order.
     """
-
-    dist_context: DistributedContext
-    stages: Sequence[tuple[PipelineStageInfo, ModelT]]
 
 
 @dataclass(kw_only=True, frozen=True)

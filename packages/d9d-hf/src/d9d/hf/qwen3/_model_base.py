@@ -13,6 +13,7 @@ from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig, qwen3_spec
 from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
 from d9d.hf.qwen3._stage import stage_layout
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
+from d9d.parallel import cast_parameters_for_compute
 from d9d.pipeline import PipelineStageInfo
 
 
@@ -64,16 +65,13 @@ class Qwen3ModelBase(nn.Module):
         ``compute_dtype`` when set, as FSDP mixed precision computes).
         """
         # Under mixed precision the parameters are cast before forward: so are they here.
-        cast = [p for p in self.parameters() if p.is_floating_point()] if self.compute_dtype else []
-        stored = [p.data for p in cast]
+        hooks = [] if self.compute_dtype is None else cast_parameters_for_compute(self, self.compute_dtype)
         self._layers_as_identity = True
         try:
-            for parameter in cast:
-                parameter.data = parameter.data.to(self.compute_dtype)
             return self(inputs, shared)
         finally:
-            for parameter, data in zip(cast, stored, strict=True):
-                parameter.data = data
+            for hook in hooks:
+                hook.remove()
             self._layers_as_identity = False
 
     def reset_parameters(self) -> None:

@@ -125,11 +125,10 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[Qwen3ModelBase]) -> None:
         """Applies the Qwen3 recipe (TP, CP, EP, FSDP/HSDP) that the mesh asks for."""
-        dtype = self._config.param_dtype
         parallelize_qwen3(
             context.model,
             dist_context=context.dist_context,
-            param_dtype=None if dtype is None else _DTYPES[dtype],
+            param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
             layers_compiled=self._config.compile,
         )
         if self._config.compile:

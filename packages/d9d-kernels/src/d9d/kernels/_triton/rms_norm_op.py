@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from d9d.kernels._triton.backward_node import run_backward_kernels
+
 
 @torch.library.custom_op("d9d_kernels::rms_norm_forward", mutates_args=())
 def _forward(
@@ -79,31 +81,10 @@ class _RmsNormFunction(torch.autograd.Function):
 
         (dy,) = grad_outputs
         x, weight, rstd = ctx.saved_tensors
-        args = (dy.contiguous(), x, weight, rstd, ctx.zero_centered_weight)
-        # Grad mode is on here only under create_graph=True: record a node that refuses a double backward.
-        dx, dw = _RmsNormBackward.apply(*args) if torch.is_grad_enabled() else rms_norm_backward(*args)
+        dx, dw = run_backward_kernels(
+            "rms_norm", rms_norm_backward, dy.contiguous(), x, weight, rstd, ctx.zero_centered_weight
+        )
         return dx, dw, None, None
-
-
-class _RmsNormBackward(torch.autograd.Function):
-    """The backward kernels as a graph node that raises when differentiated, as the custom op does."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        dy: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        rstd: torch.Tensor,
-        zero_centered_weight: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from d9d.kernels._triton.rms_norm_kernels import rms_norm_backward
-
-        return rms_norm_backward(dy, x, weight, rstd, zero_centered_weight)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        raise RuntimeError("rms_norm: the Triton path is differentiable once; its backward has no gradient")
 
 
 def rms_norm_triton(

@@ -4,6 +4,8 @@ from typing import Any
 
 import torch
 
+from d9d.kernels._triton.backward_node import run_backward_kernels
+
 
 @torch.library.custom_op("d9d_kernels::swiglu_forward", mutates_args=())
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -64,26 +66,7 @@ class _SwigluFunction(torch.autograd.Function):
         from d9d.kernels._triton.swiglu_kernels import swiglu_backward
 
         gate, up = ctx.saved_tensors
-        # Grad mode is on here only under create_graph=True: record a node that refuses a double backward.
-        if torch.is_grad_enabled():
-            return _SwigluBackward.apply(dout, gate, up)
-        return swiglu_backward(dout, gate, up)
-
-
-class _SwigluBackward(torch.autograd.Function):
-    """The backward kernel as a graph node that raises when differentiated, as the custom op does."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from d9d.kernels._triton.swiglu_kernels import swiglu_backward
-
-        return swiglu_backward(dout, gate, up)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        raise RuntimeError("swiglu: the Triton path is differentiable once; its backward has no gradient")
+        return run_backward_kernels("swiglu", swiglu_backward, dout, gate, up)
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
