@@ -63,3 +63,16 @@ def test_custom_ops_trace_in_one_graph(device: str) -> None:
     torch.testing.assert_close(compiled_loss, eager_loss)
     for got, expected in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def test_auto_under_compile_leaves_fusible_ops_to_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without tensor arguments AUTO reduces to "is Triton there": the rule under test is the
+    # compile switch alone, which must send fusible ops (norms, SwiGLU, RoPE) to the reference.
+    from d9d.kernels._backend import triton_installed, use_triton
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert use_triton(KernelBackend.AUTO, "rms_norm", fusible=True) is False
+    assert use_triton(KernelBackend.AUTO, "grouped_mm") is True
+    assert use_triton(KernelBackend.TRITON, "rms_norm", fusible=True) is True
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert use_triton(KernelBackend.AUTO, "rms_norm", fusible=True) is triton_installed()

@@ -16,7 +16,10 @@ class KernelBackend(enum.StrEnum):
 
     Attributes:
         AUTO: Triton when every tensor argument is on a CUDA device, has a supported floating dtype
-            and Triton is installed; the PyTorch reference otherwise.
+            and Triton is installed; the PyTorch reference otherwise. Under ``torch.compile`` the
+            elementwise and row-wise ops (RMSNorm, SwiGLU, RoPE) run their reference, which
+            Inductor fuses with the code around them (residual adds, casts, projections' epilogues)
+            instead of calling an opaque kernel between two fused regions.
         TRITON: Always the Triton kernels; raises where they cannot run. On CPU tensors this works
             only under Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use.
         REFERENCE: Always the plain PyTorch implementation (runs on any device, differentiable
@@ -43,13 +46,15 @@ def _installed() -> bool:
     return torch.compiler.is_compiling() or triton_installed()
 
 
-def use_triton(backend: KernelBackend, op: str, *tensors: torch.Tensor) -> bool:
+def use_triton(backend: KernelBackend, op: str, *tensors: torch.Tensor, fusible: bool = False) -> bool:
     """Resolves ``backend`` for one call of ``op`` on ``tensors``.
 
     Args:
         backend: The requested backend.
         op: The op's name, for error messages.
         *tensors: The floating-point tensor arguments that the kernels read.
+        fusible: The reference is code Inductor lowers and fuses well (elementwise or one
+            reduction per row): under ``torch.compile``, AUTO then picks the reference.
 
     Returns:
         True to run the Triton kernels, False to run the PyTorch reference.
@@ -62,6 +67,8 @@ def use_triton(backend: KernelBackend, op: str, *tensors: torch.Tensor) -> bool:
         case KernelBackend.REFERENCE:
             return False
         case KernelBackend.AUTO:
+            if fusible and torch.compiler.is_compiling():
+                return False
             return all(t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors) and _installed()
         case KernelBackend.TRITON:
             if not _installed():

@@ -41,7 +41,7 @@ def rms_norm(
             f"rms_norm: weight shape {tuple(weight.shape)} does not match the last dim of x "
             f"{tuple(x.shape)}; expected ({x.shape[-1]},)"
         )
-    if use_triton(backend, "rms_norm", x, weight):
+    if use_triton(backend, "rms_norm", x, weight, fusible=True):
         from d9d.kernels._triton.rms_norm_op import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, zero_centered_weight)

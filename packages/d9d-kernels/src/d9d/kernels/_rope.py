@@ -59,7 +59,7 @@ def apply_rope(
     angles_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if angles_need_grad and backend == KernelBackend.TRITON:
         raise RuntimeError("apply_rope: backend=triton does not differentiate cos / sin, which require grad")
-    if not angles_need_grad and use_triton(backend, "apply_rope", x, cos, sin):
+    if not angles_need_grad and use_triton(backend, "apply_rope", x, cos, sin, fusible=True):
         from d9d.kernels._triton.rope_op import apply_rope_triton
 
         return apply_rope_triton(x, cos, sin, layout == "interleaved")

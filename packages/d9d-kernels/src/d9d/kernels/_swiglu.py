@@ -32,7 +32,7 @@ def swiglu(
             f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
             "must have the same shape and dtype"
         )
-    if use_triton(backend, "swiglu", gate, up):
+    if use_triton(backend, "swiglu", gate, up, fusible=True):
         from d9d.kernels._triton.swiglu_op import swiglu_triton
 
         return swiglu_triton(gate, up)
