@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from d9d.hf._head import HeadName
-from d9d.hf._hub import TOKENIZER_FILES, resolve_snapshot
+from d9d.hf._hub import resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
+from d9d.hf._tokenizer_files import tokenizer_files
 from d9d.hf.qwen3._checkpoint import build_qwen3, export_config, read_qwen3_config
 from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
 from d9d.hf.qwen3._model_base import Qwen3ModelBase
@@ -48,7 +49,7 @@ class _Resolved:
 def _files_of(directory: Path | None) -> dict[str, bytes]:
     if directory is None:
         return {}
-    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+    return tokenizer_files(directory)
 
 
 class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):

@@ -1,0 +1,148 @@
+"""An export carries the tokenizer files transformers needs: AutoTokenizer loads it as the source's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import d9d.hf
+from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf._tokenizer_files import tokenizer_files
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ProjectConfig,
+    TrainingConfigurator,
+)
+
+TEXTS = ["the cat sat on the mat", "a dog ran to the cat", "the mat is red"]
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+
+
+def _word_tokenizer() -> Tokenizer:
+    """A whitespace word-level tokenizer: a kind that Qwen's BPE tokenizer class misreads."""
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    return tokenizer
+
+
+def _source(directory: Path) -> Path:
+    """A tiny Qwen3 checkpoint saved by d9d.hf plus a ``tokenizer.json`` written by ``tokenizers``."""
+    tokenizer = _word_tokenizer()
+    config = Qwen3DenseConfig.model_validate(
+        {
+            "model_type": "qwen3",
+            "vocab_size": 32,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "pad_token_id": tokenizer.token_to_id("<pad>"),
+            "eos_token_id": tokenizer.token_to_id("<eos>"),
+        }
+    )
+    torch.manual_seed(0)
+    model = Qwen3CausalLM(config, attention_backend="eager")
+    model.reset_parameters()
+    d9d.hf.save_pretrained(model, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+class _Rows:
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> TokenSample:
+        ids = torch.arange(8) + index
+        return TokenSample(input_ids=ids, labels=ids.clone())
+
+
+def _export(source: Path, target: Path) -> None:
+    config = ProjectConfig.model_validate(
+        {
+            "trainer": {
+                "max_steps": 1,
+                "global_batch_size": 2,
+                "microbatch_size": 2,
+                "device": "cpu",
+                "logging": {"progress_bar": False},
+            },
+            "optimizer": {"name": "adamw", "lr": 0.01},
+        }
+    )
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=Qwen3ModelProvider(
+            PretrainedModelConfig(source=str(source), attention_backend="eager")
+        ),
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    with trainer:
+        trainer.export(target)
+
+
+def test_autotokenizer_loads_the_export_as_the_source_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    source = _source(tmp_path / "source")
+    _export(source, tmp_path / "export")
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "export")
+    original = Tokenizer.from_file(str(source / "tokenizer.json"))
+    for text in [*TEXTS, "the red dog sat"]:
+        assert loaded(text)["input_ids"] == original.encode(text).ids, text
+    assert (loaded.eos_token, loaded.pad_token) == ("<eos>", "<pad>")
+    assert loaded.decode(original.encode("the cat sat").ids) == "the cat sat"
+
+
+def test_an_existing_tokenizer_config_is_copied_unchanged(tmp_path: Path) -> None:
+    _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    written = json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 8})
+    (tmp_path / "tokenizer_config.json").write_text(written)
+    (tmp_path / "generation_config.json").write_text("{}")
+
+    files = tokenizer_files(tmp_path)
+
+    assert files["tokenizer_config.json"].decode() == written
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({}, {}),  # no config.json: the class alone
+        ({"eos_token_id": 1, "pad_token_id": 0}, {"eos_token": "<eos>", "pad_token": "<pad>"}),
+        ({"eos_token_id": 999, "bos_token_id": None}, {}),  # ids the tokenizer does not know are left out
+    ],
+)
+def test_a_bare_tokenizer_json_gets_a_config_naming_its_class(
+    tmp_path: Path, config: dict[str, int | None], expected: dict[str, str]
+) -> None:
+    _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    if config:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+
+    written = json.loads(tokenizer_files(tmp_path)["tokenizer_config.json"])
+
+    assert written == {"tokenizer_class": "PreTrainedTokenizerFast", **expected}
+
+
+def test_no_directory_or_no_tokenizer_gives_no_files(tmp_path: Path) -> None:
+    assert tokenizer_files(None) == {}
+    assert tokenizer_files(tmp_path) == {}
