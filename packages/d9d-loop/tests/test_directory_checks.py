@@ -22,7 +22,8 @@ def test_a_checkpoint_directory_under_a_regular_file_is_refused_at_configure_tim
     (tmp_path / "file").write_text("not a directory")
     result = run_distributed(run_toy, str(tmp_path / "file" / "ckpt"), max_steps=2, world_size=1)[0]
     error = result["error"] or ""
-    assert error.startswith("DirectoryCheckError"), error
+    # every rank raises the main rank's error with its own errno (was "[Errno 5] [Errno 20] ...")
+    assert error.startswith("DirectoryCheckError: [Errno 20] trainer.checkpoint.directory="), error
     assert f"trainer.checkpoint.directory={tmp_path / 'file' / 'ckpt'} cannot be created: ENOTDIR" in error
     assert result["losses"] == []  # refused before the first step
 
@@ -43,6 +44,14 @@ def test_a_read_only_directory_is_refused(tmp_path: Path) -> None:
             check_output_directory(read_only, what="trainer.checkpoint.directory")
     finally:
         read_only.chmod(0o700)
+
+
+def test_a_failed_probe_is_reported_even_when_removing_the_probe_fails_too(tmp_path: Path) -> None:
+    # On a read-only mount the cleanup's unlink raised EROFS about .d9d-write-probe-N and hid the
+    # DirectoryCheckError; a directory standing where the probe goes fails both the same way, as root.
+    (tmp_path / f".d9d-write-probe-{os.getpid()}").mkdir()
+    with pytest.raises(DirectoryCheckError, match=r"is not writable: EISDIR"):
+        check_output_directory(tmp_path, what="trainer.checkpoint.directory")
 
 
 def test_a_directory_without_room_for_one_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -67,6 +67,22 @@ def check_output_directory(
         raise DirectoryCheckError(
             e.errno or errno.EIO, f"{what}={path} cannot be created: {_os_error(e)}"
         ) from e
+    _write_probe(path, what)
+    free = disk_usage(path).free
+    if required_bytes > free:
+        raise DirectoryCheckError(
+            errno.ENOSPC,
+            f"{what}={path} has {free / 2**20:.1f} MiB free; one checkpoint needs about "
+            f"{required_bytes / 2**20:.1f} MiB (ENOSPC expected at the first save)",
+        )
+
+
+def _write_probe(path: Path, what: str) -> None:
+    """Writes and removes a probe file; a failure to write is the error reported, never the cleanup's.
+
+    On a read-only mount even removing a probe that was never created fails (EROFS), and a
+    failed removal must not replace the reason the directory is unusable.
+    """
     probe = path / f".d9d-write-probe-{os.getpid()}"
     try:
         with probe.open("wb") as f:
@@ -77,15 +93,12 @@ def check_output_directory(
         raise DirectoryCheckError(
             e.errno or errno.EIO, f"{what}={path} is not writable: {_os_error(e)}"
         ) from e
-    finally:
-        probe.unlink(missing_ok=True)
-    free = disk_usage(path).free
-    if required_bytes > free:
+    try:
+        probe.unlink()
+    except OSError as e:
         raise DirectoryCheckError(
-            errno.ENOSPC,
-            f"{what}={path} has {free / 2**20:.1f} MiB free; one checkpoint needs about "
-            f"{required_bytes / 2**20:.1f} MiB (ENOSPC expected at the first save)",
-        )
+            e.errno or errno.EIO, f"{what}={path} accepts files but cannot delete them: {_os_error(e)}"
+        ) from e
 
 
 def estimate_checkpoint_bytes(models: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> int:
@@ -108,7 +121,7 @@ def check_checkpoint_directory(
     *,
     dist_context: DistributedContext,
     required_bytes: int,
-    group_broadcast: Callable[[str], str],
+    group_broadcast: Callable[[tuple[int, str] | None], tuple[int, str] | None],
 ) -> None:
     """Runs ``check_output_directory`` on the main rank; every rank raises the same error.
 
@@ -116,17 +129,17 @@ def check_checkpoint_directory(
         path: The checkpoint directory.
         dist_context: The job's context (the main rank checks).
         required_bytes: Room for one checkpoint.
-        group_broadcast: Sends the main rank's result ("" when fine) to every rank.
+        group_broadcast: Sends the main rank's result (None when fine) to every rank.
     """
-    problem = ""
+    problem: tuple[int, str] | None = None
     if dist_context.is_main_process:
         try:
             check_output_directory(path, what="trainer.checkpoint.directory", required_bytes=required_bytes)
         except DirectoryCheckError as e:
-            problem = str(e)
+            problem = (e.errno or errno.EIO, e.strerror or str(e))
     problem = group_broadcast(problem)
-    if problem:
-        raise DirectoryCheckError(errno.EIO, problem)
+    if problem is not None:
+        raise DirectoryCheckError(*problem)
 
 
 def describe_write_failure(path: Path, error: BaseException) -> str:
