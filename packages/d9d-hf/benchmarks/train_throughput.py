@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +87,22 @@ MOE_30B_A3B_6_LAYERS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 40960,
 }
+# Qwen3-4B's widths (and its tied head) cut to 12 of its 36 layers, so that torchtitan's bf16
+# optimizer state and both jobs' activations fit one H200 at seq 4096 x batch 4 without recompute.
+DENSE_4B_12_LAYERS: dict[str, Any] = {
+    **DENSE_0_6B,
+    "hidden_size": 2560,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 9728,
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "dense": DENSE_0_6B,
+    "dense4b": DENSE_4B_12_LAYERS,
+    "moe": MOE_30B_A3B_6_LAYERS,
+}
 QUICK: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 4,  # ZBV on 2 ranks builds 4 stages
@@ -101,7 +118,7 @@ QUICK: dict[str, Any] = {
 
 
 def model_shape(name: str, quick: bool) -> dict[str, Any]:
-    shape = dict(DENSE_0_6B if name == "dense" else MOE_30B_A3B_6_LAYERS)
+    shape = dict(SHAPES[name])
     if quick:
         shape.update({k: v for k, v in QUICK.items() if k in shape})
     return shape
@@ -692,52 +709,79 @@ def run_one(args: argparse.Namespace) -> None:
             raise ValueError(f"unknown implementation {args.impl!r}")
 
 
+def _spread(values: list[float]) -> str:
+    """``median (min-max)`` of ``values``, as the table prints every repeated figure."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def run_all(args: argparse.Namespace) -> None:
-    """Runs every implementation in its own process and prints the table with ratios."""
+    """Runs every implementation in its own process, ``--repeats`` rounds in turn; prints the table.
+
+    Rounds alternate the implementations (a, b, c, a, b, c, ...) so that a slow phase of the
+    machine hits each alike; a ratio against torchtitan is taken within each round and the table
+    gives its median over the rounds with the range.
+    """
     device = torch.device(args.device)
     peak = measure_peak_tflops(device)
     shape = model_shape(args.model, args.quick)
     flops = flops_per_token(shape, args.seq)
-    results: dict[str, dict[str, Any]] = {}
-    out = Path(args.json or f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
-    out.unlink(missing_ok=True)
-    for name in args.only or IMPLEMENTATIONS:
-        command = [sys.executable, __file__, "--impl", name, "--json", str(out)]
-        command += [
-            f"--{k}={v}"
-            for k, v in vars(args).items()
-            if k in ("model", "device", "seq", "batch", "steps", "warmup")
-        ]
-        if args.attention_backend is not None and name.startswith("d9d"):
-            command.append(f"--attention-backend={args.attention_backend}")
-        command += ["--quick"] if args.quick else []
-        command += ["--profile"] if args.profile and name == "d9d" else []
-        started = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
-        if args.profile and name == "d9d":
-            print(done.stdout[-12000:], flush=True)
-        if done.returncode != 0:
-            print(
-                f"{name}: FAILED after {time.perf_counter() - started:.0f} s\n{done.stderr[-2500:]}",
-                flush=True,
-            )
-    for line in out.read_text().splitlines() if out.exists() else []:
-        record = json.loads(line)
-        results[record["implementation"]] = record
+    names = list(args.only or IMPLEMENTATIONS)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    scratch = Path(f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
+    for round_index in range(args.repeats):
+        records: dict[str, dict[str, Any]] = {}
+        for name in names:
+            scratch.unlink(missing_ok=True)
+            command = [sys.executable, __file__, "--impl", name, "--json", str(scratch)]
+            command += [
+                f"--{k}={v}"
+                for k, v in vars(args).items()
+                if k in ("model", "device", "seq", "batch", "steps", "warmup")
+            ]
+            if args.attention_backend is not None and name.startswith("d9d"):
+                command.append(f"--attention-backend={args.attention_backend}")
+            command += ["--quick"] if args.quick else []
+            profiled = args.profile and name == "d9d" and round_index == 0
+            command += ["--profile"] if profiled else []
+            started = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+            if profiled:
+                print(done.stdout[-12000:], flush=True)
+            if done.returncode != 0 or not scratch.exists():
+                print(
+                    f"{name}: FAILED after {time.perf_counter() - started:.0f} s\n{done.stderr[-2500:]}",
+                    flush=True,
+                )
+                continue
+            record = json.loads(scratch.read_text().splitlines()[-1])
+            records[name] = record
+            print(f"round {round_index + 1}: {name} {record['tokens_per_s'] / 1e3:.1f}k tok/s", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        rounds.append(records)
     print(
         f"\nQwen3 {args.model} ({shape['num_hidden_layers']} layers), seq {args.seq}, batch {args.batch}, "
-        f"{args.device}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP/token"
+        f"{args.device}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP/token; "
+        f"{args.repeats} round(s): median (min-max)"
     )
-    print("| implementation | tok/s | MFU | peak memory (GiB) | tok/s vs torchtitan | memory vs torchtitan |")
+    print("| implementation | k tok/s | MFU % | peak GiB | tok/s vs torchtitan | memory vs torchtitan |")
     print("|---|---|---|---|---|---|")
-    titan = results.get("titan")
-    for name, record in results.items():
-        mfu = record["tokens_per_s"] * flops / (peak * 1e12)
-        speed = record["tokens_per_s"] / titan["tokens_per_s"] if titan else float("nan")
-        memory = record["peak_memory_gib"] / titan["peak_memory_gib"] if titan else float("nan")
+    for name in names:
+        done_rounds = [r for r in rounds if name in r]
+        if not done_rounds:
+            continue
+        speeds = [r[name]["tokens_per_s"] / 1e3 for r in done_rounds]
+        mfus = [100 * r[name]["tokens_per_s"] * flops / (peak * 1e12) for r in done_rounds]
+        memory = [r[name]["peak_memory_gib"] for r in done_rounds]
+        paired = [r for r in done_rounds if "titan" in r]
+        speed_ratio = [r[name]["tokens_per_s"] / r["titan"]["tokens_per_s"] for r in paired]
+        memory_ratio = [r[name]["peak_memory_gib"] / r["titan"]["peak_memory_gib"] for r in paired]
         print(
-            f"| {name} | {record['tokens_per_s'] / 1e3:.1f}k | {mfu:.1%} | {record['peak_memory_gib']:.1f} "
-            f"| {speed:.2f}x | {memory:.2f}x |"
+            f"| {name} | {_spread(speeds)} | {_spread(mfus)} | {_spread(memory)} "
+            f"| {_spread(speed_ratio) if paired else '-'} | {_spread(memory_ratio) if paired else '-'} |"
         )
 
 
@@ -757,7 +801,19 @@ def main() -> None:
     )
     parser.add_argument("--impl", choices=[*IMPLEMENTATIONS, "all"], default="all")
     parser.add_argument("--only", nargs="*", choices=IMPLEMENTATIONS, help="with --impl all: these only")
-    parser.add_argument("--model", choices=["dense", "moe"], default="dense")
+    parser.add_argument(
+        "--model",
+        choices=list(SHAPES),
+        default="dense",
+        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; moe: Qwen3-30B-A3B widths, 6 layers",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --impl all: rounds, each running every implementation once in turn; the table "
+        "gives each figure as the median over rounds with its range",
+    )
     parser.add_argument(
         "--attention-backend",
         default=None,
