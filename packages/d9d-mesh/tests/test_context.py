@@ -1,6 +1,9 @@
 """DistributedContext on CPU ranks (device forced to CPU: gloo ranks, also on a GPU host)."""
 
 import math
+import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -206,3 +209,23 @@ def test_domains_share_process_groups() -> None:
     # 18 mesh dims over five domains split 4 ranks only 4 ways: by pp ({0,2},{1,3}), by data
     # ({0,1},{2,3}), into singletons (every size-1 dim) and all together (the default group).
     assert run_distributed(_count_created_groups, world_size=4) == [3, 3, 3, 3]
+
+
+_TWO_CONTEXTS_THEN_RAISE = """
+from d9d.mesh import DistributedContext, MeshParameters
+DistributedContext(MeshParameters(), device_type="cpu").close()
+DistributedContext(MeshParameters(), device_type="cpu")
+raise ValueError("the error")
+"""
+
+
+def test_an_error_after_a_second_one_process_context_is_printed_without_rank_prefixes() -> None:
+    # each process group torch starts wrapped the excepthook again: "[rank0]: [rank0]: ValueError"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_CONTEXTS_THEN_RAISE], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == "ValueError: the error", done.stderr[-500:]

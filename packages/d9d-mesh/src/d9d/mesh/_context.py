@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Generator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -80,6 +81,7 @@ class DistributedContext:
         self._meshes: dict[MeshDomain, DeviceMesh] = {}
         self._groups = ProcessGroupCache(timeout=timeout)
         self._background_group: ProcessGroup | None = None
+        self._excepthook_before = sys.excepthook
 
         if dist.is_initialized():
             world_size = dist.get_world_size()
@@ -122,6 +124,10 @@ class DistributedContext:
             dist.init_process_group(
                 backend=self._backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self._timeout
             )
+        if world_size == 1:
+            # torch prefixes every line of an uncaught traceback with "[rank0]: " once per group it
+            # starts; in a world of one the prefix says nothing, so the hook stays as it was.
+            sys.excepthook = self._excepthook_before
 
     @property
     def parameters(self) -> MeshParameters:
@@ -308,4 +314,7 @@ class DistributedContext:
         """Destroys the process group if this context created it."""
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            # The next group (a second context in this process) would wrap torch's rank-prefixing
+            # hook again: "[rank0]: [rank0]: ..." on every line.
+            sys.excepthook = self._excepthook_before
         self._meshes.clear()
