@@ -74,10 +74,10 @@ def collate(samples: list[Sample]) -> Batch:
 
 
 class ToyModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 1)
+        self.fc1 = nn.Linear(8, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, inputs: Input, shared: None) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(inputs.x)))
@@ -114,13 +114,14 @@ class ToyTask(TrainTask[Batch, Input, None, torch.Tensor, State]):
 
 
 class ToyProvider(ModelProvider[ToyModel]):
-    def __init__(self, strategy: str = "hsdp") -> None:
+    def __init__(self, strategy: str = "hsdp", hidden: int = 16) -> None:
         self.strategy = strategy
+        self.hidden = hidden
 
     def initialize_model_stage(
         self, context: InitializeModelStageContext
     ) -> InitializeModelStageResult[ToyModel]:
-        model = ToyModel()
+        model = ToyModel(self.hidden)
         return InitializeModelStageResult(model=model, state_mapper=identity_mapper_from_module(model))
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[ToyModel]) -> None:
@@ -158,12 +159,17 @@ def toy_config(**sections: dict[str, Any]) -> ProjectConfig:
 
 
 def build_trainer(
-    config: ProjectConfig, *, events: EventBus | None = None, strategy: str = "hsdp", weighted: bool = False
+    config: ProjectConfig,
+    *,
+    events: EventBus | None = None,
+    strategy: str = "hsdp",
+    weighted: bool = False,
+    hidden: int = 16,
 ) -> Trainer:
     return TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=ToyProvider(strategy),
+        model_provider=ToyProvider(strategy, hidden),
         task_provider=lambda ctx: ToyTask(weighted),
         data_provider=AutoDataProvider(
             dataset_factory=lambda d: ToyDataset(), collator=collate, config=config.data

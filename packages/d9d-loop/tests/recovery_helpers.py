@@ -30,6 +30,7 @@ def run_toy(
     optimizer: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     mesh: dict[str, int] | None = None,
+    hidden: int = 16,
 ) -> dict[str, Any]:
     """Trains the toy job; returns losses, warnings, the error (as text) and the final parameters."""
     handler = _Collect()
@@ -53,7 +54,7 @@ def run_toy(
     error: BaseException | None = None
     built = None
     try:
-        built = build_trainer(toy_config(**sections), strategy="fsdp")
+        built = build_trainer(toy_config(**sections), strategy="fsdp", hidden=hidden)
         built.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
         built.train()
     except Exception as e:  # reported to the test; every reliability error is an Exception

@@ -87,3 +87,14 @@ def test_another_optimizer_starts_afresh_with_optimizer_state_reset(tmp_path: Pa
     )[0]
     assert resumed["error"] is None
     assert len(resumed["losses"]) == 2  # resumed at step 2
+
+
+def test_another_model_width_is_refused_before_dcp_naming_each_tensor_and_both_shapes(tmp_path: Path) -> None:
+    # DCP used to print 123 lines of tracebacks per rank for this
+    run_distributed(run_toy, str(tmp_path), max_steps=2, world_size=1)
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=4, hidden=24, world_size=1)[0]
+    error = resumed["error"] or ""
+    assert error.startswith("ResumeIncompatibleError"), error
+    assert "model.fc1.weight is [16, 8] in the checkpoint, [24, 8] in this run" in error, error
+    assert "CheckpointException" not in error and "Traceback" not in error
+    assert len(error.splitlines()) < 20

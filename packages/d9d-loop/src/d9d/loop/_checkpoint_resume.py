@@ -48,6 +48,18 @@ def check_layout(saved: RunLayout, current: RunLayout, options: ResumeConfig, wh
             return True
 
 
+_LISTED = 8
+
+
+def _describe_shapes(where: str, mismatched: list[str]) -> str:
+    listed = "\n".join(f"  {m}" for m in mismatched[:_LISTED])
+    more = f"\n  ... and {len(mismatched) - _LISTED} more" if len(mismatched) > _LISTED else ""
+    return (
+        f"{where} was written by another model ({len(mismatched)} tensors differ):\n{listed}{more}\n"
+        f"resume with the model that wrote it, or point trainer.checkpoint.directory elsewhere"
+    )
+
+
 def load_newest_usable(
     checkpointer: Checkpointer,
     *,
@@ -76,7 +88,8 @@ def load_newest_usable(
 
     Raises:
         NoUsableCheckpointError: If checkpoints exist but none is usable, listing each and why.
-        ResumeIncompatibleError: If the newest intact checkpoint belongs to an incompatible run.
+        ResumeIncompatibleError: If the newest intact checkpoint belongs to an incompatible run
+            (another optimizer, or tensors of other shapes: each named with both shapes).
     """
     skipped: list[tuple[CheckpointLocation, str]] = []
     for location in checkpointer.candidates():
@@ -98,8 +111,12 @@ def load_newest_usable(
             )
         else:
             with_optimizer = check_layout(manifest.layout, layout, options, str(location.path))
+        wanted = state(with_optimizer)
+        mismatched = checkpointer.shape_mismatches(location, wanted)
+        if mismatched:
+            raise ResumeIncompatibleError(_describe_shapes(str(location.path), mismatched))
         try:
-            absent = checkpointer.load(location, state(with_optimizer), optional=optional)
+            absent = checkpointer.load(location, wanted, optional=optional)
         except CheckpointLoadError as e:
             logger.warning("checkpoint %s failed to load, trying an older one: %s", location.path, e)
             skipped.append((location, str(e)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from d9d.loop._checkpoint_manifest import (
     share,
     write_manifest,
 )
+from d9d.loop._checkpoint_shapes import shape_mismatches, tensor_shapes
 from d9d.loop._config_trainer import CheckpointConfig
 from d9d.loop._directory_checks import check_checkpoint_directory, describe_write_failure
 from d9d.mesh import DistributedContext
@@ -172,6 +174,19 @@ class Checkpointer:
             if match and entry.is_dir():
                 found.append(CheckpointLocation(step=int(match.group(1)), path=entry))
         return sorted(found, key=lambda c: c.step)
+
+    def shape_mismatches(self, location: CheckpointLocation, state: dict[str, Any]) -> list[str]:
+        """Tensors of ``state`` whose shape in the checkpoint differs or that it lacks (collective).
+
+        Every rank returns the same list (pipeline ranks hold different tensors), so all refuse
+        together before DCP runs.
+        """
+        try:
+            saved = dcp.FileSystemReader(str(location.path)).read_metadata().state_dict_metadata
+            mine = shape_mismatches(saved, tensor_shapes(state))
+        except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError):
+            mine = []  # unreadable metadata is damage: load() reports it and resume falls back
+        return sorted({p for rank_problems in self._gather(mine) for p in rank_problems})
 
     def load(
         self, location: CheckpointLocation, state: dict[str, Any], *, optional: Sequence[str] = ()
