@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 import huggingface_hub
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -36,7 +42,9 @@ def resolve_snapshot(source: str | os.PathLike[str], *, revision: str | None = N
 
     Raises:
         FileNotFoundError: If ``source`` is a path that does not exist (starts with ``.`` or
-            ``/``, or names an existing parent's missing child).
+            ``/``, or names an existing parent's missing child), or a repo id the Hub cannot
+            provide (offline without a cached copy, unknown, gated, unknown revision): one
+            message naming the repo id and what to do instead.
     """
     path = Path(source)
     if path.is_dir():
@@ -44,7 +52,23 @@ def resolve_snapshot(source: str | os.PathLike[str], *, revision: str | None = N
     text = os.fspath(source)
     if text.startswith((".", "/", "~")) or path.exists() or text.count("/") > 1:
         raise FileNotFoundError(f"{text}: no such directory (and not a Hub repo id 'owner/name')")
-    snapshot = huggingface_hub.snapshot_download(
-        repo_id=text, revision=revision, allow_patterns=list(SNAPSHOT_PATTERNS)
-    )
+    try:
+        snapshot = huggingface_hub.snapshot_download(
+            repo_id=text, revision=revision, allow_patterns=list(SNAPSHOT_PATTERNS)
+        )
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, HfHubHTTPError) as error:
+        # The Hub's own error chains the network failures under it (dozens of lines that never
+        # name the repo): one message says what was asked for and what to do instead.
+        raise FileNotFoundError(_unavailable(text, revision, error)) from None
     return Path(snapshot)
+
+
+def _unavailable(repo_id: str, revision: str | None, error: Exception) -> str:
+    asked = repo_id if revision is None else f"{repo_id} (revision {revision!r})"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (
+        f"{asked}: not a local directory, and the Hugging Face Hub could not provide it "
+        f"({type(error).__name__}: {reason}). Pass the path of a local checkpoint directory, or "
+        f"download it once where the Hub is reachable (`hf download {repo_id}`): with "
+        "HF_HUB_OFFLINE=1 the cached copy is then used without network"
+    )
