@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,32 @@ def _quickstart(env: CaseEnv) -> str:
 
 
 def _drop_newest(directory: Path) -> None:
-    """Keeps only the step-6 checkpoint, so the next run resumes half-way."""
+    """Keeps only the step-6 checkpoint, so the next run resumes half-way.
+
+    Every rank must be done looking at the directory first: a rank that listed it after rank 0's
+    ``rmtree`` saw only the step-6 checkpoint (the NCCL suite's async_checkpoint flake).
+    """
+    dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory / f"step_{STEPS:09d}")
     dist.barrier()
+
+
+def checked_then_dropped(
+    directory: Path, expected: list[str], before_listing: Callable[[], None] = lambda: None
+) -> None:
+    """Every rank lists ``directory`` and raises unless it holds ``expected``; then the newest goes.
+
+    The listings are gathered, so all ranks fail together (none waits for a peer that raised).
+    """
+    before_listing()
+    saved = sorted(p.name for p in directory.iterdir())
+    listings: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(listings, saved)
+    wrong = {rank: listing for rank, listing in enumerate(listings) if listing != expected}
+    if wrong:
+        raise AssertionError(f"checkpoints on disk by rank, expected {expected}: {wrong}")
+    _drop_newest(directory)
 
 
 def _compare_resumed(env: CaseEnv, resumed: dict[str, Any], full_run: dict[str, Any]) -> None:
@@ -120,10 +143,7 @@ def _async_checkpoint(env: CaseEnv) -> str:
     checkpoint = {"directory": str(async_dir), "every_steps": every, "asynchronous": True}
     async_run = run_quickstart(_config(env, {"data_parallel_shard": 2}, checkpoint))
     env.tolerance.check(torch.tensor(async_run["losses"]), torch.tensor(sync_run["losses"]), "async vs sync")
-    saved = sorted(p.name for p in async_dir.iterdir())
-    if saved != [f"step_{every:09d}", f"step_{STEPS:09d}"]:
-        raise AssertionError(f"async checkpoints on disk: {saved}")
-    _drop_newest(async_dir)
+    checked_then_dropped(async_dir, [f"step_{every:09d}", f"step_{STEPS:09d}"])
     resumed = run_quickstart(_config(env, {"data_parallel_shard": 2}, checkpoint))
     _compare_resumed(env, resumed, sync_run)
     return "dcp.async_save every 6 steps; resumed from the async step-6 checkpoint"

@@ -6,8 +6,11 @@
 One rank per GPU with NCCL (``--device cuda``, the default where CUDA exists), or CPU ranks with
 gloo. fp32 with TF32 off. Each case prints ``CASE name: PASS|FAIL (detail, max abs diff, time)``;
 a failing case does not stop the others, a hung one ends the run after ``--case-timeout`` seconds
-(recorded as a failure). ``DIR`` receives summary.json, summary.md and each rank's log of
-tracebacks; the exit status is non-zero if any case failed.
+(recorded as a failure). Ranks exchange each case's outcome over a gloo group of their own: a rank
+that finished a case waits at most ``--straggler-timeout`` seconds for the others, then records the
+case as failed and ends the run (torchrun ends the ranks still inside it, e.g. in a collective the
+failed rank never joined), instead of hanging them. ``DIR`` receives summary.json, summary.md and
+each rank's log of tracebacks; the exit status is non-zero if any case failed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mg_harness import Tolerance
 from mg_loop_cases import CASES as LOOP_CASES
 from mg_parallel_cases import CASES as PARALLEL_CASES
 from mg_pipeline_cases import CASES as PIPELINE_CASES
+from mg_selftest_cases import CASES as SELFTEST_CASES
 
 # What scripts/multi-gpu.sh exports, also for a direct torchrun: NVLink multicast stays off.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -54,17 +58,20 @@ class CaseResult:
 
 
 class Summary:
-    """Rank 0's record of the run, rewritten after every case so a killed run keeps its results."""
+    """The run's record, kept on every rank; rank 0 rewrites it after every case so a killed run keeps
+    its results, and any rank that ends the run writes it last."""
 
-    def __init__(self, out: Path, header: dict[str, str]) -> None:
+    def __init__(self, out: Path, header: dict[str, str], *, writer: bool) -> None:
         self._out = out
         self._header = header
+        self._writer = writer
         self.results: list[CaseResult] = []
 
     def add(self, result: CaseResult) -> None:
         self.results.append(result)
-        print(result.line(), flush=True)
-        self.write()
+        if self._writer:
+            print(result.line(), flush=True)
+            self.write()
 
     def write(self, note: str = "") -> None:
         failed = [r.name for r in self.results if r.status != "PASS"]
@@ -104,6 +111,26 @@ def _run_case(case: Case, env: CaseEnv, log: Path) -> tuple[bool, str]:
         return False, _short(error)
 
 
+def _exchange(
+    outcome: tuple[bool, str, float], world: int, group: dist.ProcessGroup
+) -> list[tuple[bool, str, float]] | None:
+    """Every rank's outcome of a case; None when some rank did not finish it within the group's timeout."""
+    outcomes: list[tuple[bool, str, float] | None] = [None] * world
+    try:
+        dist.all_gather_object(outcomes, outcome, group=group)
+    except RuntimeError:  # gloo: "Timed out waiting ... for recv"
+        return None
+    return [o for o in outcomes if o is not None]
+
+
+def _end_run(summary: Summary, result: CaseResult, note: str) -> None:
+    """Records a case that left ranks behind and ends this rank; torchrun then ends the others."""
+    print(result.line(), flush=True)
+    summary.results.append(result)
+    summary.write(note=note)
+    os._exit(2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,6 +139,13 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated case names or name prefixes")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--case-timeout", type=float, default=240.0)
+    parser.add_argument(
+        "--straggler-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank that finished a case waits for the others before ending the run",
+    )
+    parser.add_argument("--selftest", action="store_true", help="run only the harness's own cases")
     args = parser.parse_args()
     for name, value in NCCL_ENV.items():
         os.environ.setdefault(name, value)
@@ -133,14 +167,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"rank{rank}.log"
     log.write_text("")
-    cases = _select(ALL_CASES, args.only, device_type, world)
+    # Outcomes travel on their own gloo group: a rank that failed early must not issue a collective
+    # on the group its peers are still using inside the case (NCCL would pair it with theirs).
+    status_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.straggler_timeout))
+    cases = _select(SELFTEST_CASES if args.selftest else ALL_CASES, args.only, device_type, world)
     header = {
         "device": f"{world} x {torch.cuda.get_device_name(device) if device_type == 'cuda' else 'CPU'}",
         "backend": dist.get_backend(),
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device_type == "cuda" else "-",
     }
-    summary = Summary(out, header)
+    summary = Summary(out, header, writer=rank == 0)
 
     failed = 0
     for case in cases:
@@ -160,14 +197,9 @@ def main() -> int:
                 name=case.name, status="FAIL", detail=f"hung on rank {rank}; ended by the case timeout",
                 max_abs_diff=float("nan"), seconds=time.monotonic() - start,
             )  # fmt: skip
-            if rank == 0:
-                summary.add(result)
-                summary.write(
-                    note=f"Run ended at {case.name}: hung past --case-timeout {args.case_timeout} s."
-                )
-            else:
-                print(result.line(), flush=True)
-            os._exit(2)
+            _end_run(
+                summary, result, f"Run ended at {case.name}: hung past --case-timeout {args.case_timeout} s."
+            )
 
         timer = threading.Timer(args.case_timeout, hung)
         timer.daemon = True
@@ -175,23 +207,35 @@ def main() -> int:
         ok, detail = _run_case(case, env, log)
         if device_type == "cuda":
             torch.cuda.synchronize()
-        outcomes: list[tuple[bool, str, float] | None] = [None] * world
-        dist.all_gather_object(outcomes, (ok, detail, env.tolerance.max_abs_diff))
+        everyone = _exchange((ok, detail, env.tolerance.max_abs_diff), world, status_group)
         timer.cancel()
-        everyone = [o for o in outcomes if o is not None]
+        if everyone is None:
+            state = "passed" if ok else f"failed: {detail}"
+            _end_run(
+                summary,
+                CaseResult(
+                    name=case.name,
+                    status="FAIL",
+                    detail=f"rank {rank} {state}; another rank did not finish within "
+                    f"--straggler-timeout {args.straggler_timeout} s (ended)",
+                    max_abs_diff=env.tolerance.max_abs_diff,
+                    seconds=time.monotonic() - start,
+                ),
+                f"Run ended at {case.name}: ranks diverged.",
+            )
+            return 2  # not reached: _end_run ends the process
         bad = [(r, o) for r, o in enumerate(everyone) if not o[0]]
         passed = not bad
         failed += not passed
-        if rank == 0:
-            summary.add(
-                CaseResult(
-                    name=case.name,
-                    status="PASS" if passed else "FAIL",
-                    detail=everyone[0][1] if passed else "; ".join(f"rank {r}: {o[1]}" for r, o in bad),
-                    max_abs_diff=max(o[2] for o in everyone),
-                    seconds=time.monotonic() - start,
-                )
+        summary.add(
+            CaseResult(
+                name=case.name,
+                status="PASS" if passed else "FAIL",
+                detail=everyone[0][1] if passed else "; ".join(f"rank {r}: {o[1]}" for r, o in bad),
+                max_abs_diff=max(o[2] for o in everyone),
+                seconds=time.monotonic() - start,
             )
+        )
     if rank == 0:
         summary.write(note=f"{len(cases) - failed} of {len(cases)} cases passed.")
         print(f"SUITE {len(cases) - failed}/{len(cases)} passed; summary in {out}", flush=True)
