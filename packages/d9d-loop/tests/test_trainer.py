@@ -68,7 +68,7 @@ def test_layouts_match_the_single_process_run(
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
-def _events_and_export(directory: str) -> list[str]:
+def _events_and_export(directory: str) -> tuple[list[str], list[str]]:
     seen: list[str] = []
     events = EventBus()
     for event_type in (
@@ -94,6 +94,8 @@ def _events_and_export(directory: str) -> list[str]:
     )
     trainer = build_trainer(config, events=events)
     trainer.train()
+    # when train() returns, every rank sees the last asynchronous save published
+    listed = sorted(p.name for p in (Path(directory) / "ckpt").iterdir())
     trainer.export(Path(directory) / "export")
     params = full_parameters(trainer)
     if trainer.dist_context.is_main_process:
@@ -104,11 +106,13 @@ def _events_and_export(directory: str) -> list[str]:
         for name, value in params.items():
             assert torch.equal(exported[name], value), name
     trainer.close()  # the trainer owns the context it built: this releases it too
-    return seen
+    return seen, listed
 
 
 def test_events_fire_in_order_and_async_checkpoints_and_export_work(tmp_path: Path) -> None:
-    seen = run_distributed(_events_and_export, str(tmp_path), world_size=2, timeout_s=240)[0]
+    results = run_distributed(_events_and_export, str(tmp_path), world_size=2, timeout_s=240)
+    seen = results[0][0]
+    assert [listed for _, listed in results] == [["step_000000001", "step_000000002"]] * 2
     step_events = ["StepStarted", "ForwardBackwardFinished", "OptimizerStepFinished", "StepFinished"]
     assert seen == [
         "ModelReady",
