@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from d9d.hf.qwen3 import Qwen3ModelBase, head_of, qwen3_export_mapper
+from d9d.hf import DecoderModelBase
+from d9d.hf._decoder import export_mapper_of
 from d9d.state_mappers import map_state_dict
 
 # torch imports its compiler stack lazily, on the first DTensor call; once here, before ranks fork.
@@ -112,13 +113,13 @@ def hf_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def d9d_gradients(model: Qwen3ModelBase) -> dict[str, torch.Tensor]:
+def d9d_gradients(model: DecoderModelBase) -> dict[str, torch.Tensor]:
     """d9d's gradients mapped to checkpoint names through the export mapper."""
     grads = {
         name: t.grad if t.grad is not None else torch.zeros_like(t)
         for name, t in model.state_dict(keep_vars=True).items()
     }
-    return map_state_dict(qwen3_export_mapper(model.spec, head_of(model), model.layout), grads)
+    return map_state_dict(export_mapper_of(model), grads)
 
 
 def assert_same_gradients(d9d: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:

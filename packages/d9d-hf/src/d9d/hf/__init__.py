@@ -1,26 +1,78 @@
-"""d9d Hugging Face interop: Qwen3 models from config.json and safetensors checkpoints, and back."""
+"""d9d Hugging Face interop: decoder models (Qwen3, Qwen3-MoE, Llama, Qwen2) from and to checkpoints."""
 
 from d9d.hf._causal_lm_task import CausalLMState, CausalLMTask, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf._decoder import (
+    DecoderBackbone,
+    DecoderCausalLM,
+    DecoderConfigBase,
+    DecoderEmbedding,
+    DecoderFamily,
+    DecoderInputs,
+    DecoderLayer,
+    DecoderModelBase,
+    DecoderSequenceClassification,
+    DecoderSpec,
+    LayerTensor,
+    StackedExperts,
+    StageHandoff,
+    StageLayout,
+    TensorName,
+    build_decoder,
+    causal_lm_targets,
+    decoder_export_mapper,
+    decoder_load_mapper,
+    load_weights,
+    parallelize_decoder,
+)
+from d9d.hf._families import DecoderConfig, read_decoder_config
 from d9d.hf._head import HeadName
 from d9d.hf._hub import SNAPSHOT_PATTERNS, resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, ParamDtype, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._pretrained import load_pretrained, save_pretrained
+from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
+from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
 __all__ = [
     "SNAPSHOT_PATTERNS",
     "CausalLMState",
     "CausalLMTask",
+    "DecoderBackbone",
+    "DecoderCausalLM",
+    "DecoderConfig",
+    "DecoderConfigBase",
+    "DecoderEmbedding",
+    "DecoderFamily",
+    "DecoderInputs",
+    "DecoderLayer",
+    "DecoderModelBase",
+    "DecoderSequenceClassification",
+    "DecoderSpec",
     "HFModelConfig",
+    "HFModelProvider",
     "HeadName",
+    "LayerTensor",
     "ParamDtype",
     "PretrainedModelConfig",
+    "Qwen3DenseConfig",
+    "Qwen3MoeConfig",
     "ScratchModelConfig",
+    "StackedExperts",
+    "StageHandoff",
+    "StageLayout",
+    "TensorName",
     "TokenBatch",
     "TokenSample",
     "broadcast_tied_weight",
+    "build_decoder",
     "causal_lm_task",
+    "causal_lm_targets",
+    "decoder_export_mapper",
+    "decoder_load_mapper",
     "load_pretrained",
+    "load_weights",
+    "parallelize_decoder",
+    "read_decoder_config",
     "resolve_snapshot",
     "save_pretrained",
     "sum_tied_gradients",

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.hf.qwen3 import Qwen3Inputs, causal_lm_targets
-from d9d.hf.qwen3._inputs import resolve_positions
+from d9d.hf._decoder import DecoderInputs, causal_lm_targets, resolve_positions
 from d9d.loop import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -73,7 +72,7 @@ class CausalLMState:
     targets: torch.Tensor
 
 
-class CausalLMTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, CausalLMState]):
+class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, CausalLMState]):
     """Next-token prediction, weighted by target tokens.
 
     Each microbatch's loss is the mean over its target tokens and its weight their count, so a
@@ -94,7 +93,7 @@ class CausalLMTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, Causal
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[TokenBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, CausalLMState]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, CausalLMState]:
         """Targets shifted within each document, positions restarting per document, then sharded."""
         batch = ctx.batch
         labels = batch.input_ids if batch.labels is None else batch.labels
@@ -104,12 +103,12 @@ class CausalLMTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, Causal
         document_ids = batch.document_ids
         if self._cp_mesh is None and document_ids is None:
             # One document per row: the model numbers the positions itself.
-            inputs = Qwen3Inputs(input_ids=batch.input_ids, labels=local_targets)
+            inputs = DecoderInputs(input_ids=batch.input_ids, labels=local_targets)
         else:
             if document_ids is None:  # a cut row's positions jump: state its one document
                 document_ids = torch.zeros_like(batch.input_ids)
             document_ids, position_ids = resolve_positions(batch.input_ids, document_ids, None)
-            inputs = Qwen3Inputs(
+            inputs = DecoderInputs(
                 input_ids=shard(batch.input_ids),
                 labels=local_targets,
                 document_ids=None if document_ids is None else shard(document_ids),

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from d9d.hf._families import DecoderConfig
 from d9d.hf._head import HeadName
-from d9d.hf.qwen3._config import Qwen3Config
 from d9d.kernels.layers import AttentionBackendName
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
@@ -55,11 +55,11 @@ class ScratchModelConfig(_ModelOptions):
     """``model: {config: {model_type: qwen3, hidden_size: ...}}``: pre-train freshly initialized.
 
     Attributes:
-        config: The model's config.json content (``model_type`` selects Qwen3 or Qwen3-MoE).
+        config: The model's config.json content (``model_type`` selects the family).
         tokenizer: A directory whose tokenizer files are exported with the model.
     """
 
-    config: Qwen3Config
+    config: DecoderConfig
     tokenizer: Path | None = None
 
 

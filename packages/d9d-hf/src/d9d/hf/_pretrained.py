@@ -8,19 +8,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d9d.hf._head import HeadName
-from d9d.hf._hub import resolve_snapshot
-from d9d.hf.qwen3 import (
-    Qwen3ModelBase,
-    build_qwen3,
+from d9d.hf._decoder import (
+    DecoderModelBase,
+    build_decoder,
     check_checkpoint,
     export_config,
-    head_of,
-    load_qwen3_weights,
-    qwen3_export_mapper,
-    read_qwen3_config,
+    export_mapper_of,
+    load_weights,
     write_config,
 )
+from d9d.hf._families import read_decoder_config
+from d9d.hf._head import HeadName
+from d9d.hf._hub import resolve_snapshot
 from d9d.state_mappers import SafetensorsCheckpoint, save_module_state
 
 
@@ -44,20 +43,21 @@ def load_pretrained(
         device: Where to place the model; None is the CPU.
 
     Returns:
-        A ``Qwen3CausalLM``, ``Qwen3SequenceClassification`` or ``Qwen3Embedding`` in eval mode.
+        A ``DecoderCausalLM``, ``DecoderSequenceClassification`` or ``DecoderEmbedding`` (of the
+        family config.json names) in eval mode.
     """
     directory = resolve_snapshot(source)
-    config = read_qwen3_config(directory)
+    config = read_decoder_config(directory)
     checkpoint = SafetensorsCheckpoint(directory)
     with torch.device("meta"):
-        model = build_qwen3(config, head)
+        model = build_decoder(config, head)
     check_checkpoint(checkpoint, model)
     stored = [spec.dtype for spec in checkpoint.specs.values() if spec.dtype.is_floating_point]
     target_dtype = dtype or (stored[0] if stored else torch.float32)
     model.to(dtype=target_dtype)
     model.to_empty(device=device or "cpu")
     model.reset_buffers()
-    load_qwen3_weights(model, checkpoint)
+    load_weights(model, checkpoint)
     return model.eval()
 
 
@@ -75,11 +75,11 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str]) -> None
         TypeError: If ``model`` is not a d9d.hf model.
         RuntimeError: If ``model`` is one pipeline stage.
     """
-    if not isinstance(model, Qwen3ModelBase):
+    if not isinstance(model, DecoderModelBase):
         raise TypeError(f"save_pretrained takes a d9d.hf model, got {type(model).__name__}")
     model.require_whole_model("save_pretrained")
     first = next(model.parameters())
     content = export_config(model, first.dtype)
     target = Path(directory)
-    save_module_state(target, model, qwen3_export_mapper(model.spec, head_of(model), model.layout))
+    save_module_state(target, model, export_mapper_of(model))
     write_config(target, content)

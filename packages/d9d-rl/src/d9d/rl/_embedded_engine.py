@@ -1,4 +1,4 @@
-"""A rollout engine inside the trainer's process, on a d9d-hf Qwen3 causal LM."""
+"""A rollout engine inside the trainer's process, on a d9d-hf causal LM of any family."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from d9d.hf.qwen3 import Qwen3CausalLM
+from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
 from d9d.rl._kv_cache import KVCache, forward_with_cache
 from d9d.rl._rollout_engine import Completion, FinishReason, SamplingParams
@@ -14,7 +14,7 @@ from d9d.rl._sampling import sample_next
 
 
 class EmbeddedRolloutEngine:
-    """Batched sampling with a KV cache from a whole (unsharded) ``Qwen3CausalLM``; a ``RolloutEngine``.
+    """Batched sampling with a KV cache from a whole (unsharded) ``DecoderCausalLM``; a ``RolloutEngine``.
 
     The engine owns ``model`` (its own copy of the policy, e.g. built from the same config and fed
     by ``stream_weights``). All prompts and samples of a call run as one batch, left-padded, so
@@ -30,7 +30,7 @@ class EmbeddedRolloutEngine:
         pad_token_id: Fills padding slots (never attended to).
     """
 
-    def __init__(self, model: Qwen3CausalLM, *, seed: int = 0, pad_token_id: int = 0) -> None:
+    def __init__(self, model: DecoderCausalLM, *, seed: int = 0, pad_token_id: int = 0) -> None:
         model.require_whole_model("EmbeddedRolloutEngine")
         self._model = model.eval().requires_grad_(False)
         self._device = next(model.parameters()).device
@@ -40,7 +40,7 @@ class EmbeddedRolloutEngine:
         self._offloader = TensorOffloader(self._device)
 
     @property
-    def model(self) -> Qwen3CausalLM:
+    def model(self) -> DecoderCausalLM:
         """The engine's model (read it, e.g. to compare weights; do not train it)."""
         return self._model
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d9d.hf.qwen3 import Qwen3Inputs
+from d9d.hf import DecoderInputs
 from d9d.loop import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -74,8 +74,8 @@ class GRPOState:
     advantages: torch.Tensor
 
 
-class GRPOTask(TrainTask[RolloutBatch, Qwen3Inputs, None, torch.Tensor, GRPOState]):
-    """Trains a ``Qwen3CausalLM`` on a ``RolloutBatch`` with ``grpo_loss``.
+class GRPOTask(TrainTask[RolloutBatch, DecoderInputs, None, torch.Tensor, GRPOState]):
+    """Trains a ``DecoderCausalLM`` (any family) on a ``RolloutBatch`` with ``grpo_loss``.
 
     The model's training forward returns per-token cross-entropy, which is minus the
     log-probability of each target: the policy's log-probs without any logits in memory. The
@@ -96,10 +96,10 @@ class GRPOTask(TrainTask[RolloutBatch, Qwen3Inputs, None, torch.Tensor, GRPOStat
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[RolloutBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, GRPOState]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, GRPOState]:
         batch = ctx.batch
         return BuildForwardInputsResult(
-            input=Qwen3Inputs(input_ids=batch.input_ids, labels=batch.targets),
+            input=DecoderInputs(input_ids=batch.input_ids, labels=batch.targets),
             shared=None,
             state=GRPOState(
                 targets=batch.targets, old_log_probs=batch.old_log_probs, advantages=batch.advantages

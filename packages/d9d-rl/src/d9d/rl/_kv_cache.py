@@ -1,4 +1,4 @@
-"""Incremental decoding of a d9d-hf Qwen3 model with a key/value cache.
+"""Incremental decoding of a d9d-hf decoder model (any family) with a key/value cache.
 
 The d9d-hf layers compute attention over a whole sequence and keep nothing between calls. Here
 each decoder layer's own submodules (norms, projections, q/k norms, rotary applicator, feed-forward)
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DecoderLayer
+from d9d.hf import DecoderCausalLM, DecoderLayer
 
 
 @dataclass(kw_only=True)
@@ -37,7 +37,7 @@ class KVCache:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict[int | None, torch.Tensor])
 
     @classmethod
-    def empty(cls, model: Qwen3CausalLM, *, rows: int, capacity: int, device: torch.device) -> KVCache:
+    def empty(cls, model: DecoderCausalLM, *, rows: int, capacity: int, device: torch.device) -> KVCache:
         """Allocates the cache for ``model``'s layers in the dtype of its weights."""
         layers = model.model.decoder_layers()
         dtype = layers[0].self_attn.k_proj.weight.dtype
@@ -77,13 +77,13 @@ class KVCache:
 
 
 def _layer_forward(
-    layer: Qwen3DecoderLayer,
+    layer: DecoderLayer,
     hidden: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     cache: KVCache,
     index: int,
 ) -> torch.Tensor:
-    """``Qwen3DecoderLayer.forward`` over new slots ``cache.filled ..``, attending to the cache."""
+    """``DecoderLayer.forward`` over new slots ``cache.filled ..``, attending to the cache."""
     attn = layer.self_attn
     batch, length, _ = hidden.shape
     start = cache.filled
@@ -114,7 +114,7 @@ def _layer_forward(
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def forward_with_cache(model: Qwen3CausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_with_cache(model: DecoderCausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Runs ``input_ids`` ``(rows, length)`` at slots ``cache.filled ..``; returns the last logits.
 
     ``cache.valid`` and ``cache.positions`` must already describe the new slots.

@@ -2,101 +2,58 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
-from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
+from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, DecoderSpec, LayerTensor, read_config_file
+from d9d.hf._head import HeadName
+from d9d.hf._rope_parameters import rope_scaling_of
+from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
+from d9d.hf.qwen3._layer_tensors import qwen3_layer_tensors
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 LayerType = Literal["full_attention", "sliding_attention"]
-ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
 
 
-class _Qwen3CommonConfig(BaseModel):
-    """Fields shared by Qwen3 and Qwen3-MoE (and by every transformers config)."""
+class _Qwen3CommonConfig(DecoderConfigBase):
+    """Fields shared by Qwen3 and Qwen3-MoE, and the ``DecoderFamily`` methods both implement."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    architectures: list[str] | None = None
-    transformers_version: str | None = None
-    name_or_path: str | None = Field(default=None, alias="_name_or_path")
-    dtype: str | None = None
-    torch_dtype: str | None = None
-    output_hidden_states: bool | None = None
-    output_attentions: bool | None = None
-    return_dict: bool | None = None
-    chunk_size_feed_forward: int | None = None
-    is_encoder_decoder: Literal[False] | None = None
-    id2label: dict[str, str] | None = None
-    label2id: dict[str, int] | None = None
-    num_labels: int | None = None
-    problem_type: ProblemType | None = None
     vocab_size: int = 151936
     num_attention_heads: int = 32
-    hidden_act: Literal["silu"] = "silu"
     max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    use_cache: bool = True
-    tie_word_embeddings: bool = False
-    rope_parameters: RopeParameters | None = None
-    rope_theta: float | None = None
-    rope_scaling: RopeParameters | None = None
     attention_bias: bool = False
     use_sliding_window: bool = False
     sliding_window: int | None = 4096
-    attention_dropout: float = 0.0
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-
-    @field_validator("rope_parameters", "rope_scaling", mode="before")
-    @classmethod
-    def _rope_type(cls, value: object) -> object:
-        return with_rope_type(value)
-
-    @field_validator("attention_dropout")
-    @classmethod
-    def _no_dropout(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(f"attention_dropout={value} is not implemented (d9d attention has no dropout)")
-        return value
-
-    def _architecture_names(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    @model_validator(mode="after")
-    def _known_architecture(self) -> _Qwen3CommonConfig:
-        allowed = self._architecture_names()
-        for name in self.architectures or []:
-            if name not in allowed:
-                raise ValueError(
-                    f"architectures={self.architectures}: {name!r} is not one of {list(allowed)}"
-                )
-        return self
-
-    @property
-    def rope(self) -> RopeParameters | None:
-        """The rope block, wherever the file put it (``rope_parameters`` or legacy ``rope_scaling``)."""
-        return self.rope_parameters if self.rope_parameters is not None else self.rope_scaling
-
-    @property
-    def theta(self) -> float:
-        """The rope base: from the rope block, else legacy ``rope_theta``, else 10000."""
-        rope = self.rope
-        if rope is not None and rope.rope_theta is not None:
-            return rope.rope_theta
-        return 10000.0 if self.rope_theta is None else self.rope_theta
 
     @property
     def effective_sliding_window(self) -> int | None:
         """The window of sliding layers: ``sliding_window`` only when ``use_sliding_window``."""
         return self.sliding_window if self.use_sliding_window else None
 
-    def to_json_dict(self) -> dict[str, Any]:
-        """The config.json content (unset optional fields left out; transformers fills its defaults)."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+    def qwen3_spec(self) -> Qwen3Spec:
+        """The Qwen3 description of this config (``qwen3_spec``)."""
+        match self:
+            case Qwen3DenseConfig() | Qwen3MoeConfig():
+                return qwen3_spec(self)
+            case _:
+                raise TypeError(f"{type(self).__name__} is neither Qwen3DenseConfig nor Qwen3MoeConfig")
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The core's numbers, from the Qwen3 description."""
+        return self.qwen3_spec().decoder_spec()
+
+    def build_decoder_layer(
+        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
+    ) -> DecoderLayer:
+        """A ``Qwen3DecoderLayer``: q/k norms, a dense or sparse feed-forward by ``index``."""
+        return Qwen3DecoderLayer(self.qwen3_spec(), index, attention_backend=attention_backend)
+
+    def layer_tensors(self, index: int) -> list[LayerTensor]:
+        """Qwen3's name table of layer ``index``."""
+        return qwen3_layer_tensors(self.qwen3_spec(), index)
 
 
 class Qwen3DenseConfig(_Qwen3CommonConfig):
@@ -111,8 +68,7 @@ class Qwen3DenseConfig(_Qwen3CommonConfig):
     max_window_layers: int = 28
     layer_types: list[LayerType] | None = None
 
-    def _architecture_names(self) -> tuple[str, ...]:
-        return ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model")
+    architecture_prefix: ClassVar[str] = "Qwen3"
 
     @model_validator(mode="after")
     def _layer_types_per_layer(self) -> Qwen3DenseConfig:
@@ -157,8 +113,7 @@ class Qwen3MoeConfig(_Qwen3CommonConfig):
     router_aux_loss_coef: float = 0.001
     mlp_only_layers: list[int] | None = None
 
-    def _architecture_names(self) -> tuple[str, ...]:
-        return ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "Qwen3MoeModel")
+    architecture_prefix: ClassVar[str] = "Qwen3Moe"
 
     @property
     def experts(self) -> int:
@@ -222,6 +177,21 @@ def qwen3_spec(config: Qwen3DenseConfig | Qwen3MoeConfig) -> Qwen3Spec:
         moe=moe,
         moe_layers=moe_layers,
         pad_token_id=config.pad_token_id,
-        num_labels=config.num_labels or (len(config.id2label) if config.id2label else 2),
+        num_labels=config.resolved_num_labels,
         initializer_range=config.initializer_range,
     )
+
+
+def read_qwen3_config(directory: Path | str) -> Qwen3DenseConfig | Qwen3MoeConfig:
+    """Reads and validates ``directory/config.json`` as a Qwen3 or Qwen3-MoE config.
+
+    Raises:
+        ValueError: Naming the file and every offending field: another ``model_type`` or
+            ``architectures``, an unknown field, a value d9d does not implement.
+    """
+    return read_config_file(directory, QWEN3_CONFIG_ADAPTER, what="Qwen3 / Qwen3-MoE")
+
+
+def hf_architecture(config: Qwen3DenseConfig | Qwen3MoeConfig, head: HeadName) -> str:
+    """The transformers class name transformers writes for ``head`` (``config.hf_architecture``)."""
+    return config.hf_architecture(head)

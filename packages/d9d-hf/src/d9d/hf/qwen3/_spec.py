@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from d9d.hf._decoder import DecoderSpec
 from d9d.kernels.layers import RopeScaling
 
 
@@ -69,3 +70,23 @@ class Qwen3Spec:
     pad_token_id: int | None
     num_labels: int
     initializer_range: float
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The numbers the decoder core reads."""
+        return DecoderSpec(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=self.pad_token_id,
+            num_labels=self.num_labels,
+            initializer_range=self.initializer_range,
+            has_experts=self.moe is not None,
+            load_balancing=self.moe is not None and self.moe.router_aux_loss_coef != 0,
+        )

@@ -1,4 +1,4 @@
-"""Which part of a Qwen3 model one pipeline stage builds."""
+"""Which part of a decoder model one pipeline stage builds."""
 
 from __future__ import annotations
 

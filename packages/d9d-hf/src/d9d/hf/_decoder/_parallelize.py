@@ -1,4 +1,4 @@
-"""The parallelize recipe of a Qwen3 stage: applies whatever the job's mesh asks for."""
+"""The parallelize recipe of a decoder stage (any family): applies whatever the job's mesh asks for."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
-from d9d.hf.qwen3._tensor_parallel import parallelize_qwen3_tensor_parallel
+from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 from d9d.kernels.layers import MoELayer
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
@@ -36,14 +36,14 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
     return hsdp_mesh(dense["dp_replicate", "dp_cp_shard", "cp_replicate"])
 
 
-def parallelize_qwen3(
-    model: Qwen3ModelBase,
+def parallelize_decoder(
+    model: DecoderModelBase,
     *,
     dist_context: DistributedContext,
     param_dtype: torch.dtype | None = None,
     layers_compiled: bool = False,
 ) -> None:
-    """Parallelizes one (meta-device) Qwen3 stage in place, as ``dist_context.parameters`` asks.
+    """Parallelizes one (meta-device) decoder stage in place, as ``dist_context.parameters`` asks.
 
     Pipeline parallelism needs nothing here: the stage was built with only its layers. The
     order matters: tensor parallelism first (it places parameters on the tp mesh dim), then
@@ -63,7 +63,7 @@ def parallelize_qwen3(
     mesh = dist_context.parameters
     dense = dist_context.mesh_for(DENSE_DOMAIN)
     if mesh.tensor_parallel > 1:
-        parallelize_qwen3_tensor_parallel(model, mesh=dense["tp"])
+        parallelize_decoder_tensor_parallel(model, mesh=dense["tp"])
     layers = model.model.decoder_layers()
     if mesh.context_parallel > 1:
         cp_mesh = dist_context.mesh_for(BATCH_DOMAIN)["cp"]
@@ -81,7 +81,7 @@ def parallelize_qwen3(
     # One data-parallel rank shards nothing: per-layer units would only add a gather, a cast and a
     # reduce per layer and step (host time the GPU waits on). Not with experts: one unit would hold
     # every expert's cast weights and unreduced gradients at once (gigabytes).
-    sharded = dp_mesh.size() > 1 or model.spec.moe is not None
+    sharded = dp_mesh.size() > 1 or model.spec.has_experts
     # A forward that reruns in backward or is compiled must see the cast parameters as parameters.
     reruns = layers_compiled or model.model.activation_checkpointing
     if not sharded and param_dtype is not None and mesh.tensor_parallel == 1 and not reruns:

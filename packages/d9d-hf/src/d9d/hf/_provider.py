@@ -1,4 +1,4 @@
-"""The ready d9d-loop model provider of Qwen3 and Qwen3-MoE: build, parallelize, load, export."""
+"""The ready d9d-loop model provider of every family: build, parallelize, load, export."""
 
 from __future__ import annotations
 
@@ -8,17 +8,22 @@ from pathlib import Path
 
 import torch
 
+from d9d.hf._decoder import (
+    DecoderFamily,
+    DecoderModelBase,
+    build_decoder,
+    decoder_export_mapper,
+    export_config,
+    load_stage_from_checkpoint,
+    parallelize_decoder,
+    stage_load_mapper,
+)
+from d9d.hf._families import as_family, read_decoder_config
 from d9d.hf._head import HeadName
 from d9d.hf._hub import resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
 from d9d.hf._tokenizer_files import tokenizer_files
-from d9d.hf.qwen3._checkpoint import build_qwen3, export_config, read_qwen3_config
-from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
-from d9d.hf.qwen3._parallelize import parallelize_qwen3
-from d9d.hf.qwen3._stage_loading import load_stage_from_checkpoint, stage_load_mapper
-from d9d.hf.qwen3._state_mapper import qwen3_export_mapper
 from d9d.loop import (
     FinalizeGradientsContext,
     InitializeModelStageContext,
@@ -41,7 +46,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(kw_only=True, frozen=True)
 class _Resolved:
-    config: Qwen3DenseConfig | Qwen3MoeConfig
+    config: DecoderFamily
     checkpoint: SafetensorsCheckpoint | None
     files: dict[str, bytes]
 
@@ -52,8 +57,11 @@ def _files_of(directory: Path | None) -> dict[str, bytes]:
     return tokenizer_files(directory)
 
 
-class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
-    """Qwen3 / Qwen3-MoE stages for d9d-loop, from a checkpoint or freshly initialized.
+class HFModelProvider(ModelProvider[DecoderModelBase]):
+    """Stages of any supported family for d9d-loop, from a checkpoint or freshly initialized.
+
+    The family comes from config.json's ``model_type`` (the source's, or the ``config`` of a
+    model pre-trained from scratch); everything else is the same for every family.
 
     With a ``source`` each stage reads only its own tensors, each rank only its slice of them
     (``load_model_stage``); a head the checkpoint lacks keeps its fresh initialization. Export
@@ -77,7 +85,7 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
         """The head every stage is built with."""
         return self._config.head
 
-    def model_config(self, dist_context: DistributedContext) -> Qwen3DenseConfig | Qwen3MoeConfig:
+    def model_config(self, dist_context: DistributedContext) -> DecoderFamily:
         """The config.json the model is built from (the source is fetched once, main rank first)."""
         return self._resolve(dist_context).config
 
@@ -88,30 +96,32 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             case PretrainedModelConfig():
                 with dist_context.main_process_first():  # one download per node, others hit the cache
                     directory = resolve_snapshot(self._config.source, revision=self._config.revision)
-                config = read_qwen3_config(directory)
+                config = read_decoder_config(directory)
                 if self._config.num_labels is not None:
-                    config = config.model_copy(update={"num_labels": self._config.num_labels})
+                    config = config.with_num_labels(self._config.num_labels)
                 self._resolved = _Resolved(
                     config=config, checkpoint=SafetensorsCheckpoint(directory), files=_files_of(directory)
                 )
             case ScratchModelConfig():
                 self._resolved = _Resolved(
-                    config=self._config.config, checkpoint=None, files=_files_of(self._config.tokenizer)
+                    config=as_family(self._config.config),
+                    checkpoint=None,
+                    files=_files_of(self._config.tokenizer),
                 )
         return self._resolved
 
     def initialize_model_stage(
         self, context: InitializeModelStageContext
-    ) -> InitializeModelStageResult[Qwen3ModelBase]:
+    ) -> InitializeModelStageResult[DecoderModelBase]:
         """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes."""
         resolved = self._resolve(context.dist_context)
-        model = build_qwen3(
+        model = build_decoder(
             resolved.config,
             self._config.head,
             stage=context.stage,
             layers=layers_of_stage(
                 context.stage,
-                resolved.config.num_hidden_layers,
+                resolved.config.decoder_spec().num_layers,
                 last_stage_weight=self._config.last_stage_weight,
             ),
             activation_checkpointing=self._config.activation_checkpointing,
@@ -124,9 +134,9 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
             mapper = stage_load_mapper(model, resolved.checkpoint)  # raises early on a misfit
         return InitializeModelStageResult(model=model, state_mapper=mapper)
 
-    def parallelize_model_stage(self, context: ParallelizeModelStageContext[Qwen3ModelBase]) -> None:
-        """Applies the Qwen3 recipe (TP, CP, EP, FSDP/HSDP) that the mesh asks for."""
-        parallelize_qwen3(
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
+        """Applies the decoder recipe (TP, CP, EP, FSDP/HSDP) that the mesh asks for."""
+        parallelize_decoder(
             context.model,
             dist_context=context.dist_context,
             param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
@@ -135,7 +145,7 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
         if self._config.compile:
             context.model.model.compile_layers()
 
-    def load_model_stage(self, context: LoadModelStageContext[Qwen3ModelBase]) -> LoadModelStageResult:
+    def load_model_stage(self, context: LoadModelStageContext[DecoderModelBase]) -> LoadModelStageResult:
         """With a source: fresh initialization, then the checkpoint's tensors (this rank's slices)."""
         model = context.model
         model.reset_buffers()  # re-ties a head sharing the embedding (materializing split them)
@@ -146,7 +156,7 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
 
-    def stages_ready(self, context: StagesReadyContext[Qwen3ModelBase]) -> StagesReadyResult:
+    def stages_ready(self, context: StagesReadyContext[DecoderModelBase]) -> StagesReadyResult:
         """Under PP with tied embeddings: copies the first stage's embedding to the last stage."""
         if not self._tied_across_stages(context.dist_context):
             return StagesReadyResult()
@@ -155,17 +165,17 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
     def _tied_across_stages(self, dist_context: DistributedContext) -> bool:
         return (
             dist_context.parameters.pipeline_parallel > 1
-            and self._resolve(dist_context).config.tie_word_embeddings
+            and self._resolve(dist_context).config.decoder_spec().tie_word_embeddings
         )
 
-    def finalize_gradients(self, context: FinalizeGradientsContext[Qwen3ModelBase]) -> None:
+    def finalize_gradients(self, context: FinalizeGradientsContext[DecoderModelBase]) -> None:
         """Sums the gradients of a tied embedding's two copies (first and last pipeline stage)."""
         if not self._tied_across_stages(context.dist_context):
             return
         self._tied.sum_gradients(context.dist_context, context.stages)
 
     def prepare_export_model_stage(
-        self, context: PrepareExportModelStageContext[Qwen3ModelBase]
+        self, context: PrepareExportModelStageContext[DecoderModelBase]
     ) -> PrepareExportModelStageResult:
         """transformers' tensor names, config.json (from the first stage) and tokenizer files."""
         model = context.model
@@ -177,5 +187,5 @@ class Qwen3ModelProvider(ModelProvider[Qwen3ModelBase]):
                 json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n"
             ).encode()
         return PrepareExportModelStageResult(
-            state_mapper=qwen3_export_mapper(model.spec, self._config.head, model.layout), files=files
+            state_mapper=decoder_export_mapper(model.config, self._config.head, model.layout), files=files
         )

@@ -1,4 +1,4 @@
-"""What every Qwen3 model (any head) shares: config, stage layout, backbone, stage hand-off."""
+"""What every decoder model (any family, any head) shares: config, stage layout, backbone, hand-off."""
 
 from __future__ import annotations
 
@@ -7,25 +7,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.hf.qwen3._auxiliary_loss import LOAD_BALANCING_KEY, add_stage_share, attach_to_target_losses
-from d9d.hf.qwen3._backbone import Qwen3Backbone
-from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig, qwen3_spec
-from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
-from d9d.hf.qwen3._stage import stage_layout
+from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, add_stage_share, attach_to_target_losses
+from d9d.hf._decoder._backbone import DecoderBackbone
+from d9d.hf._decoder._family import DecoderFamily
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._stage import stage_layout
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 from d9d.parallel import cast_parameters_for_compute
 from d9d.pipeline import PipelineStageInfo
 
 
-class Qwen3ModelBase(nn.Module):
-    """A Qwen3 (dense or MoE) backbone of one pipeline stage; subclasses add the head.
+class DecoderModelBase(nn.Module):
+    """A decoder backbone of one pipeline stage, of the family ``config`` names; subclasses add the head.
 
     Forward contract (d9d-loop's ``forward(inputs, shared)``): the first stage takes
-    ``Qwen3Inputs``, every other stage the ``StageHandoff`` dict the previous stage returned; a
+    ``DecoderInputs``, every other stage the ``StageHandoff`` dict the previous stage returned; a
     non-last stage returns a ``StageHandoff``, the last stage its head's output.
 
     Args:
-        config: The model's config.json (kept for export).
+        config: The model's config.json, a family's config model (kept for export).
         stage: The pipeline stage to build; None builds the whole model.
         layers: Decoder layers of this stage; by default an even split (``layers_of_stage``).
         activation_checkpointing: Recompute every decoder layer in backward.
@@ -34,7 +34,7 @@ class Qwen3ModelBase(nn.Module):
 
     def __init__(
         self,
-        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        config: DecoderFamily,
         *,
         stage: PipelineStageInfo | None = None,
         layers: range | None = None,
@@ -43,9 +43,10 @@ class Qwen3ModelBase(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.spec = qwen3_spec(config)
+        self.spec = config.decoder_spec()
         self.layout = stage_layout(self.spec.num_layers, stage, layers)
-        self.model = Qwen3Backbone(
+        self.model = DecoderBackbone(
+            config,
             self.spec,
             self.layout,
             activation_checkpointing=activation_checkpointing,
@@ -56,7 +57,7 @@ class Qwen3ModelBase(nn.Module):
         # precision casts them); set by whoever parallelizes, read by ``pipeline_output_meta``.
         self.compute_dtype: torch.dtype | None = None
 
-    def pipeline_output_meta(self, inputs: Qwen3Inputs | StageHandoff, shared: Any) -> Any:
+    def pipeline_output_meta(self, inputs: DecoderInputs | StageHandoff, shared: Any) -> Any:
         """The forward's output for meta ``inputs``, the decoder layers taken as identity.
 
         d9d-loop's ``StageOutputMeta``: MoE routing (token counts per expert) cannot run on the
@@ -90,20 +91,22 @@ class Qwen3ModelBase(nn.Module):
         self.model.reset_buffers()
         self.tie_weights()
 
-    def prepare_inputs(self, inputs: Qwen3Inputs) -> Qwen3Inputs:
+    def prepare_inputs(self, inputs: DecoderInputs) -> DecoderInputs:
         """First-stage hook: completes the batch before it enters the model (heads override)."""
         return inputs
 
-    def run_backbone(self, inputs: Qwen3Inputs | StageHandoff) -> StageHandoff:
+    def run_backbone(self, inputs: DecoderInputs | StageHandoff) -> StageHandoff:
         """Embeds (first stage) and runs this stage's layers; returns the hand-off."""
-        if isinstance(inputs, Qwen3Inputs):
+        if isinstance(inputs, DecoderInputs):
             if not self.layout.is_first:
-                raise TypeError("a non-first stage takes the previous stage's hand-off dict, not Qwen3Inputs")
+                raise TypeError(
+                    "a non-first stage takes the previous stage's hand-off dict, not DecoderInputs"
+                )
             prepared = self.prepare_inputs(inputs)
             handoff = prepared.handoff(self.model.embed(prepared.input_ids))
         else:
             if self.layout.is_first:
-                raise TypeError("the first stage takes Qwen3Inputs, not a hand-off dict")
+                raise TypeError("the first stage takes DecoderInputs, not a hand-off dict")
             handoff = inputs
         hidden = self.model(
             handoff["hidden_states"],
@@ -112,8 +115,7 @@ class Qwen3ModelBase(nn.Module):
             run_layers=not self._layers_as_identity,
         )
         out = {**handoff, "hidden_states": hidden}
-        moe = self.spec.moe
-        if moe is not None and moe.router_aux_loss_coef:  # the same keys in training and eval
+        if self.spec.load_balancing:  # the same keys in training and eval
             out[LOAD_BALANCING_KEY] = add_stage_share(
                 handoff.get(LOAD_BALANCING_KEY), self.model.pop_load_balancing_loss(), hidden.shape[0]
             )
@@ -144,7 +146,7 @@ class Qwen3ModelBase(nn.Module):
     ) -> torch.Tensor:
         """Final normalized hidden states ``(batch, seq, hidden)`` of the whole model."""
         self.require_whole_model("hidden_states")
-        inputs = Qwen3Inputs(
+        inputs = DecoderInputs(
             input_ids=input_ids,
             document_ids=document_ids,
             position_ids=position_ids,

@@ -1,4 +1,4 @@
-"""Tensor parallelism with sequence parallelism for one Qwen3 stage (Megatron's layout).
+"""Tensor parallelism with sequence parallelism for one decoder stage (Megatron's layout).
 
 Between blocks the residual stream is this rank's slice of the sequence (tensor dim 1): norms run
 on it locally (``SequenceParallelNorm``); attention and the feed-forward gather the sequence on
@@ -21,7 +21,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import place_adapters_like_base
 from d9d.parallel import (
     LocalParameterSlot,
@@ -52,7 +53,21 @@ def _replicate_head(head: nn.Module, mesh: DeviceMesh, num_args: int) -> None:
         install_local_forward(head, slots)
 
 
-def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh) -> None:
+def _localize_padding_idx(embedding: nn.Embedding, mesh: DeviceMesh) -> None:
+    """The padding row in this rank's vocabulary slice, by its local index (None on other ranks).
+
+    ``VocabParallelEmbedding`` looks up local ids (``id - start``) in the local rows; the padding
+    row must then be named locally for ``F.embedding`` to leave it out of the gradient.
+    """
+    pad = embedding.padding_idx
+    if pad is None:
+        return
+    rows = embedding.num_embeddings // mesh.size()
+    start = mesh.get_local_rank() * rows
+    embedding.padding_idx = pad - start if start <= pad < start + rows else None
+
+
+def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: DeviceMesh) -> None:
     """Applies tensor and sequence parallelism over the 1-D ``mesh`` to ``model`` in place.
 
     The sequence length must be divisible by the tp degree, and so must the vocabulary and the
@@ -65,7 +80,8 @@ def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh
     """
     spec = model.spec
     tp = mesh.size()
-    if spec.moe is not None and any(spec.moe_layers[i] for i in model.layout.layers):
+    backbone = model.model
+    if any(isinstance(layer.mlp, MoELayer) for layer in backbone.decoder_layers()):
         raise ValueError(
             f"tensor_parallel={tp} with MoE layers is not supported; use expert_parallel instead"
         )
@@ -73,11 +89,10 @@ def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh
         raise ValueError(f"tensor_parallel={tp} with tie_word_embeddings=true is not supported")
     if spec.num_kv_heads % tp != 0:
         raise ValueError(f"num_key_value_heads={spec.num_kv_heads} is not divisible by tensor_parallel={tp}")
-    backbone = model.model
     plan: dict[str, ParallelStyle] = {}
     if backbone.embed_tokens is not None:
         plan["embed_tokens"] = VocabParallelEmbedding(sequence_parallel=True)
-    for index in model.layout.layers:
+    for index, layer in zip(model.layout.layers, backbone.decoder_layers(), strict=True):
         prefix = f"layers.{index}"
         plan |= {
             f"{prefix}.input_layernorm": SequenceParallelNorm(),
@@ -86,9 +101,6 @@ def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh
             f"{prefix}.self_attn.q_proj": ColwiseParallel(),
             f"{prefix}.self_attn.k_proj": ColwiseParallel(),
             f"{prefix}.self_attn.v_proj": ColwiseParallel(),
-            # per-head norms see this rank's heads: their weight gradients are partial sums
-            f"{prefix}.self_attn.q_norm": SequenceParallelNorm(),
-            f"{prefix}.self_attn.k_norm": SequenceParallelNorm(),
             f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
             f"{prefix}.post_attention_layernorm": SequenceParallelNorm(),
             f"{prefix}.mlp": _gather_sequence(1),
@@ -96,9 +108,15 @@ def parallelize_qwen3_tensor_parallel(model: Qwen3ModelBase, *, mesh: DeviceMesh
             f"{prefix}.mlp.up_proj": ColwiseParallel(),
             f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if layer.self_attn.q_norm is not None:
+            # per-head norms see this rank's heads: their weight gradients are partial sums
+            plan[f"{prefix}.self_attn.q_norm"] = SequenceParallelNorm()
+            plan[f"{prefix}.self_attn.k_norm"] = SequenceParallelNorm()
     if backbone.norm is not None:
         plan["norm"] = SequenceParallelNorm()
     parallelize_module(backbone, mesh, plan)
+    if backbone.embed_tokens is not None:
+        _localize_padding_idx(backbone.embed_tokens, mesh)
     # LoRA adapters (d9d.loop.peft) laid out after their column- / row-parallel base weights
     place_adapters_like_base(backbone)
     for name in ("lm_head", "score", "head"):

@@ -1,14 +1,16 @@
-"""The Qwen3 decoder stack of one pipeline stage: embedding (first stage), layers, norm (last stage)."""
+"""The decoder stack of one pipeline stage: embedding (first stage), layers, norm (last stage)."""
 
 from __future__ import annotations
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
-from d9d.hf.qwen3._spec import Qwen3Spec
-from d9d.hf.qwen3._stage import StageLayout
+from d9d.hf._decoder._decoder_layer import DecoderLayer
+from d9d.hf._decoder._family import DecoderFamily
+from d9d.hf._decoder._spec import DecoderSpec
+from d9d.hf._decoder._stage import StageLayout
 from d9d.kernels.layers import (
     AttentionBackend,
     AttentionBackendName,
@@ -19,15 +21,17 @@ from d9d.kernels.layers import (
 )
 
 
-class Qwen3Backbone(nn.Module):
-    """The decoder layers ``layout.layers`` of a Qwen3 model, named as Hugging Face names them.
+class DecoderBackbone(nn.Module):
+    """The decoder layers ``layout.layers`` of a model of any family, named as Hugging Face names them.
 
     ``layers`` is a ``ModuleDict`` keyed by the global layer index, so a stage's state-dict names
     (``layers.17.self_attn.q_proj.weight``) are those of the full model and a checkpoint maps onto
-    any stage without renumbering.
+    any stage without renumbering. With a ``pad_token_id`` the embedding's ``padding_idx`` is set,
+    as transformers builds it: that row keeps its value and gets no gradient.
 
     Args:
-        spec: The model description.
+        family: The family's config (builds each decoder layer).
+        spec: The model's numbers (``family.decoder_spec()``).
         layout: Which layers, and whether the embedding and final norm are here.
         activation_checkpointing: Recompute each decoder layer in backward instead of keeping its
             activations (``torch.utils.checkpoint``, non-reentrant), when training.
@@ -36,7 +40,8 @@ class Qwen3Backbone(nn.Module):
 
     def __init__(
         self,
-        spec: Qwen3Spec,
+        family: DecoderFamily,
+        spec: DecoderSpec,
         layout: StageLayout,
         *,
         activation_checkpointing: bool = False,
@@ -44,31 +49,53 @@ class Qwen3Backbone(nn.Module):
     ) -> None:
         super().__init__()
         self.activation_checkpointing = activation_checkpointing
-        self.embed_tokens = (
-            TokenEmbedding(spec.vocab_size, spec.hidden_size, init_std=spec.initializer_range)
-            if layout.is_first
-            else None
-        )
+        self.pad_token_id = spec.pad_token_id
+        self.embed_tokens: TokenEmbedding | None = None
+        if layout.is_first:
+            self.embed_tokens = TokenEmbedding(
+                spec.vocab_size, spec.hidden_size, init_std=spec.initializer_range
+            )
+            # nn.Embedding's own padding_idx: F.embedding leaves that row out of the gradient
+            self.embed_tokens.padding_idx = spec.pad_token_id
         self.layers = nn.ModuleDict(
-            {str(i): Qwen3DecoderLayer(spec, i, attention_backend=attention_backend) for i in layout.layers}
+            {
+                str(i): family.build_decoder_layer(i, attention_backend=attention_backend)
+                for i in layout.layers
+            }
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last else None
         self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
 
     def compile_layers(self) -> None:
-        """Compiles each decoder layer's body (``Qwen3DecoderLayer.compile_block``)."""
+        """Compiles each decoder layer's body (``DecoderLayer.compile_block``)."""
         for layer in self.decoder_layers():
             layer.compile_block()
 
     def reset_parameters(self) -> None:
-        """Resets every layer and recomputes the rotary frequencies."""
+        """Resets every layer and recomputes the rotary frequencies (a padding row starts at zero)."""
         if self.embed_tokens is not None:
             self.embed_tokens.reset_parameters()
+            self._zero_padding_row()
         for layer in self.decoder_layers():
             layer.reset_parameters()
         if self.norm is not None:
             self.norm.reset_parameters()
         self.rotary_emb.reset_parameters()
+
+    @torch.no_grad()
+    def _zero_padding_row(self) -> None:
+        """Zeroes the padding row, as transformers initializes it (sharded weights too)."""
+        embedding = self.embed_tokens
+        pad = self.pad_token_id  # the global row (tensor parallelism makes padding_idx local)
+        if embedding is None or pad is None or embedding.weight.is_meta:
+            return
+        weight = embedding.weight
+        if isinstance(weight, DTensor):
+            keep = torch.ones(weight.shape[0], 1, dtype=weight.dtype, device=weight.to_local().device)
+            keep[pad] = 0
+            weight.mul_(distribute_tensor(keep, weight.device_mesh, weight.placements))
+        else:
+            weight[pad].zero_()
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -96,9 +123,9 @@ class Qwen3Backbone(nn.Module):
         ]
         return torch.stack(losses).sum() if losses else None
 
-    def decoder_layers(self) -> list[Qwen3DecoderLayer]:
+    def decoder_layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers in order."""
-        return [layer for layer in self.layers.values() if isinstance(layer, Qwen3DecoderLayer)]
+        return [layer for layer in self.layers.values() if isinstance(layer, DecoderLayer)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``(batch, seq, hidden)``; first stage only."""

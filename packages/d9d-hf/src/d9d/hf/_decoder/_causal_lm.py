@@ -1,4 +1,4 @@
-"""Qwen3 with the causal language-modelling head."""
+"""A decoder of any family with the causal language-modelling head."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.hf.qwen3._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
-from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
-from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
+from d9d.hf._decoder._family import DecoderFamily
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, LanguageModelHead
 from d9d.pipeline import PipelineStageInfo
 
 
-class Qwen3CausalLM(Qwen3ModelBase):
-    """Qwen3 (dense or MoE) for next-token prediction; state names match ``Qwen3ForCausalLM``.
+class DecoderCausalLM(DecoderModelBase):
+    """A decoder for next-token prediction; state names match transformers' ``*ForCausalLM``.
 
     Training (``forward``) returns per-token losses through the fused linear cross-entropy, so the
     ``(tokens, vocab)`` logits never exist; ``logits`` is for inference. The step's loss is
@@ -33,7 +33,7 @@ class Qwen3CausalLM(Qwen3ModelBase):
     (``broadcast_tied_weight``).
 
     Args:
-        config: The model's config.json.
+        config: The model's config.json (a family's config model).
         stage: The pipeline stage to build; None builds the whole model.
         layers: Decoder layers of this stage; by default an even split.
         activation_checkpointing: Recompute every decoder layer in backward.
@@ -42,7 +42,7 @@ class Qwen3CausalLM(Qwen3ModelBase):
 
     def __init__(
         self,
-        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        config: DecoderFamily,
         *,
         stage: PipelineStageInfo | None = None,
         layers: range | None = None,
@@ -80,11 +80,13 @@ class Qwen3CausalLM(Qwen3ModelBase):
             self.lm_head.reset_parameters()
         super().reset_parameters()
 
-    def forward(self, inputs: Qwen3Inputs | StageHandoff, shared: Any = None) -> torch.Tensor | StageHandoff:
+    def forward(
+        self, inputs: DecoderInputs | StageHandoff, shared: Any = None
+    ) -> torch.Tensor | StageHandoff:
         """Per-token losses ``(batch, seq)`` on the last stage, the hand-off on the others.
 
         Args:
-            inputs: ``Qwen3Inputs`` with ``labels`` (first stage) or the previous stage's hand-off.
+            inputs: ``DecoderInputs`` with ``labels`` (first stage) or the previous stage's hand-off.
             shared: Unused (d9d-loop's shared forward argument).
         """
         del shared
@@ -93,7 +95,7 @@ class Qwen3CausalLM(Qwen3ModelBase):
             return handoff
         labels = handoff.get("labels")
         if labels is None:
-            raise ValueError("the causal-LM forward computes the loss and needs Qwen3Inputs.labels")
+            raise ValueError("the causal-LM forward computes the loss and needs DecoderInputs.labels")
         losses = self.lm_head(handoff["hidden_states"], labels)
         rows = handoff.get(LOAD_BALANCING_KEY)
         if rows is None or not rows.requires_grad:
@@ -117,7 +119,7 @@ class Qwen3CausalLM(Qwen3ModelBase):
             position_ids: Positions (restarting per document when packed).
         """
         self.require_whole_model("loss")
-        inputs = Qwen3Inputs(
+        inputs = DecoderInputs(
             input_ids=input_ids, labels=labels, document_ids=document_ids, position_ids=position_ids
         )
         losses = self(inputs)

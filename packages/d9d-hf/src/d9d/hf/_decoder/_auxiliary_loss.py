@@ -1,4 +1,4 @@
-"""The MoE load-balancing loss of a Qwen3 model, carried from stage to stage and weighted like the loss.
+"""The MoE load-balancing loss of a decoder model, carried from stage to stage and weighted like the loss.
 
 Each sparse layer hands over ``router_aux_loss_coef * switch_loss`` of the microbatch; a stage adds
 its layers' share to the ``load_balancing_loss`` entry of the hand-off (``(batch,)`` rows summing

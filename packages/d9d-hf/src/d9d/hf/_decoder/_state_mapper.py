@@ -1,10 +1,9 @@
-"""Hugging Face <-> d9d tensor names and layouts of Qwen3 models, as state-mapper graphs.
+"""Hugging Face <-> d9d tensor names and layouts of decoder models, as state-mapper graphs.
 
-One table lists, for a model, each d9d tensor and the HF tensor(s) it comes from; both
-directions are read off that table. Names are the same on both sides except the router
-(``mlp.gate.weight`` / ``mlp.router.weight``), the classifier (``score.weight`` /
-``score.classifier.weight``) and the experts: HF stores ``mlp.experts.{e}.{gate,up,down}_proj.weight``
-per expert as ``nn.Linear`` weights (out, in); d9d stores one ``(E, in, out)`` tensor per projection.
+The family's name table lists each decoder-layer tensor with the HF tensor(s) it comes from; the
+core adds the embedding, the final norm and the head, and reads both directions off that table.
+A ``StackedExperts`` row stores per expert ``(out, in)`` ``nn.Linear`` weights in the checkpoint
+and one ``(E, in, out)`` tensor per projection in d9d.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._stage import StageLayout
 from d9d.hf._head import HeadName
-from d9d.hf.qwen3._spec import Qwen3Spec
-from d9d.hf.qwen3._stage import StageLayout
 from d9d.state_mappers import (
     DropMapper,
     FilterMapper,
@@ -55,39 +54,27 @@ def hf_prefix(head: HeadName) -> str:
             return ""
 
 
-def _layer_entries(spec: Qwen3Spec, index: int, prefix: str) -> list[_Entry]:
-    hf = f"{prefix}layers.{index}."
-    ours = f"model.layers.{index}."
-    names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    names += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    if spec.attention_bias:
-        names += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
-    names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    entries: list[_Entry] = [_Tensor(hf + n, ours + n) for n in names]
-    if spec.moe is not None and spec.moe_layers[index]:
-        entries.append(_Tensor(hf + "mlp.gate.weight", ours + "mlp.router.weight"))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            sources = tuple(f"{hf}mlp.experts.{e}.{proj}.weight" for e in range(spec.moe.num_experts))
-            entries.append(_Experts(sources, f"{ours}mlp.experts.{proj}"))
-    else:
-        entries += [
-            _Tensor(f"{hf}mlp.{p}.weight", f"{ours}mlp.{p}.weight")
-            for p in ("gate_proj", "up_proj", "down_proj")
-        ]
-    return entries
+def _layer_entry(row: LayerTensor, hf: str, ours: str) -> _Entry:
+    match row:
+        case TensorName():
+            return _Tensor(hf + row.hf, ours + row.d9d)
+        case StackedExperts():
+            return _Experts(tuple(hf + name for name in row.hf), ours + row.d9d)
 
 
-def _entries(spec: Qwen3Spec, head: HeadName, layout: StageLayout, prefix: str) -> list[_Entry]:
+def _entries(family: DecoderFamily, head: HeadName, layout: StageLayout, prefix: str) -> list[_Entry]:
+    tie = family.decoder_spec().tie_word_embeddings
     entries: list[_Entry] = []
     if layout.is_first:
         entries.append(_Tensor(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight"))
     for index in layout.layers:
-        entries += _layer_entries(spec, index, prefix)
+        hf, ours = f"{prefix}layers.{index}.", f"model.layers.{index}."
+        entries += [_layer_entry(row, hf, ours) for row in family.layer_tensors(index)]
     if layout.is_last:
         entries.append(_Tensor(f"{prefix}norm.weight", "model.norm.weight"))
         match head:
             case "causal_lm":
-                source = f"{prefix}embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+                source = f"{prefix}embed_tokens.weight" if tie else "lm_head.weight"
                 entries.append(_Tensor(source, "lm_head.weight"))
             case "sequence_classification":
                 entries.append(_Tensor("score.weight", "score.classifier.weight"))
@@ -117,8 +104,8 @@ def _to_hf(entry: _Entry) -> StateMapper:
             )
 
 
-def qwen3_load_mapper(
-    spec: Qwen3Spec,
+def decoder_load_mapper(
+    family: DecoderFamily,
     head: HeadName,
     *,
     source_names: Collection[str],
@@ -131,10 +118,16 @@ def qwen3_load_mapper(
     checkpoint's backbone prefix (``model.`` or none) is taken from ``source_names``; head
     tensors the chosen head does not use (an ``lm_head.weight`` when classifying, a tied copy)
     are dropped unread.
+
+    Args:
+        family: The model's config (its name table).
+        head: The head of the model loaded into.
+        source_names: The checkpoint's tensor names.
+        target_names: The stage's state names to fill.
     """
     prefix = "model." if any(name.startswith("model.") for name in source_names) else ""
-    whole = StageLayout(layers=range(spec.num_layers), is_first=True, is_last=True)
-    entries = _entries(spec, head, whole, prefix)
+    whole = StageLayout(layers=range(family.decoder_spec().num_layers), is_first=True, is_last=True)
+    entries = _entries(family, head, whole, prefix)
     consumed: set[str] = set()
     for entry in entries:
         match entry:
@@ -150,15 +143,20 @@ def qwen3_load_mapper(
     return FilterMapper(ParallelMapper(mappers), lambda name: name in wanted)
 
 
-def qwen3_export_mapper(spec: Qwen3Spec, head: HeadName, layout: StageLayout) -> StateMapper:
+def decoder_export_mapper(family: DecoderFamily, head: HeadName, layout: StageLayout) -> StateMapper:
     """The state of one stage -> HF tensors named as transformers writes them for ``head``.
 
     A tied ``lm_head.weight`` is not written (transformers re-ties it from the embedding).
+
+    Args:
+        family: The model's config (its name table).
+        head: The stage's head.
+        layout: The stage's part of the model.
     """
-    prefix = hf_prefix(head)
+    tie = family.decoder_spec().tie_word_embeddings
     mappers: list[StateMapper] = []
-    for entry in _entries(spec, head, layout, prefix):
-        if isinstance(entry, _Tensor) and entry.d9d == "lm_head.weight" and spec.tie_word_embeddings:
+    for entry in _entries(family, head, layout, hf_prefix(head)):
+        if isinstance(entry, _Tensor) and entry.d9d == "lm_head.weight" and tie:
             mappers.append(DropMapper([entry.d9d]))
         else:
             mappers.append(_to_hf(entry))

@@ -1,14 +1,15 @@
-"""Loading one (parallelized) Qwen3 stage from a checkpoint that may lack the stage's head."""
+"""Loading one (parallelized) decoder stage from a checkpoint that may lack the stage's head."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from d9d.hf.qwen3._causal_lm import Qwen3CausalLM
-from d9d.hf.qwen3._checkpoint import base_state_module, check_checkpoint, head_of, load_qwen3_weights
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
-from d9d.hf.qwen3._sequence_classification import Qwen3SequenceClassification
-from d9d.hf.qwen3._state_mapper import qwen3_load_mapper
+from d9d.hf._decoder._causal_lm import DecoderCausalLM
+from d9d.hf._decoder._checkpoint import base_state_module, check_checkpoint, load_weights
+from d9d.hf._decoder._heads import head_of
+from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
+from d9d.hf._decoder._state_mapper import decoder_load_mapper
 from d9d.state_mappers import (
     CastMapper,
     ParallelMapper,
@@ -24,7 +25,7 @@ from d9d.state_mappers import (
 BACKBONE_PREFIX = "model."
 
 
-def has_fresh_head(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> bool:
+def has_fresh_head(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> bool:
     """Whether the stage holds a head with parameters whose tensor the checkpoint lacks.
 
     A sequence-classification head on a causal-LM checkpoint (no ``score.weight``), or an untied
@@ -47,11 +48,11 @@ def _casts(module: nn.Module) -> StateMapper:
     return ParallelMapper([CastMapper(name, t.dtype) for name, t in state.items()])
 
 
-def _backbone_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
+def _backbone_mapper(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
     """Checkpoint -> ``model.model``'s own state names (head tensors dropped unread, adapters untouched)."""
     names = list(base_state_module(model.model).state_dict().keys())
-    mapper = qwen3_load_mapper(
-        model.spec,
+    mapper = decoder_load_mapper(
+        model.config,
         "embedding",  # the head with no tensors: only the backbone is mapped
         source_names=checkpoint.specs.keys(),
         target_names=[BACKBONE_PREFIX + name for name in names],
@@ -60,7 +61,7 @@ def _backbone_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -
     return SequentialMapper([mapper, unprefix, _casts(model.model)])
 
 
-def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
+def stage_load_mapper(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
     """The checked mapper from the checkpoint to ``model``'s state (to its backbone with a fresh head).
 
     Raises:
@@ -77,8 +78,8 @@ def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) 
         state = target.state_dict()
         mapper = SequentialMapper(
             [
-                qwen3_load_mapper(
-                    model.spec,
+                decoder_load_mapper(
+                    model.config,
                     head_of(model),
                     source_names=checkpoint.specs.keys(),
                     target_names=state.keys(),
@@ -91,17 +92,17 @@ def stage_load_mapper(model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint) 
     return mapper
 
 
-def _reset_head(model: Qwen3ModelBase) -> None:
+def _reset_head(model: DecoderModelBase) -> None:
     """Initializes the head alone: drawn first from the stage's seed, its values do not depend on
     the backbone (whose values the checkpoint replaces) or on adapters injected into it."""
-    if isinstance(model, Qwen3SequenceClassification) and model.score is not None:
+    if isinstance(model, DecoderSequenceClassification) and model.score is not None:
         model.score.reset_parameters()
-    elif isinstance(model, Qwen3CausalLM) and model.lm_head is not None:
+    elif isinstance(model, DecoderCausalLM) and model.lm_head is not None:
         model.lm_head.reset_parameters()
 
 
 def load_stage_from_checkpoint(
-    model: Qwen3ModelBase, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
+    model: DecoderModelBase, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
 ) -> None:
     """Fills a materialized stage: each rank reads its slices; a fresh head is initialized instead.
 
@@ -119,4 +120,4 @@ def load_stage_from_checkpoint(
         )
         return
     model.reset_buffers()
-    load_qwen3_weights(model, checkpoint, show_progress=show_progress)
+    load_weights(model, checkpoint, show_progress=show_progress)

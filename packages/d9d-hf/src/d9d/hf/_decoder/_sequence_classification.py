@@ -1,4 +1,4 @@
-"""Qwen3 with a sequence-classification head (transformers' ``Qwen3ForSequenceClassification``)."""
+"""A decoder with a sequence-classification head (transformers' ``*ForSequenceClassification``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
-from d9d.hf.qwen3._inputs import Qwen3Inputs, StageHandoff
-from d9d.hf.qwen3._model_base import Qwen3ModelBase
+from d9d.hf._decoder._family import DecoderFamily
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, ClassificationHead
 from d9d.pipeline import PipelineStageInfo
 
 
-class Qwen3SequenceClassification(Qwen3ModelBase):
+class DecoderSequenceClassification(DecoderModelBase):
     """Class logits from each row's last real token; ``score.classifier.weight`` is HF's ``score.weight``.
 
     The last real token is the rightmost one that is not ``pad_token_id`` (left or right
@@ -31,7 +31,7 @@ class Qwen3SequenceClassification(Qwen3ModelBase):
 
     def __init__(
         self,
-        config: Qwen3DenseConfig | Qwen3MoeConfig,
+        config: DecoderFamily,
         *,
         stage: PipelineStageInfo | None = None,
         layers: range | None = None,
@@ -60,14 +60,16 @@ class Qwen3SequenceClassification(Qwen3ModelBase):
         if self.score is not None:
             self.score.reset_parameters()
 
-    def prepare_inputs(self, inputs: Qwen3Inputs) -> Qwen3Inputs:
+    def prepare_inputs(self, inputs: DecoderInputs) -> DecoderInputs:
         """Derives the padding mask from ``pad_token_id`` when none is given."""
         pad = self.spec.pad_token_id
         if inputs.attention_mask is not None or pad is None:
             return inputs
         return dataclasses.replace(inputs, attention_mask=(inputs.input_ids != pad).to(torch.int64))
 
-    def forward(self, inputs: Qwen3Inputs | StageHandoff, shared: Any = None) -> torch.Tensor | StageHandoff:
+    def forward(
+        self, inputs: DecoderInputs | StageHandoff, shared: Any = None
+    ) -> torch.Tensor | StageHandoff:
         """Class logits ``(batch, num_labels)`` on the last stage, the hand-off on the others."""
         del shared
         handoff = self.run_backbone(inputs)
@@ -81,7 +83,7 @@ class Qwen3SequenceClassification(Qwen3ModelBase):
     ) -> torch.Tensor:
         """Class logits ``(batch, num_labels)`` of the whole model."""
         self.require_whole_model("classify")
-        logits = self(Qwen3Inputs(input_ids=input_ids, attention_mask=attention_mask))
+        logits = self(DecoderInputs(input_ids=input_ids, attention_mask=attention_mask))
         if not isinstance(logits, torch.Tensor):
             raise TypeError("the whole model returned no logits")
         return logits

@@ -1,4 +1,4 @@
-"""What a Qwen3 model takes: the batch on the first stage, a hand-off dict on the others."""
+"""What a decoder model takes: the batch on the first stage, a hand-off dict on the others."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ pipeline transport and microbatch split can carry it.
 
 
 @dataclass(kw_only=True)
-class Qwen3Inputs:
-    """One batch (or microbatch) for a Qwen3 model; every tensor is ``(batch, seq)``.
+class DecoderInputs:
+    """One batch (or microbatch) for a decoder model of any family; every tensor is ``(batch, seq)``.
 
     Attributes:
         input_ids: Token ids.
@@ -91,7 +91,7 @@ def causal_lm_targets(
         ignore_index: The label that contributes no loss.
 
     Returns:
-        ``(batch, seq)`` targets for ``Qwen3Inputs.labels``.
+        ``(batch, seq)`` targets for ``DecoderInputs.labels``.
     """
     targets = torch.full_like(labels, ignore_index)
     targets[:, :-1] = labels[:, 1:]

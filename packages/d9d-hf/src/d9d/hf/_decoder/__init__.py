@@ -1,0 +1,67 @@
+"""The family-agnostic decoder core of d9d.hf: every family's models, loading, parallelism, export."""
+
+from d9d.hf._decoder._backbone import DecoderBackbone
+from d9d.hf._decoder._causal_lm import DecoderCausalLM
+from d9d.hf._decoder._checkpoint import (
+    base_state_module,
+    check_checkpoint,
+    export_config,
+    export_mapper_of,
+    load_weights,
+)
+from d9d.hf._decoder._config_base import DecoderConfigBase
+from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_config
+from d9d.hf._decoder._decoder_layer import DecoderLayer
+from d9d.hf._decoder._embedding import DecoderEmbedding
+from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._heads import build_decoder, head_of
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, causal_lm_targets, resolve_positions
+from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
+from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._parallelize import parallelize_decoder
+from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
+from d9d.hf._decoder._spec import DecoderSpec
+from d9d.hf._decoder._stage import StageLayout, stage_layout
+from d9d.hf._decoder._stage_loading import load_stage_from_checkpoint, stage_load_mapper
+from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_mapper
+from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
+
+__all__ = [
+    "CONFIG_FILE",
+    "DecoderBackbone",
+    "DecoderCausalLM",
+    "DecoderConfigBase",
+    "DecoderEmbedding",
+    "DecoderFamily",
+    "DecoderInputs",
+    "DecoderLayer",
+    "DecoderModelBase",
+    "DecoderSequenceClassification",
+    "DecoderSpec",
+    "LayerTensor",
+    "StackedExperts",
+    "StageHandoff",
+    "StageLayout",
+    "TensorName",
+    "attention_names",
+    "base_state_module",
+    "build_decoder",
+    "causal_lm_targets",
+    "check_checkpoint",
+    "decoder_export_mapper",
+    "decoder_load_mapper",
+    "dense_mlp_names",
+    "export_config",
+    "export_mapper_of",
+    "head_of",
+    "load_stage_from_checkpoint",
+    "load_weights",
+    "parallelize_decoder",
+    "parallelize_decoder_tensor_parallel",
+    "read_config_file",
+    "resolve_positions",
+    "same_names",
+    "stage_layout",
+    "stage_load_mapper",
+    "write_config",
+]

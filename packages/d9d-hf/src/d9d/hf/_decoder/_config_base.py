@@ -1,0 +1,109 @@
+"""The config.json fields every decoder family shares, and what the core derives from them."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from d9d.hf._head import HeadName
+from d9d.hf._rope_parameters import RopeParameters, with_rope_type
+
+ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
+
+
+class DecoderConfigBase(BaseModel):
+    """Fields of every transformers decoder config.json (pydantic, ``extra="forbid"``).
+
+    A family subclasses it with its ``model_type`` literal, its own fields and defaults, and
+    ``architecture_prefix`` (``"Llama"`` gives ``LlamaForCausalLM``, ``LlamaModel``, ...).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    architecture_prefix: ClassVar[str] = ""
+
+    architectures: list[str] | None = None
+    transformers_version: str | None = None
+    name_or_path: str | None = Field(default=None, alias="_name_or_path")
+    dtype: str | None = None
+    torch_dtype: str | None = None
+    output_hidden_states: bool | None = None
+    output_attentions: bool | None = None
+    return_dict: bool | None = None
+    chunk_size_feed_forward: int | None = None
+    is_encoder_decoder: Literal[False] | None = None
+    id2label: dict[str, str] | None = None
+    label2id: dict[str, int] | None = None
+    num_labels: int | None = None
+    problem_type: ProblemType | None = None
+    hidden_act: Literal["silu"] = "silu"
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | None = None
+    rope_theta: float | None = None
+    rope_scaling: RopeParameters | None = None
+    attention_dropout: float = 0.0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @field_validator("rope_parameters", "rope_scaling", mode="before")
+    @classmethod
+    def _rope_type(cls, value: object) -> object:
+        return with_rope_type(value)
+
+    @field_validator("attention_dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(f"attention_dropout={value} is not implemented (d9d attention has no dropout)")
+        return value
+
+    @model_validator(mode="after")
+    def _known_architecture(self) -> Self:
+        allowed = [
+            self.hf_architecture(head) for head in ("causal_lm", "sequence_classification", "embedding")
+        ]
+        for name in self.architectures or []:
+            if name not in allowed:
+                raise ValueError(f"architectures={self.architectures}: {name!r} is not one of {allowed}")
+        return self
+
+    @property
+    def rope(self) -> RopeParameters | None:
+        """The rope block, wherever the file put it (``rope_parameters`` or legacy ``rope_scaling``)."""
+        return self.rope_parameters if self.rope_parameters is not None else self.rope_scaling
+
+    @property
+    def theta(self) -> float:
+        """The rope base: from the rope block, else legacy ``rope_theta``, else 10000."""
+        rope = self.rope
+        if rope is not None and rope.rope_theta is not None:
+            return rope.rope_theta
+        return 10000.0 if self.rope_theta is None else self.rope_theta
+
+    @property
+    def resolved_num_labels(self) -> int:
+        """Classes of a sequence-classification head: ``num_labels``, else ``id2label``'s, else 2."""
+        return self.num_labels or (len(self.id2label) if self.id2label else 2)
+
+    def hf_architecture(self, head: HeadName) -> str:
+        """The transformers class name for ``head`` (``{prefix}ForCausalLM`` and its siblings)."""
+        match head:
+            case "causal_lm":
+                return f"{self.architecture_prefix}ForCausalLM"
+            case "sequence_classification":
+                return f"{self.architecture_prefix}ForSequenceClassification"
+            case "embedding":
+                return f"{self.architecture_prefix}Model"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config.json content (unset optional fields left out; transformers fills its defaults)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def with_num_labels(self, num_labels: int) -> Self:
+        """A copy whose sequence-classification head has ``num_labels`` classes."""
+        return self.model_copy(update={"num_labels": num_labels})

@@ -1,0 +1,78 @@
+"""The pre-norm decoder layer every family shares: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from d9d.kernels.layers import GroupedQueryAttention, MoELayer, RMSNorm, SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer whose submodule names follow Hugging Face's.
+
+    A family's layer subclasses this and builds the parts its config asks for (q/k norms,
+    biases, a sliding window, a dense ``SwiGLU`` or a ``MoELayer``); the computation, the
+    regional compilation and the resets are the same for every family.
+
+    Args:
+        input_layernorm: The norm before attention.
+        self_attn: The attention.
+        post_attention_layernorm: The norm before the feed-forward.
+        mlp: The feed-forward.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layernorm: RMSNorm,
+        self_attn: GroupedQueryAttention,
+        post_attention_layernorm: RMSNorm,
+        mlp: SwiGLU | MoELayer,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+        self._block: Callable[..., torch.Tensor] = self._eager_block
+
+    def reset_parameters(self) -> None:
+        """Resets the norms, the attention and the feed-forward."""
+        self.input_layernorm.reset_parameters()
+        self.self_attn.reset_parameters()
+        self.post_attention_layernorm.reset_parameters()
+        self.mlp.reset_parameters()
+
+    def compile_block(self) -> None:
+        """Compiles this layer's computation with ``torch.compile`` (regional compilation).
+
+        Only the body is compiled: hooks on the layer itself (FSDP's parameter gathering,
+        activation checkpointing around it) stay outside the compiled region, and parameter
+        names do not change.
+        """
+        self._block = torch.compile(self._eager_block)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Maps ``(batch, seq, hidden)`` to ``(batch, seq, hidden)``."""
+        output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids)
+        return output
+
+    def _eager_block(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        attended = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, document_ids=document_ids
+        )
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

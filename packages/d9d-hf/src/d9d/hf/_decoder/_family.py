@@ -1,0 +1,78 @@
+"""What a model family gives the decoder core: the ``DecoderFamily`` protocol and its name table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self
+
+from d9d.hf._decoder._decoder_layer import DecoderLayer
+from d9d.hf._decoder._spec import DecoderSpec
+from d9d.hf._head import HeadName
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName
+
+
+@dataclass(kw_only=True, frozen=True)
+class TensorName:
+    """One decoder-layer tensor: its Hugging Face name and d9d's, both relative to the layer.
+
+    Attributes:
+        hf: The name under ``{prefix}layers.{index}.`` in a transformers checkpoint.
+        d9d: The name under ``model.layers.{index}.`` in the d9d model.
+    """
+
+    hf: str
+    d9d: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class StackedExperts:
+    """One d9d ``(experts, in, out)`` tensor stored by transformers as one ``(out, in)`` per expert.
+
+    Attributes:
+        hf: The per-expert names, in expert order, relative to the layer.
+        d9d: The stacked tensor's name, relative to the layer.
+    """
+
+    hf: tuple[str, ...]
+    d9d: str
+
+
+LayerTensor = TensorName | StackedExperts
+"""An entry of a family's name table."""
+
+
+class DecoderFamily(Protocol):
+    """A model family, as implemented by its config.json model (one pydantic class per ``model_type``).
+
+    The core owns everything a decoder-only family shares (backbone, stage layout, heads, stage
+    loading, tied stages, tensor-parallel plan, parallelize recipe, model provider); a family
+    gives only what differs: its numbers, its decoder layer, its tensor names and its config
+    export. ``d9d.hf``'s dispatch module lists the families in one discriminated union.
+    """
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The resolved numbers the core builds the model from."""
+        ...
+
+    def build_decoder_layer(
+        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
+    ) -> DecoderLayer:
+        """Decoder layer ``index`` (its window, dense or sparse feed-forward, biases)."""
+        ...
+
+    def layer_tensors(self, index: int) -> Sequence[LayerTensor]:
+        """The name table of layer ``index``: every tensor of the layer, HF name and d9d name."""
+        ...
+
+    def hf_architecture(self, head: HeadName) -> str:
+        """The transformers class name written into an export's ``architectures`` for ``head``."""
+        ...
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config.json content as transformers reads it."""
+        ...
+
+    def with_num_labels(self, num_labels: int) -> Self:
+        """A copy whose sequence-classification head has ``num_labels`` classes."""
+        ...

@@ -1,0 +1,48 @@
+"""The numbers the decoder core builds, loads and parallelizes a model from (any family)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d9d.kernels.layers import RopeScaling
+
+
+@dataclass(kw_only=True, frozen=True)
+class DecoderSpec:
+    """What the core needs of a family's config.json, resolved (no Hugging Face field names left).
+
+    Attributes:
+        vocab_size: Vocabulary size.
+        hidden_size: Model width.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        head_dim: Per-head size (also the rotary dimension).
+        rms_norm_eps: Epsilon of the final RMSNorm.
+        rope_theta: Rotary base.
+        rope_scaling: Rotary context extension, None for plain RoPE.
+        tie_word_embeddings: The LM head shares the embedding's weight.
+        pad_token_id: Padding token: its embedding row gets no gradient (as transformers'
+            ``nn.Embedding(padding_idx=...)``), and sequence classification pools the last other token.
+        num_labels: Classes of a sequence-classification head.
+        initializer_range: Standard deviation of the initialization.
+        has_experts: Some layer's feed-forward is a mixture of experts (sharded per layer by FSDP
+            even on one data-parallel rank, so no unit holds every expert's cast weights).
+        load_balancing: Sparse layers hand over a load-balancing loss, carried from stage to stage.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    pad_token_id: int | None
+    num_labels: int
+    initializer_range: float
+    has_experts: bool = False
+    load_balancing: bool = False

@@ -1,0 +1,50 @@
+"""The one place that names every model family: config.json's ``model_type`` picks the family.
+
+``DecoderConfig`` is the discriminated union of the families' config.json models; pydantic picks
+the member from ``model_type``. ``as_family`` is the exhaustive ``match`` over that union: a
+member added to the union and not handled there is a type error, and each branch proves (to the
+type checker) that its config fits the core's ``DecoderFamily`` protocol. Nothing else in d9d.hf
+imports a family folder; no registry, no import for a side effect.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, assert_never
+
+from pydantic import Field, TypeAdapter
+
+from d9d.hf._decoder import DecoderFamily, read_config_file
+from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
+
+DecoderConfig = Annotated[
+    Qwen3DenseConfig | Qwen3MoeConfig,
+    Field(discriminator="model_type"),
+]
+"""A config.json of any supported family, told apart by ``model_type`` (``qwen3``, ``qwen3_moe``)."""
+
+DECODER_CONFIG_ADAPTER: TypeAdapter[Qwen3DenseConfig | Qwen3MoeConfig] = TypeAdapter(DecoderConfig)
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+"""The ``model_type`` values d9d.hf reads."""
+
+
+def as_family(config: Qwen3DenseConfig | Qwen3MoeConfig) -> DecoderFamily:
+    """``config`` as the core's ``DecoderFamily`` (every family's config model implements it)."""
+    match config:
+        case Qwen3DenseConfig() | Qwen3MoeConfig():
+            return config
+        case _:
+            assert_never(config)
+
+
+def read_decoder_config(directory: Path | str) -> DecoderFamily:
+    """Reads and validates ``directory/config.json`` as the config of whichever family it names.
+
+    Raises:
+        FileNotFoundError: If there is no config.json.
+        ValueError: Naming the file and every offending field: a ``model_type`` d9d does not
+            support, an unknown field, a value d9d does not implement.
+    """
+    what = "/".join(SUPPORTED_MODEL_TYPES)
+    return as_family(read_config_file(directory, DECODER_CONFIG_ADAPTER, what=f"model_type {what}"))
