@@ -18,6 +18,7 @@ from d9d.mesh._domains import (
     MeshDomain,
     domain_layout,
 )
+from d9d.mesh._nccl_environment import NCCL_ENVIRONMENT_DEFAULTS, apply_nccl_defaults
 from d9d.mesh._parameters import MeshParameters
 from d9d.mesh._seeding import derived_seed, seed_everything
 from d9d.mesh._tree_sharding import map_tree, shard_tree, shard_tree_at, tree_tensors, unshard_tree
@@ -29,6 +30,7 @@ __all__ = [
     "DENSE_DOMAIN",
     "EXPERT_DOMAIN",
     "FLAT_DOMAIN",
+    "NCCL_ENVIRONMENT_DEFAULTS",
     "REGULAR_DOMAIN",
     "DeviceType",
     "DistributedContext",
@@ -37,6 +39,7 @@ __all__ = [
     "MeshParameters",
     "all_gather_object",
     "all_gather_variable_shape",
+    "apply_nccl_defaults",
     "domain_layout",
     "gather_object",
     "gather_variable_shape",

@@ -17,15 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh._domains import BATCH_DOMAIN, MeshDomain, domain_layout
 from d9d.mesh._group_cache import ProcessGroupCache, partition_along
+from d9d.mesh._nccl_environment import apply_nccl_defaults
 from d9d.mesh._parameters import MeshParameters
 from d9d.mesh._seeding import derived_seed, seed_everything
 
 DeviceType = Literal["cpu", "cuda"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-
-NCCL_ERROR_HANDLING_ENV_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-"""torch's switch for what a failed NCCL collective does; d9d defaults it to 1 (tear down)."""
 
 
 class _RankLogger(logging.LoggerAdapter[logging.Logger]):
@@ -67,7 +65,9 @@ class DistributedContext:
         Args:
             parameters: Parallelism degrees; their product must equal the world size.
             device_type: Force ``"cpu"`` or ``"cuda"``; auto-detected when None.
-            timeout: Timeout of every collective; a hung collective fails after it.
+            timeout: Timeout of every collective; a hung collective fails after it. On NCCL
+                the process then ends about 4 s later (``NCCL_ENVIRONMENT_DEFAULTS``, set
+                here unless the user set them).
 
         Raises:
             ValueError: If the layout does not match the world size (before any group starts).
@@ -82,6 +82,11 @@ class DistributedContext:
         self._groups = ProcessGroupCache(timeout=timeout)
         self._background_group: ProcessGroup | None = None
         self._excepthook_before = sys.excepthook
+        if self._backend == "nccl":
+            # Before any group this context makes: a timed-out collective then tears the process
+            # down (instead of the wait returning wrong values) 4 s after torch's watchdog caught
+            # it (instead of 60 s), unless the user set these variables (_nccl_environment.py).
+            apply_nccl_defaults(os.environ)
 
         if dist.is_initialized():
             world_size = dist.get_world_size()
@@ -110,11 +115,6 @@ class DistributedContext:
         self._logger = _RankLogger(logging.getLogger("d9d"), {"rank": self._rank})
 
     def _start_process_group(self, world_size: int) -> None:
-        if self._backend == "nccl":
-            # By default a timed-out NCCL collective is reported by torch's watchdog but the wait
-            # on it can still return, leaving wrong values in the step. Tear the process down
-            # instead (the job then ends naming the collective), unless the user chose otherwise.
-            os.environ.setdefault(NCCL_ERROR_HANDLING_ENV_VAR, "1")
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
                 backend=self._backend, timeout=self._timeout, rank=self._rank, world_size=world_size
