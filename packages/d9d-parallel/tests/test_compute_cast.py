@@ -71,3 +71,56 @@ def test_a_failing_forward_leaves_no_shadow_and_materializing_is_followed() -> N
 def test_a_module_without_floating_parameters_is_refused() -> None:
     with pytest.raises(ValueError, match="no floating-point parameters"):
         cast_parameters_for_compute(nn.ReLU(), torch.bfloat16)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.body = self.eager_body
+
+    def eager_body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.float().pow(2).mean()
+
+
+def test_compiled_block_bodies_train_like_eager_under_the_cast() -> None:
+    # Regional compilation, as d9d-hf compiles decoder layers: the hooks sit on the outer module,
+    # the compiled bodies read the bf16 copies as graph inputs and send float32 gradients back.
+    torch.manual_seed(0)
+    eager, compiled = _Stack(), _Stack()
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.blocks:
+        assert isinstance(block, _Block)
+        block.body = torch.compile(block.eager_body, backend="aot_eager", fullgraph=True)
+    optimizers = []
+    for model in (eager, compiled):
+        cast_parameters_for_compute(model, torch.bfloat16)
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for _ in range(3):
+        x = torch.randn(4, 8).to(torch.bfloat16)
+        losses = []
+        for model, optimizer in zip((eager, compiled), optimizers, strict=True):
+            optimizer.zero_grad()
+            loss = model(x)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0])
+        for (name, expected), got in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            assert got.dtype == torch.float32 and got.grad is not None and got.grad.dtype == torch.float32
+            torch.testing.assert_close(got, expected, msg=name)

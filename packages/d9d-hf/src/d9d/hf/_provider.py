@@ -140,7 +140,6 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             context.model,
             dist_context=context.dist_context,
             param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
-            layers_compiled=self._config.compile,
         )
         if self._config.compile:
             context.model.model.compile_layers()

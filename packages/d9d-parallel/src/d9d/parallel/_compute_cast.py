@@ -29,9 +29,10 @@ def cast_parameters_for_compute(module: nn.Module, dtype: torch.dtype) -> list[R
     parameters' own ``.grad``, so gradients accumulate in the parameters' dtype; optimizers, state
     dicts and checkpoints only ever see the parameters.
 
-    Only for forwards that do not run again in backward (activation checkpointing) and are not
-    compiled over these parameters: a rerun after forward would see the parameters, not the copies.
-    Use ``parallelize_fsdp`` there.
+    Only for forwards that do not run again in backward (activation checkpointing): a rerun after
+    forward would see the parameters, not the copies. Use ``parallelize_fsdp`` there. Compiled
+    submodule bodies (regional compilation, hooks left outside) read the copies as graph inputs;
+    compiling ``module`` itself, hooks included, is not supported.
 
     Args:
         module: The module whose forward computes in ``dtype``.

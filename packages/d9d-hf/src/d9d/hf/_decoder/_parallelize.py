@@ -41,7 +41,6 @@ def parallelize_decoder(
     *,
     dist_context: DistributedContext,
     param_dtype: torch.dtype | None = None,
-    layers_compiled: bool = False,
 ) -> None:
     """Parallelizes one (meta-device) decoder stage in place, as ``dist_context.parameters`` asks.
 
@@ -51,14 +50,14 @@ def parallelize_decoder(
     leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
     decoder layer and then the rest, so each layer's parameters are gathered only around it.
     On a single data-parallel rank of a dense model there is nothing to shard: the parameters
-    are cast once per forward without FSDP (``cast_parameters_for_compute``), or, where forward
-    reruns in backward (activation checkpointing) or is compiled, the stage is one FSDP unit.
+    are cast once per forward without FSDP (``cast_parameters_for_compute``; compiled layer
+    bodies read the cast copies as graph inputs), or, where forward reruns in backward
+    (activation checkpointing), the stage is one FSDP unit.
 
     Args:
         model: The stage, on the meta device.
         dist_context: The job's distributed context (its mesh domains).
         param_dtype: The compute dtype of the parameters (None: the stored dtype).
-        layers_compiled: The decoder layers will be compiled after this call.
     """
     mesh = dist_context.parameters
     dense = dist_context.mesh_for(DENSE_DOMAIN)
@@ -82,8 +81,9 @@ def parallelize_decoder(
     # reduce per layer and step (host time the GPU waits on). Not with experts: one unit would hold
     # every expert's cast weights and unreduced gradients at once (gigabytes).
     sharded = dp_mesh.size() > 1 or model.spec.has_experts
-    # A forward that reruns in backward or is compiled must see the cast parameters as parameters.
-    reruns = layers_compiled or model.model.activation_checkpointing
+    # A forward that reruns in backward must see the cast parameters as parameters. Compiled layer
+    # bodies need not: the stage's hooks run outside them and the copies enter as graph inputs.
+    reruns = model.model.activation_checkpointing
     if not sharded and param_dtype is not None and mesh.tensor_parallel == 1 and not reruns:
         cast_parameters_for_compute(model, param_dtype)
         return
