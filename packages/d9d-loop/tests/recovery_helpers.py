@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from loop_toy_job import build_trainer, full_parameters, toy_config
 
-from d9d.loop import ForwardBackwardFinished
+from d9d.loop import ForwardBackwardFinished, OptimizerStepFinished
 
 
 class _Collect(logging.Handler):
@@ -29,6 +29,7 @@ def run_toy(
     checkpoint: dict[str, Any] | None = None,
     optimizer: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    lr_scheduler: dict[str, Any] | None = None,
     mesh: dict[str, int] | None = None,
     hidden: int = 16,
 ) -> dict[str, Any]:
@@ -48,14 +49,18 @@ def run_toy(
         sections["optimizer"] = optimizer
     if data is not None:
         sections["data"] = data
+    if lr_scheduler is not None:
+        sections["lr_scheduler"] = lr_scheduler
     if mesh is not None:
         sections["mesh"] = dict(mesh)
     losses: list[float] = []
+    lrs: list[float] = []
     error: BaseException | None = None
     built = None
     try:
         built = build_trainer(toy_config(**sections), strategy="fsdp", hidden=hidden)
         built.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+        built.events.subscribe(OptimizerStepFinished, lambda e: lrs.append(e.learning_rate))
         built.train()
     except Exception as e:  # reported to the test; every reliability error is an Exception
         error = e
@@ -69,6 +74,7 @@ def run_toy(
     logging.getLogger("d9d").removeHandler(handler)
     return {
         "losses": losses,
+        "lrs": lrs,
         "warnings": handler.messages,
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "params": params,

@@ -37,6 +37,7 @@ from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource
+from d9d.loop._resume_settings import capture_settings, reapply
 from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
 from d9d.loop._step_metrics import StepWork
@@ -134,6 +135,11 @@ class Trainer:
         self._rollback_due = False
         self._evaluation_improved = False
         self._closed = False
+        # What the config set, before any checkpoint restores its own values: on resume the config wins.
+        self._configured = capture_settings(
+            parts.optimizer, parts.lr_scheduler, total_steps=parts.plan.total_steps
+        )
+        self._saved_total_steps: int | None = None
         self._sleeper = TrainerSleeper(
             device=parts.dist_context.device,
             tensors=lambda: training_state_tensors(self.model_stages, parts.optimizer),
@@ -237,6 +243,7 @@ class Trainer:
     def _trainer_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "step": self._step,
+            "total_steps": self._p.plan.total_steps,
             "data": self._p.batches.state_dict(),
             "lr_scheduler": scheduler_state(self._p.lr_scheduler),
             "task": self._p.task.state_dict(),
@@ -248,6 +255,8 @@ class Trainer:
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
+        saved_total: object = state.get("total_steps")  # absent in checkpoints of older d9d
+        self._saved_total_steps = saved_total if isinstance(saved_total, int) else None
         self._p.batches.load_state_dict(state["data"])
         scheduler = self._p.lr_scheduler
         scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
@@ -282,7 +291,17 @@ class Trainer:
         if self._p.train_metrics and self._metrics_key() in absent:
             # Fewer ranks, or a checkpoint from before metrics were saved: this rank's window starts empty.
             self._p.train_metrics.reset()
+        changed = reapply(
+            self._configured,
+            optimizer=self._p.optimizer,
+            scheduler=self._p.lr_scheduler,
+            saved_total_steps=self._saved_total_steps,
+        )
         if self._p.dist_context.is_main_process:
+            for line in changed:
+                self._p.dist_context.logger.warning(
+                    "resuming from %s, the config wins: %s", location.path, line
+                )
             self._p.tracker.on_resume(self._step)
         self._p.instruments.resumed()
         self._p.dist_context.logger.info("resumed from %s at step %d", location.path, self._step)

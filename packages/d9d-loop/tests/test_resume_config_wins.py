@@ -1,0 +1,59 @@
+"""On resume the config wins over the settings a checkpoint restores, with one line per change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from recovery_helpers import run_toy
+
+from d9d.mesh.testing import run_distributed
+
+COSINE: dict[str, Any] = {"name": "piecewise", "phases": [{"kind": "cosine", "fraction": 1.0}]}
+
+
+def _config_wins(warnings: list[str]) -> list[str]:
+    return [w.split("the config wins: ", 1)[1] for w in warnings if "the config wins: " in w]
+
+
+def test_a_changed_lr_and_weight_decay_are_used_from_the_first_resumed_step_and_named(tmp_path: Path) -> None:
+    # resuming with another optimizer.lr trained at the checkpoint's lr without a word
+    run_distributed(
+        run_toy, str(tmp_path), max_steps=2, optimizer={"name": "adamw", "lr": 0.01}, world_size=1
+    )
+    resumed = run_distributed(
+        run_toy,
+        str(tmp_path),
+        max_steps=4,
+        optimizer={"name": "adamw", "lr": 0.02, "weight_decay": 0.5},
+        world_size=1,
+    )[0]
+    assert resumed["error"] is None, resumed["error"]
+    assert resumed["lrs"] == [0.02, 0.02]
+    assert _config_wins(resumed["warnings"]) == [
+        "optimizer.weight_decay: 0.01 in the checkpoint, 0.5 in the config",
+        "optimizer.lr: 0.01 in the checkpoint, 0.02 in the config",
+        "the run's length (trainer.max_steps / epochs, the LR schedule's horizon): 2 steps in the "
+        "checkpoint, 4 in the config",
+        "learning rate at step 2: 0.01 in the checkpoint, 0.02 from the config's schedule",
+    ]
+
+
+def test_a_longer_run_follows_the_configs_schedule_from_the_first_resumed_step(tmp_path: Path) -> None:
+    # a longer max_steps made the lr jump one step after resuming (0.00091 to 0.0025)
+    uninterrupted = run_distributed(run_toy, None, max_steps=8, lr_scheduler=COSINE, world_size=1)[0]
+    run_distributed(run_toy, str(tmp_path), max_steps=4, lr_scheduler=COSINE, world_size=1)
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=8, lr_scheduler=COSINE, world_size=1)[0]
+    assert resumed["error"] is None, resumed["error"]
+    assert resumed["lrs"] == uninterrupted["lrs"][4:]
+    lines = _config_wins(resumed["warnings"])
+    assert lines[0].endswith("4 steps in the checkpoint, 8 in the config"), lines
+    assert lines[1].startswith("learning rate at step 4: 0 in the checkpoint, 0.005 from"), lines
+
+
+def test_an_unchanged_config_resumes_without_a_line(tmp_path: Path) -> None:
+    run_distributed(run_toy, str(tmp_path), max_steps=3, lr_scheduler=COSINE, world_size=1)
+    (tmp_path / "step_000000003").rename(tmp_path / "set_aside")  # resume at step 2 of 3
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=3, lr_scheduler=COSINE, world_size=1)[0]
+    assert resumed["error"] is None and len(resumed["lrs"]) == 1
+    assert _config_wins(resumed["warnings"]) == []
