@@ -99,6 +99,7 @@ def run(config: GRPOProjectConfig) -> RunResult:
         sampling=config.rl.sampling,
         prompts_per_step=config.rl.prompts_per_step,
         pad_token_id=PAD,
+        seed=config.trainer.seed,  # with the step and rank, seeds every rollout: resume is exact
     )
     trainer = TrainingConfigurator(
         mesh=config.mesh,

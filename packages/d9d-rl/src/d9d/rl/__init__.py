@@ -1,6 +1,12 @@
 """d9d-rl: colocated reinforcement learning on d9d: losses, rollout engines, weight streaming."""
 
-from d9d.rl._colocated_rollouts import ColocatedRollouts, PromptSource, RewardFunction, RolloutRecord
+from d9d.rl._colocated_rollouts import (
+    ColocatedRollouts,
+    PromptSource,
+    RewardFunction,
+    RolloutRecord,
+    rollout_seed,
+)
 from d9d.rl._embedded_engine import EmbeddedRolloutEngine
 from d9d.rl._grpo_task import GRPOState, GRPOTask, RolloutBatch
 from d9d.rl._kv_cache import KVCache, forward_with_cache
@@ -41,6 +47,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "reinforce_loss",
+    "rollout_seed",
     "sample_next",
     "stream_weights",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,18 +62,31 @@ class ColocatedRollouts:
     before the trainer exists. Supports one pipeline stage per rank (the whole model, under any
     data/tensor parallelism): every rank streams and generates with its own engine.
 
-    State: the number of rollouts produced (``state_dict``); prompts are a function of the step,
-    and weights are streamed again after a resume.
+    Random state: step ``s`` samples with the seed ``rollout_seed(seed, step=s, dp_rank=r)``
+    (passed as ``SamplingParams.seed``, so the engine's own generator is not used) and asks the
+    prompt source for step ``s``'s prompts. Rollouts are therefore a function of the step, the
+    rank and the weights, never of what ran before in this process: a run resumed from a
+    checkpoint draws exactly the prompts and samples the uninterrupted run drew.
+
+    State (``state_dict``, saved in the trainer's checkpoint as its data position): the number of
+    rollouts produced, which restores the step, and so the prompts and the sampling seed; weights
+    are streamed again from the restored trainer at the next rollout. ``history`` is this
+    process's log and is not restored.
+
+    Raises:
+        ValueError: If ``sampling.seed`` is set (``seed`` seeds the rollouts).
 
     Attributes:
         engine: The rollout engine of this rank.
         prompts: The prompt source.
         reward: The reward function.
-        sampling: How to sample (``samples_per_prompt`` is the group size).
+        sampling: How to sample (``samples_per_prompt`` is the group size); its ``seed`` must be
+            unset: each step's seed is derived from ``seed``.
         prompts_per_step: Prompts per rank per step.
         pad_token_id: Fills padding in the training batch.
         mapper: Maps the trainer's state names to the engine's (None: identity).
         batch_bytes: Weight-streaming batch size.
+        seed: The run's rollout seed, from which every step's sampling seed is derived.
         history: One record per rollout (this rank's view).
     """
 
@@ -84,13 +98,26 @@ class ColocatedRollouts:
     pad_token_id: int = 0
     mapper: StateMapper | None = None
     batch_bytes: int = DEFAULT_BATCH_BYTES
+    seed: int = 0
     history: list[RolloutRecord] = field(default_factory=list[RolloutRecord])
     _trainer: Trainer | None = None
     _dp_rank: int = 0
     _produced: int = 0
 
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            raise ValueError(
+                f"sampling.seed={self.sampling.seed}: ColocatedRollouts seeds every step itself from "
+                f"ColocatedRollouts.seed={self.seed}, the step and the rank (so a resumed run repeats "
+                "the uninterrupted one); leave sampling.seed unset and set ColocatedRollouts.seed"
+            )
+
     def build(self, context: DataProviderContext) -> ColocatedRollouts:
-        """The ``DataProvider`` side: checks the batch size and returns this source."""
+        """The ``DataProvider`` side: checks the batch size and returns this source.
+
+        Raises:
+            ValueError: If the rank's batch is not ``prompts_per_step * samples_per_prompt`` samples.
+        """
         expected = self.prompts_per_step * self.sampling.samples_per_prompt
         if context.local_batch_size != expected:
             raise ValueError(
@@ -115,11 +142,11 @@ class ColocatedRollouts:
         return 2**31
 
     def state_dict(self) -> dict[str, Any]:
-        """The number of rollouts produced."""
+        """The number of rollouts produced: the next rollout's step, prompts and sampling seed."""
         return {"produced": self._produced}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues after ``state["produced"]`` rollouts."""
+        """Continues after ``state["produced"]`` rollouts, with that step's prompts and seed."""
         self._produced = int(state["produced"])
 
     def next_batch(self) -> RolloutBatch:
@@ -132,7 +159,10 @@ class ColocatedRollouts:
         self.engine.wake()
         stream_weights(trainer.model_stages[0], self.engine, mapper=self.mapper, batch_bytes=self.batch_bytes)
         trainer.sleep()
-        completions = self.engine.generate(prompts, self.sampling)
+        sampling = self.sampling.model_copy(
+            update={"seed": rollout_seed(self.seed, step=step, dp_rank=self._dp_rank)}
+        )
+        completions = self.engine.generate(prompts, sampling)
         self.engine.sleep()
         trainer.wake()
         rewards = torch.tensor(
@@ -149,3 +179,21 @@ class ColocatedRollouts:
         )
         self._produced += 1
         return RolloutBatch.from_completions(prompts, completions, advantages, pad_token_id=self.pad_token_id)
+
+
+def rollout_seed(seed: int, *, step: int, dp_rank: int) -> int:
+    """The sampling seed of one rollout: a hash of the run's seed, the step and the rank.
+
+    Hashing (rather than ``seed + step``) keeps the streams of different steps, ranks and runs
+    apart, and apart from the trainer's own seeds (``derived_seed`` of the same run seed).
+
+    Args:
+        seed: The run's rollout seed.
+        step: The optimizer step the rollout feeds.
+        dp_rank: The data-parallel rank that generates it.
+
+    Returns:
+        A non-negative 63-bit integer (a valid ``torch.Generator`` seed).
+    """
+    digest = hashlib.blake2b(f"d9d.rl rollout {seed} {step} {dp_rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
