@@ -31,6 +31,8 @@ from d9d.hf._model_config import HFModelConfig, ParamDtype, PretrainedModelConfi
 from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
+from d9d.hf.llama import LlamaConfig
+from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
 __all__ = [
@@ -51,9 +53,11 @@ __all__ = [
     "HFModelConfig",
     "HFModelProvider",
     "HeadName",
+    "LlamaConfig",
     "LayerTensor",
     "ParamDtype",
     "PretrainedModelConfig",
+    "Qwen2Config",
     "Qwen3DenseConfig",
     "Qwen3MoeConfig",
     "ScratchModelConfig",

@@ -15,24 +15,30 @@ from typing import Annotated, assert_never
 from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
-from d9d.hf.qwen3._config import Qwen3DenseConfig, Qwen3MoeConfig
+from d9d.hf.llama import LlamaConfig
+from d9d.hf.qwen2 import Qwen2Config
+from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
-DecoderConfig = Annotated[
-    Qwen3DenseConfig | Qwen3MoeConfig,
-    Field(discriminator="model_type"),
-]
-"""A config.json of any supported family, told apart by ``model_type`` (``qwen3``, ``qwen3_moe``)."""
+AnyDecoderConfig = Qwen3DenseConfig | Qwen3MoeConfig | LlamaConfig | Qwen2Config
+"""Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
-DECODER_CONFIG_ADAPTER: TypeAdapter[Qwen3DenseConfig | Qwen3MoeConfig] = TypeAdapter(DecoderConfig)
+DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
+"""A config.json of any supported family, told apart by ``model_type``."""
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+DECODER_CONFIG_ADAPTER: TypeAdapter[AnyDecoderConfig] = TypeAdapter(DecoderConfig)
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2")
 """The ``model_type`` values d9d.hf reads."""
 
 
-def as_family(config: Qwen3DenseConfig | Qwen3MoeConfig) -> DecoderFamily:
+def as_family(config: AnyDecoderConfig) -> DecoderFamily:
     """``config`` as the core's ``DecoderFamily`` (every family's config model implements it)."""
     match config:
         case Qwen3DenseConfig() | Qwen3MoeConfig():
+            return config
+        case LlamaConfig():
+            return config
+        case Qwen2Config():
             return config
         case _:
             assert_never(config)

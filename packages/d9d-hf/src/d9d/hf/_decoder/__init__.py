@@ -17,6 +17,7 @@ from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, 
 from d9d.hf._decoder._heads import build_decoder, head_of
 from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, causal_lm_targets, resolve_positions
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
+from d9d.hf._decoder._layer_windows import LayerType, layer_windows, resolve_layer_types
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.hf._decoder._parallelize import parallelize_decoder
 from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
@@ -39,6 +40,7 @@ __all__ = [
     "DecoderSequenceClassification",
     "DecoderSpec",
     "LayerTensor",
+    "LayerType",
     "StackedExperts",
     "StageHandoff",
     "StageLayout",
@@ -54,11 +56,13 @@ __all__ = [
     "export_config",
     "export_mapper_of",
     "head_of",
+    "layer_windows",
     "load_stage_from_checkpoint",
     "load_weights",
     "parallelize_decoder",
     "parallelize_decoder_tensor_parallel",
     "read_config_file",
+    "resolve_layer_types",
     "resolve_positions",
     "same_names",
     "stage_layout",

@@ -7,15 +7,22 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, DecoderSpec, LayerTensor, read_config_file
+from d9d.hf._decoder import (
+    DecoderConfigBase,
+    DecoderLayer,
+    DecoderSpec,
+    LayerTensor,
+    LayerType,
+    layer_windows,
+    read_config_file,
+    resolve_layer_types,
+)
 from d9d.hf._head import HeadName
 from d9d.hf._rope_parameters import rope_scaling_of
 from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
 from d9d.hf.qwen3._layer_tensors import qwen3_layer_tensors
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
-
-LayerType = Literal["full_attention", "sliding_attention"]
 
 
 class _Qwen3CommonConfig(DecoderConfigBase):
@@ -72,21 +79,17 @@ class Qwen3DenseConfig(_Qwen3CommonConfig):
 
     @model_validator(mode="after")
     def _layer_types_per_layer(self) -> Qwen3DenseConfig:
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}"
-            )
+        self.resolved_layer_types()
         return self
 
     def resolved_layer_types(self) -> list[LayerType]:
         """Each layer's attention: ``layer_types``, else sliding from ``max_window_layers`` on."""
-        if self.layer_types is not None:
-            return list(self.layer_types)
-        window = self.effective_sliding_window
-        return [
-            "sliding_attention" if window is not None and i >= self.max_window_layers else "full_attention"
-            for i in range(self.num_hidden_layers)
-        ]
+        return resolve_layer_types(
+            self.layer_types,
+            window=self.effective_sliding_window,
+            max_window_layers=self.max_window_layers,
+            num_layers=self.num_hidden_layers,
+        )
 
 
 class Qwen3MoeConfig(_Qwen3CommonConfig):
@@ -144,8 +147,11 @@ def qwen3_spec(config: Qwen3DenseConfig | Qwen3MoeConfig) -> Qwen3Spec:
     match config:
         case Qwen3DenseConfig():
             head_dim = config.head_dim
-            windows = tuple(
-                window if t == "sliding_attention" else None for t in config.resolved_layer_types()
+            windows = layer_windows(
+                config.layer_types,
+                window=window,
+                max_window_layers=config.max_window_layers,
+                num_layers=config.num_hidden_layers,
             )
             moe = None
             moe_layers = tuple(False for _ in range(config.num_hidden_layers))

@@ -1,0 +1,100 @@
+"""Qwen2 / Qwen2.5 config.json, read and written (pydantic, the Hugging Face field names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import TypeAdapter, model_validator
+
+from d9d.hf._decoder import (
+    DecoderConfigBase,
+    DecoderLayer,
+    DecoderSpec,
+    LayerTensor,
+    LayerType,
+    layer_windows,
+    read_config_file,
+)
+from d9d.hf._rope_parameters import rope_scaling_of
+from d9d.hf.qwen2._decoder_layer import Qwen2DecoderLayer
+from d9d.hf.qwen2._layer_tensors import qwen2_layer_tensors
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName
+
+
+class Qwen2Config(DecoderConfigBase):
+    """config.json of ``model_type: qwen2`` (``Qwen2ForCausalLM`` and its heads; Qwen2 and Qwen2.5).
+
+    Sliding windows as transformers applies them: only with ``use_sliding_window``, on the layers
+    ``layer_types`` marks (by default those from ``max_window_layers`` on).
+    """
+
+    architecture_prefix: ClassVar[str] = "Qwen2"
+
+    model_type: Literal["qwen2"]
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    max_position_embeddings: int = 32768
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list[LayerType] | None = None
+
+    @model_validator(mode="after")
+    def _layer_types_per_layer(self) -> Qwen2Config:
+        self.windows()
+        return self
+
+    def windows(self) -> tuple[int | None, ...]:
+        """Per layer, its attention window (None: full attention)."""
+        return layer_windows(
+            self.layer_types,
+            window=self.sliding_window if self.use_sliding_window else None,
+            max_window_layers=self.max_window_layers,
+            num_layers=self.num_hidden_layers,
+        )
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The core's numbers."""
+        return DecoderSpec(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
+            head_dim=self.hidden_size // self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.theta,
+            rope_scaling=rope_scaling_of(self.rope, max_position_embeddings=self.max_position_embeddings),
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=self.pad_token_id,
+            num_labels=self.resolved_num_labels,
+            initializer_range=self.initializer_range,
+        )
+
+    def build_decoder_layer(
+        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
+    ) -> DecoderLayer:
+        """A ``Qwen2DecoderLayer`` with layer ``index``'s window."""
+        return Qwen2DecoderLayer(self, self.windows()[index], attention_backend=attention_backend)
+
+    def layer_tensors(self, index: int) -> list[LayerTensor]:
+        """Qwen2's name table of layer ``index``."""
+        del index
+        return qwen2_layer_tensors()
+
+
+QWEN2_CONFIG_ADAPTER: TypeAdapter[Qwen2Config] = TypeAdapter(Qwen2Config)
+
+
+def read_qwen2_config(directory: Path | str) -> Qwen2Config:
+    """Reads and validates ``directory/config.json`` as a Qwen2 config.
+
+    Raises:
+        ValueError: Naming the file and every offending field.
+    """
+    return read_config_file(directory, QWEN2_CONFIG_ADAPTER, what="Qwen2")

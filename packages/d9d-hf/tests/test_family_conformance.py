@@ -1,0 +1,324 @@
+"""Every family against transformers and against itself on every mesh, from one list (``FAMILIES``).
+
+Per family, from a tiny random transformers checkpoint (no download): the same logits, loss and
+gradients as transformers (the padding row's gradient zero, as with its ``padding_idx``); a round
+trip that transformers loads with the same logits; LoRA whose merged export transformers loads;
+and each parallelism (FSDP, TP, PP, CP; EP for experts) training to the single-process losses
+and gradient norms. A new family joins by adding a ``FamilyCase`` to ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import d9d.hf
+from d9d.hf import (
+    DecoderCausalLM,
+    HFModelProvider,
+    PretrainedModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_targets,
+    causal_lm_task,
+)
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ForwardBackwardFinished,
+    OptimizerStepFinished,
+    ProjectConfig,
+    TrainingConfigurator,
+)
+from d9d.mesh.testing import run_distributed
+
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "pad_token_id": 0,  # transformers' embedding then has padding_idx=0: that row gets no gradient
+}
+
+LAYOUTS: dict[str, dict[str, int]] = {
+    "fsdp": {"data_parallel_shard": 2},
+    "tp": {"tensor_parallel": 2},  # with sequence parallelism
+    "pp": {"pipeline_parallel": 2},
+    "cp": {"context_parallel_shard": 2},  # packed rows, load-balanced halves
+    "ep": {"expert_parallel": 2, "data_parallel_shard": 2},
+}
+"""Two-rank meshes, each checked against one process."""
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One family (or variant) under test.
+
+    Attributes:
+        name: The test id.
+        build: A random transformers ``*ForCausalLM`` from a tiny config (no download).
+        layouts: The ``LAYOUTS`` it trains on (tensor parallelism refuses MoE layers and tied
+            embeddings: those take expert parallelism or none).
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    layouts: tuple[str, ...] = field(default=("fsdp", "tp", "pp", "cp"))
+
+
+def _qwen3() -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **TINY,
+        head_dim=16,
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,  # layer 1 slides
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _qwen3_moe() -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **TINY,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.0,  # test_equivalence checks the load-balancing loss itself
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 500000.0,
+    }
+    return LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope, max_position_embeddings=64))
+
+
+def _llama_tied() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, head_dim=16))
+
+
+def _qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    return Qwen2ForCausalLM(config)
+
+
+FAMILIES = [
+    FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
+    FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
+    FamilyCase("llama", _llama),  # llama3 rope scaling (Llama 3.1), untied head
+    FamilyCase("llama_tied", _llama_tied, layouts=("fsdp", "pp", "cp")),  # Llama 3.2: tied head
+    FamilyCase("qwen2", _qwen2),  # q/k/v biases without an o bias, a sliding layer
+]
+
+
+def save_checkpoint(case: FamilyCase, directory: Path) -> Path:
+    """Writes ``case``'s random model (norms and biases away from their init) with transformers."""
+    torch.manual_seed(0)
+    model: Any = case.build()
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.copy_(1.0 + 0.1 * torch.randn_like(parameter))
+    model.save_pretrained(directory)
+    return directory
+
+
+SEQ = 16
+STEPS = 2
+PROBE = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class _Tokens:
+    """8 rows of 16 tokens with pad tokens (id 0) among them; odd rows pack two documents."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 16, (8, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> TokenSample:
+        ids = self.ids[index]
+        documents = (
+            torch.tensor([0] * 6 + [1] * (SEQ - 6)) if index % 2 else torch.zeros(SEQ, dtype=torch.int64)
+        )
+        return TokenSample(input_ids=ids, labels=ids.clone(), document_ids=documents)
+
+
+def _train(
+    directory: Path, mesh: dict[str, int], export: Path | None = None, peft: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Trains ``STEPS`` steps (fp32, eager attention); losses, gradient norms, one process's logits."""
+    config = ProjectConfig.model_validate(
+        {
+            "mesh": mesh,
+            "trainer": {
+                "max_steps": STEPS,
+                "global_batch_size": 4,
+                "microbatch_size": 2,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+                **({} if peft is None else {"peft": peft}),
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        }
+    )
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    model_config = PretrainedModelConfig(source=str(directory), attention_backend="eager")
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=HFModelProvider(model_config),
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Tokens(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
+    with trainer:
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.events.subscribe(OptimizerStepFinished, lambda event: grad_norms.append(event.grad_norm))
+        trainer.train()
+        if export is not None:
+            trainer.export(export)
+        if mesh == {}:
+            model = trainer.model_stages[0]
+            assert isinstance(model, DecoderCausalLM)
+            with torch.no_grad():
+                result["logits"] = model.eval().logits(PROBE)
+    return result
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> directory of the family's tiny checkpoint."""
+    root = tmp_path_factory.mktemp("families")
+    return {case.name: save_checkpoint(case, root / case.name) for case in FAMILIES}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    ids[:, :3] = 0  # left padding: the pad id's embedding row gets no gradient in transformers
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
+def test_logits_loss_and_gradients_match_transformers(
+    family_checkpoints: dict[str, Path], helpers: Any, case: FamilyCase
+) -> None:
+    directory = family_checkpoints[case.name]
+    hf = helpers.hf_model(directory).train()
+    model = d9d.hf.load_pretrained(directory).train()
+    assert isinstance(model, DecoderCausalLM)
+    ids, labels = _batch()
+
+    logits = hf(input_ids=ids).logits
+    hf_loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100)
+    hf_loss.backward()
+    loss = model.loss(ids, causal_lm_targets(labels))
+    loss.backward()
+
+    torch.testing.assert_close(loss, hf_loss, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), logits, atol=1e-5, rtol=1e-5)
+    helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
+    embedding = model.model.embed_tokens
+    assert embedding is not None and embedding.weight.grad is not None
+    if not model.spec.tie_word_embeddings:  # (a tied row also gets the LM head's gradient)
+        assert embedding.weight.grad[0].abs().max() == 0  # the pad row, though the batch holds pads
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
+def test_round_trip_loads_in_transformers_with_the_same_logits(
+    family_checkpoints: dict[str, Path], helpers: Any, tmp_path: Path, case: FamilyCase
+) -> None:
+    directory = family_checkpoints[case.name]
+    d9d.hf.save_pretrained(d9d.hf.load_pretrained(directory), tmp_path / "out")
+    source, exported = helpers.hf_model(directory).eval(), helpers.hf_model(tmp_path / "out").eval()
+    assert set(exported.state_dict()) == set(source.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(exported(PROBE).logits, source(PROBE).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
+def test_lora_trains_and_its_merged_export_loads_in_transformers(
+    family_checkpoints: dict[str, Path], helpers: Any, tmp_path: Path, case: FamilyCase
+) -> None:
+    lora = {"kind": "lora", "target": r"q_proj|v_proj|o_proj", "r": 4, "alpha": 8.0}
+    export = tmp_path / "export"
+    result = run_distributed(
+        _train, family_checkpoints[case.name], {}, export, lora, world_size=1, timeout_s=180
+    )[0]
+    hf = helpers.hf_model(export).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(PROBE).logits, result["logits"], atol=1e-4, rtol=1e-4)
+
+
+_REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+def _reference(directory: Path) -> dict[str, Any]:
+    key = str(directory)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_distributed(_train, directory, {}, world_size=1, timeout_s=180)[0]
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize(
+    ("case", "layout"),
+    [pytest.param(case, layout, id=f"{case.name}-{layout}") for case in FAMILIES for layout in case.layouts],
+)
+def test_parallelism_trains_to_the_single_process_losses(
+    family_checkpoints: dict[str, Path], case: FamilyCase, layout: str
+) -> None:
+    directory = family_checkpoints[case.name]
+    expected = _reference(directory)
+    mesh = LAYOUTS[layout]
+    # expert parallelism splits the data-parallel ranks: it adds none
+    world_size = math.prod(size for dim, size in mesh.items() if dim != "expert_parallel")
+    results = run_distributed(_train, directory, mesh, world_size=world_size, timeout_s=180)
+    assert len(expected["losses"]) == STEPS
+    for result in results:
+        torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(result["grad_norms"], expected["grad_norms"], atol=1e-4, rtol=1e-4)
+
+
+def test_every_family_case_names_known_layouts() -> None:
+    assert all(set(case.layouts) <= LAYOUTS.keys() for case in FAMILIES)
