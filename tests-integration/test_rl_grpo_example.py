@@ -1,4 +1,5 @@
-"""examples/rl-grpo: in a short CPU run the mean reward and the greedy accuracy rise clearly."""
+"""examples/rl-grpo: in a short CPU run the mean reward and the greedy accuracy rise clearly; the run
+shows its progress and leaves checkpoints a rerun resumes from."""
 
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ def test_grpo_example_reward_and_accuracy_rise(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=False,
+        cwd=tmp_path,  # the config's runs/rl-grpo/checkpoints lands here
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "30/30" in result.stderr, result.stderr[-3000:]  # the progress bar reached the last step
+    checkpoints = tmp_path / "runs" / "rl-grpo" / "checkpoints"
+    assert (checkpoints / "step_000000030").is_dir(), sorted(p.name for p in checkpoints.iterdir())
     measured = json.loads(report.read_text())
     rewards = measured["rewards"]
     assert len(rewards) == 30
