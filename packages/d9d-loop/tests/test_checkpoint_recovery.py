@@ -102,14 +102,27 @@ def test_flipped_bytes_are_found_by_checksums_when_enabled(tmp_path: Path) -> No
     assert len(resumed["losses"]) == 2  # steps 3 and 4, from step 3's checkpoint
 
 
-def test_flipped_bytes_without_checksums_are_stopped_by_the_non_finite_guard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["stop", "rollback"])
+def test_non_finite_weights_in_the_newest_checkpoint_fall_back_to_an_older_one(
+    tmp_path: Path, policy: str
+) -> None:
+    # With `verify: sizes` a NaN written into the newest checkpoint used to fail every restart
+    # (stop), or be reloaded again and again (rollback), never trying the older good one.
+    reference = run_distributed(run_toy, None, max_steps=6, world_size=1)[0]
     first = run_distributed(run_toy, str(tmp_path), max_steps=4, world_size=1)[0]
-    _flip_a_weight(tmp_path / "step_000000004", first["params"]["fc2.weight"])
+    shard = _flip_a_weight(tmp_path / "step_000000004", first["params"]["fc2.weight"])
 
-    resumed = run_distributed(run_toy, str(tmp_path), max_steps=6, world_size=1)[0]
+    resumed = run_distributed(
+        run_toy, str(tmp_path), max_steps=6, trainer={"nonfinite": {"policy": policy}}, world_size=1
+    )[0]
 
-    assert resumed["error"] is not None and resumed["error"].startswith("NonFiniteError: step 4: loss nan")
-    assert "step_000000005" not in checkpoints(tmp_path)  # nothing saved from the NaN state
+    assert resumed["error"] is None, resumed["error"]
+    warning = next(w for w in resumed["warnings"] if "non-finite weights" in w)
+    assert str(tmp_path / "step_000000004") in warning and "fc2.weight: 1 non-finite" in warning
+    assert str(shard) in warning and "trainer.checkpoint.verify: checksums" in warning
+    assert "trying an older one" in warning
+    assert resumed["losses"] == reference["losses"][3:]  # from step 3's checkpoint, bit-exact
+    assert "step_000000004.damaged" in checkpoints(tmp_path)
 
 
 def test_four_ranks_fall_back_together(tmp_path: Path) -> None:

@@ -49,13 +49,30 @@ def test_skip_leaves_parameters_untouched_then_stops_after_max_consecutive(tmp_p
     assert all(value.isfinite().all() for value in result["params"].values())
 
 
-def test_rollback_reloads_the_newest_checkpoint_then_stops_when_it_keeps_diverging(tmp_path: Path) -> None:
+def test_rollback_reloads_the_newest_checkpoint_then_older_ones_then_stops_when_it_keeps_diverging(
+    tmp_path: Path,
+) -> None:
     result = _run(tmp_path, {"policy": "rollback", "max_rollbacks": 2})
     error = result["error"]
     assert error is not None and "after 2 rollbacks" in error, error
-    assert sum("rolling back to the newest checkpoint" in w for w in result["warnings"]) == 2
+    assert sum("rolling back to a checkpoint" in w for w in result["warnings"]) == 2
     step = _failed_step(error)
     assert checkpoints(tmp_path)[-1] == f"step_{step:09d}"  # the last good state is still there
+    # failing again before passing the failed step moves to an older checkpoint (it used to
+    # reload the same one every time)
+    targets = [w.rsplit("/", 1)[1] for w in result["warnings"] if "rolled back to" in w]
+    assert targets == [f"step_{step:09d}", f"step_{step - 1:09d}"], result["warnings"]
+
+
+def test_skip_saves_no_checkpoint_during_a_non_finite_streak(tmp_path: Path) -> None:
+    # a checkpoint saved mid-streak held diverged weights (finite, ~5e28) that gave NaN on resume
+    result = _run(tmp_path, {"policy": "skip", "max_consecutive": 3})
+    skipped = {int(s) for w in result["warnings"] for s in re.findall(r"step (\d+): loss .* skipping", w)}
+    assert skipped, result["warnings"]
+    saved = {int(name.removeprefix("step_")) for name in checkpoints(tmp_path)}
+    # checkpoint step_N holds N finished steps: none right after a skipped step
+    assert not {n - 1 for n in saved} & skipped, (saved, skipped)
+    assert any("not saving the checkpoint of step" in w for w in result["warnings"])
 
 
 def test_rollback_without_checkpoints_says_so(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from d9d.loop._checkpoint_manifest import ManifestError, RunLayout
 from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation
 from d9d.loop._config_trainer import ResumeConfig
+from d9d.loop._finite_weights import describe_nonfinite
 
 
 class ResumeIncompatibleError(ValueError):
@@ -60,6 +61,22 @@ def _describe_shapes(where: str, mismatched: list[str]) -> str:
     )
 
 
+def _explain_nonfinite(checkpointer: Checkpointer, location: CheckpointLocation, found: list[str]) -> str:
+    """Why a checkpoint holds NaN or infinite weights: damaged on disk, or saved so (collective)."""
+    what = f"holds non-finite weights ({describe_nonfinite(found)})"
+    match checkpointer.verify_mode:
+        case "sizes":
+            damage = checkpointer.verify(location, mode="checksums")
+            if damage:
+                return (
+                    f"{what}: its files changed after it was written ({damage[0]}); "
+                    f"trainer.checkpoint.verify: checksums finds such damage before loading"
+                )
+        case "checksums":
+            pass
+    return f"{what}: it was saved so (its files match their manifest)"
+
+
 def load_newest_usable(
     checkpointer: Checkpointer,
     *,
@@ -68,12 +85,15 @@ def load_newest_usable(
     layout: RunLayout,
     options: ResumeConfig,
     logger: logging.LoggerAdapter[logging.Logger],
+    nonfinite_weights: Callable[[], list[str]],
+    older_than: int | None = None,
 ) -> Resumed | None:
     """Loads the newest checkpoint that verifies and loads; falls back to older ones (collective).
 
-    A checkpoint whose files disagree with its manifest, or whose load fails, is skipped with a
-    warning naming the file and the reason; once an older one loads, the skipped newer ones are
-    renamed ``step_N.damaged``. Incompatibility (another optimizer) is not damage: it raises.
+    A checkpoint whose files disagree with its manifest, whose load fails, or whose weights are
+    not finite once loaded, is skipped with a warning naming the file (or tensor) and the reason;
+    once an older one loads, the skipped newer ones are renamed ``step_N.damaged``.
+    Incompatibility (another optimizer, other shapes) is not damage: it raises.
 
     Args:
         checkpointer: Where the checkpoints are.
@@ -82,6 +102,8 @@ def load_newest_usable(
         layout: This run's layout, compared with each checkpoint's.
         options: The resume settings.
         logger: Receives one warning per skipped checkpoint.
+        nonfinite_weights: The parameters holding NaN or infinity after a load (collective).
+        older_than: Only checkpoints of fewer steps (a repeated rollback moves back).
 
     Returns:
         The checkpoint loaded, or None when there is none at all.
@@ -92,7 +114,7 @@ def load_newest_usable(
             (another optimizer, or tensors of other shapes: each named with both shapes).
     """
     skipped: list[tuple[CheckpointLocation, str]] = []
-    for location in checkpointer.candidates():
+    for location in checkpointer.candidates(older_than=older_than):
         problems = checkpointer.verify(location)
         if problems:
             reason = "; ".join(problems)
@@ -120,6 +142,12 @@ def load_newest_usable(
         except CheckpointLoadError as e:
             logger.warning("checkpoint %s failed to load, trying an older one: %s", location.path, e)
             skipped.append((location, str(e)))
+            continue
+        nonfinite = nonfinite_weights()
+        if nonfinite:
+            reason = _explain_nonfinite(checkpointer, location, nonfinite)
+            logger.warning("checkpoint %s %s; trying an older one", location.path, reason)
+            skipped.append((location, reason))
             continue
         if skipped:
             moved = checkpointer.set_aside([loc for loc, _ in skipped])

@@ -19,6 +19,7 @@ from d9d.loop._checkpoint_manifest import (
     FileRecord,
     Manifest,
     RunLayout,
+    VerifyMode,
     check_files,
     list_files,
     read_manifest,
@@ -121,26 +122,36 @@ class Checkpointer:
         """The most recent complete checkpoint, if any."""
         return self._complete()[-1] if self._complete() else None
 
-    def candidates(self) -> list[CheckpointLocation]:
-        """Complete checkpoints, newest first (collective: every rank sees the main rank's list)."""
-        return self._broadcast(list(reversed(self._complete())))
+    def candidates(self, *, older_than: int | None = None) -> list[CheckpointLocation]:
+        """Complete checkpoints, newest first (collective: every rank sees the main rank's list).
+
+        Args:
+            older_than: Only checkpoints of fewer steps (a repeated rollback moves back).
+        """
+        found = [c for c in self._complete() if older_than is None or c.step < older_than]
+        return self._broadcast(list(reversed(found)))
 
     def manifest(self, location: CheckpointLocation) -> Manifest | None:
         """The checkpoint's manifest (None for one written before manifests existed)."""
         return read_manifest(location.path)
 
-    def verify(self, location: CheckpointLocation) -> list[str]:
+    @property
+    def verify_mode(self) -> VerifyMode:
+        """How resume checks files before loading (``trainer.checkpoint.verify``)."""
+        return self._config.verify
+
+    def verify(self, location: CheckpointLocation, *, mode: VerifyMode | None = None) -> list[str]:
         """What is wrong with a checkpoint's files against its manifest; empty when intact.
 
-        Collective: ranks check shares of the files in parallel (sizes, and CRC-32 when
-        ``checkpoint.verify`` is ``checksums``); every rank returns the same list.
+        Collective: ranks check shares of the files in parallel (sizes, and CRC-32 when ``mode``,
+        by default ``checkpoint.verify``, is ``checksums``); every rank returns the same list.
         """
         problems: list[str] = []
         try:
             manifest = read_manifest(location.path)
             if manifest is not None:
                 mine = share(manifest.files, self._dist.rank, self._dist.world_size)
-                problems = check_files(location.path, mine, self._config.verify)
+                problems = check_files(location.path, mine, mode or self._config.verify)
         except ValueError as e:
             problems = [str(e)]
         return sorted({p for rank_problems in self._gather(problems) for p in rank_problems})

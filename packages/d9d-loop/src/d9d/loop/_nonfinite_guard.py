@@ -18,7 +18,7 @@ class StepVerdict(Enum):
 
     APPLY = "apply"  # finite: the optimizer steps
     SKIP = "skip"  # the optimizer step is left out; parameters stay as they were
-    ROLLBACK = "rollback"  # the newest checkpoint is reloaded before anything is saved
+    ROLLBACK = "rollback"  # a checkpoint is reloaded before anything is saved (older if it fails again)
 
 
 class NonFiniteGuard:
@@ -39,6 +39,11 @@ class NonFiniteGuard:
     def reads_norm_before_step(self) -> bool:
         """Whether the gradient norm must be read before the optimizer step."""
         return isinstance(self._config, SkipNonFinite)
+
+    @property
+    def in_streak(self) -> bool:
+        """Whether the last step was skipped as not finite (``skip``); nothing is saved then."""
+        return self._consecutive_skips > 0
 
     def check(self, *, step: int, loss: float, grad_norm: float | None) -> StepVerdict:
         """Decides about a step from its loss and (when read already) its gradient norm.
@@ -74,5 +79,5 @@ class NonFiniteGuard:
                         f"{what} is not finite after {config.max_rollbacks} rollbacks "
                         f"(trainer.nonfinite.max_rollbacks); stopping"
                     )
-                self._logger.warning("%s is not finite; rolling back to the newest checkpoint", what)
+                self._logger.warning("%s is not finite; rolling back to a checkpoint", what)
                 return StepVerdict.ROLLBACK

@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.loop._batch_layout import BatchLayout
+from d9d.loop._checkpoint_gate import CheckpointGate
 from d9d.loop._checkpoint_manifest import RunLayout
 from d9d.loop._checkpoint_resume import load_newest_usable
 from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
@@ -31,6 +32,7 @@ from d9d.loop._events import (
     TrainingFinished,
 )
 from d9d.loop._exporter import ModelExporter
+from d9d.loop._finite_weights import nonfinite_parameters
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
 from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage
@@ -140,6 +142,15 @@ class Trainer:
             parts.optimizer, parts.lr_scheduler, total_steps=parts.plan.total_steps
         )
         self._saved_total_steps: int | None = None
+        # (checkpoint step rolled back to, furthest step that failed): a rollback that fails again
+        # before passing that step moves to an older checkpoint instead of reloading the same one
+        self._rollback_walk: tuple[int, int] | None = None
+        self._gate = CheckpointGate(
+            guard=parts.nonfinite_guard,
+            nonfinite_weights=self._nonfinite_weights,
+            logger=parts.dist_context.logger,
+            is_main_process=parts.dist_context.is_main_process,
+        )
         self._sleeper = TrainerSleeper(
             device=parts.dist_context.device,
             tensors=lambda: training_state_tensors(self.model_stages, parts.optimizer),
@@ -266,8 +277,18 @@ class Trainer:
             # A checkpoint from before evaluation was configured has no best yet: none so far.
             self._p.evaluator.load_state_dict(state.get("evaluation", {}))
 
+    def _nonfinite_weights(self) -> list[str]:
+        return nonfinite_parameters(self.model_stages, self._p.dist_context.world_group())
+
     def resume(self) -> CheckpointLocation | None:
-        """Loads the newest usable checkpoint (verified, else the next older) if resume is on."""
+        """Loads the newest usable checkpoint (verified, else the next older) if resume is on.
+
+        A checkpoint is usable when its files match its manifest, it loads, and its weights are
+        finite; a newer unusable one is set aside as ``step_N.damaged``.
+        """
+        return self._resume(older_than=None)
+
+    def _resume(self, *, older_than: int | None) -> CheckpointLocation | None:
         checkpointer = self._p.checkpointer
         options = self._p.plan.resume
         if checkpointer is None or options is None:
@@ -279,6 +300,8 @@ class Trainer:
             layout=self._layout(),
             options=options,
             logger=self._p.dist_context.logger,
+            nonfinite_weights=self._nonfinite_weights,
+            older_than=older_than,
         )
         if resumed is None:
             return None
@@ -349,7 +372,8 @@ class Trainer:
         p = self._p
         if p.checkpointer is None:
             return
-        if final or self._step % p.plan.checkpoint_every_steps == 0:
+        due = final or self._step % p.plan.checkpoint_every_steps == 0
+        if self._gate.should_save(step=self._step, due=due):
             p.checkpointer.save(
                 self._step, self._checkpoint_state(), self._on_checkpoint_visible, layout=self._layout()
             )
@@ -361,10 +385,25 @@ class Trainer:
         if self._p.checkpointer is not None:
             self._p.checkpointer.finalize(self._on_checkpoint_visible)
         failed_step = self._step
-        if self.resume() is None:
+        walk = self._rollback_walk
+        again = walk is not None and failed_step <= walk[1]  # not past the last failure yet
+        older_than = walk[0] if walk is not None and again else None
+        location = self._resume(older_than=older_than)
+        if location is None and older_than is not None:
+            raise NonFiniteError(
+                f"step {failed_step - 1} was not finite again after rolling back to the checkpoint of "
+                f"step {older_than}, and there is no older checkpoint to roll back to"
+            )
+        if location is None:
             raise NonFiniteError(
                 f"step {failed_step - 1} was not finite and there is no checkpoint to roll back to "
                 f"(trainer.nonfinite.policy=rollback needs trainer.checkpoint.directory)"
+            )
+        furthest = max(failed_step, walk[1]) if walk is not None and again else failed_step
+        self._rollback_walk = (location.step, furthest)
+        if self._p.dist_context.is_main_process:
+            self._p.dist_context.logger.warning(
+                "step %d was not finite: rolled back to %s", failed_step - 1, location.path
             )
 
     def _on_checkpoint_visible(self, location: CheckpointLocation) -> None:
