@@ -70,3 +70,22 @@ def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path)
     assert [r["id"] for r in records] == list(range(768, 868))
     assert all(r["label"] in (0, 1) and 0.0 <= r["score"] <= 1.0 for r in records)
     assert (tmp_path / "runs" / "export" / "config.json").is_file()
+
+
+def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: Path) -> None:
+    config = (EXAMPLE / "config.yaml").read_text().replace("runs/classification", str(tmp_path / "runs"))
+    export = tmp_path / "runs" / "export"
+    export.mkdir(parents=True)
+    (export / "notes.txt").write_text("mine")
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
+    assert (export / "notes.txt").read_text() == "mine"

@@ -1,7 +1,8 @@
-"""The fine-tuning example: a short run lowers the held-out loss and its export loads in transformers."""
+"""The fine-tuning example: a job from config alone, on the toy set and on a user's chat JSONL file."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -11,6 +12,29 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "finetune-qwen3" / "train.py"
+CAPITALS = {"france": "paris", "italy": "rome", "spain": "madrid", "peru": "lima", "kenya": "nairobi"}
+
+
+def _run(config: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def _shipped_config(tmp_path: Path, *, steps: int = 30) -> str:
+    config = (REPO / "examples" / "finetune-qwen3" / "config.yaml").read_text()
+    config = config.replace("runs/finetune-qwen3", str(tmp_path / "runs"))
+    return config.replace("max_steps: 150", f"max_steps: {steps}").replace(
+        "warmup: {steps: 10}", "warmup: {steps: 3}"
+    )
+
+
+def _losses(stdout: str) -> tuple[float, float]:
+    match = re.search(r"held-out loss before: ([\d.]+)\s+after: ([\d.]+)", stdout)
+    assert match is not None, stdout
+    return float(match.group(1)), float(match.group(2))
 
 
 def test_script_without_arguments_prints_usage() -> None:
@@ -22,20 +46,9 @@ def test_script_without_arguments_prints_usage() -> None:
 
 
 def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(tmp_path: Path) -> None:
-    config = (REPO / "examples" / "finetune-qwen3" / "config.yaml").read_text()
-    config = config.replace("runs/finetune-qwen3", str(tmp_path / "runs"))
-    config = config.replace("max_steps: 150", "max_steps: 30").replace(
-        "warmup: {steps: 10}", "warmup: {steps: 3}"
-    )
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=240, check=False
-    )
+    result = _run(_shipped_config(tmp_path), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"held-out loss before: ([\d.]+)\s+after: ([\d.]+)", result.stdout)
-    assert match is not None, result.stdout
-    before, after = float(match.group(1)), float(match.group(2))
+    before, after = _losses(result.stdout)
     assert after < 0.5 * before
 
     from transformers import AutoModelForCausalLM
@@ -46,3 +59,55 @@ def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(tmp_p
     with torch.no_grad():
         logits = model(torch.tensor([[3, 4, 5]])).logits
     assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
+
+
+def test_a_users_chat_jsonl_file_trains_from_config_alone(tmp_path: Path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    lines = [
+        {
+            "messages": [
+                {"role": "system", "content": "answer with one word"},
+                {"role": "user", "content": f"{phrase.format(country)}"},
+                {"role": "assistant", "content": capital},
+            ]
+        }
+        for country, capital in CAPITALS.items()
+        for phrase in ("what is the capital of {} ?", "name the capital of {} .", "{} has which capital ?")
+    ]
+    chats.write_text("".join(json.dumps(line) + "\n" for line in lines * 4))
+    config = _shipped_config(tmp_path, steps=30)
+    config = config.replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", f"source: {chats}")
+    config = config.replace("format: prompt_completion", "format: chat").replace(
+        "toy_data: true", "toy_data: false"
+    )
+    result = _run(config, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "60 samples used, 0 truncated, 0 dropped as too long, 0 skipped" in result.stdout
+    before, after = _losses(result.stdout)
+    assert after < 0.5 * before
+
+
+def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{oops\n'
+    )
+    config = _shipped_config(tmp_path).replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", f"source: {chats}")
+    config = config.replace("format: prompt_completion", "format: chat").replace(
+        "toy_data: true", "toy_data: false"
+    )
+    result = _run(config, tmp_path)
+    assert result.returncode == 2
+    assert f"{chats}:2: not valid JSON" in result.stderr
+    assert not (tmp_path / "runs" / "export").exists()
+
+
+def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: Path) -> None:
+    export = tmp_path / "runs" / "export"
+    export.mkdir(parents=True)
+    (export / "notes.txt").write_text("mine")
+    result = _run(_shipped_config(tmp_path), tmp_path)
+    assert result.returncode == 2
+    assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
+    assert (export / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "runs" / "tiny-qwen3").exists()  # refused before any work

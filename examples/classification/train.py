@@ -38,6 +38,7 @@ from d9d.loop import (
     CreateMetricsContext,
     CreateMetricsResult,
     EvaluationData,
+    ExportTargetError,
     InferenceConfig,
     InferenceConfigurator,
     InferenceFinishedContext,
@@ -48,6 +49,7 @@ from d9d.loop import (
     TrainingConfigurator,
     TrainTask,
     UpdateMetricsContext,
+    check_export_target,
 )
 from d9d.loop.metrics import BinaryAUROC, BinaryScores
 from d9d.mesh import DistributedContext, gather_object
@@ -61,7 +63,9 @@ class ClassificationSection(BaseModel):
         train_samples: Generated training texts.
         eval_samples: Generated held-out texts (evaluated during training, then predicted).
         sequence_length: Tokens per row (texts are right-padded to it, or cut).
-        export_dir: The merged Hugging Face export (replaced if it exists).
+        export_dir: The merged Hugging Face export. A previous export there is replaced; any other
+            non-empty directory stops the run before training, unless ``replace_export_dir``.
+        replace_export_dir: Replace ``export_dir`` even when it holds files d9d did not write.
         predictions: The JSONL file of the inference pass.
         inference_batch_size: Rows per inference forward (all ranks together).
     """
@@ -73,6 +77,7 @@ class ClassificationSection(BaseModel):
     eval_samples: int = Field(default=256, ge=1)
     sequence_length: int = Field(default=16, ge=8)
     export_dir: Path = Path("runs/classification/export")
+    replace_export_dir: bool = False
     predictions: Path = Path("runs/classification/predictions.jsonl")
     inference_batch_size: int = Field(default=64, ge=1)
 
@@ -262,6 +267,10 @@ def run(config: ClassificationConfig) -> Path:
     """Trains with evaluation, exports, then predicts the held-out split; returns the JSONL path."""
     if config.trainer.checkpoint.directory is None:
         raise ValueError("trainer.checkpoint.directory is needed: inference reads the trained checkpoint")
+    # Before any work: an export_dir holding the user's own files is refused, not emptied.
+    overwrite = check_export_target(
+        config.classification.export_dir, replace_other=config.classification.replace_export_dir
+    )
     model_config = model_section(config)
     data = Data(config, model_config)
     held_out = EvaluationData(dataset_factory=data.held_out, collator=RowBatch.collate)
@@ -281,7 +290,7 @@ def run(config: ClassificationConfig) -> Path:
         main = trainer.dist_context.is_main_process
         trainer.events.subscribe(StepFinished, lambda event: _report(event) if main else None)
         trainer.train()
-        export = trainer.export(config.classification.export_dir, overwrite=True)
+        export = trainer.export(config.classification.export_dir, overwrite=overwrite)
     if main:
         print(f"exported the merged model to {export}")
     section = config.classification
@@ -330,7 +339,11 @@ def main() -> None:
     except ConfigFileError as e:
         print(e, file=sys.stderr)
         sys.exit(2)
-    run(config)
+    try:
+        run(config)
+    except ExportTargetError as e:
+        print(f"{e} (classification.replace_export_dir: true)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""When no checkpoint or data is given: a toy SFT set and a tiny random Qwen3 that fits it."""
+"""When no checkpoint or data is given: a toy SFT set and a tiny random Qwen3 that fits it.
+
+The tiny checkpoint carries a ChatML ``chat_template`` in its ``tokenizer_config.json``, so the
+same job runs on a chat JSONL file (``dataset: {source: chats.jsonl, format: chat}``) too.
+"""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -12,7 +17,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 import d9d.hf
 from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig
 
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 CAPITALS = {
     "france": "paris", "italy": "rome", "spain": "madrid", "germany": "berlin", "japan": "tokyo",
     "egypt": "cairo", "peru": "lima", "kenya": "nairobi", "norway": "oslo", "chile": "santiago",
@@ -37,6 +47,30 @@ def write_toy_pairs(path: Path, *, seed: int) -> None:
     random.Random(seed).shuffle(pairs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+
+
+def record_texts(path: Path) -> list[str]:
+    """The words of a JSONL data file's string fields and messages, to train the toy tokenizer on.
+
+    Lines that are not JSON objects are passed over here: reading the data reports them.
+    """
+    texts: list[str] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        for value in cast(dict[str, Any], record).values():
+            if isinstance(value, str):
+                texts.append(value)
+            elif isinstance(value, list):
+                messages: list[dict[str, Any]] = [m for m in cast(list[Any], value) if isinstance(m, dict)]
+                texts += [f"{m.get('role', '')} {m.get('content', '')}" for m in messages]
+    return texts
 
 
 def train_tokenizer(texts: list[str]) -> Tokenizer:
@@ -71,4 +105,11 @@ def write_tiny_checkpoint(directory: Path, *, texts: list[str], seed: int) -> No
     staging = directory.parent / f".{directory.name}.partial"
     d9d.hf.save_pretrained(model, staging)
     tokenizer.save(str(staging / "tokenizer.json"))
+    tokenizer_config = {
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": CHATML,
+    }
+    (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     staging.rename(directory)  # complete or absent: a rerun never finds half a checkpoint

@@ -1,12 +1,13 @@
-"""d9d fine-tuning: supervised fine-tuning of a Qwen3 causal LM on prompt/completion pairs.
+"""d9d fine-tuning: supervised fine-tuning of a Qwen3 causal LM on your own data, from a config.
 
 Run:        uv run examples/finetune-qwen3/train.py examples/finetune-qwen3/config.yaml
 Scale out:  set `mesh: {data_parallel_shard: 4}` and run
             torchrun --nproc-per-node 4 examples/finetune-qwen3/train.py config.yaml
 
-The loss falls on completions only; pairs are packed into rows (attention stays within each
-pair); a held-out split is evaluated before and after training; the model is exported as a
-Hugging Face directory that transformers loads.
+The `dataset` section says where the samples are (JSONL, Parquet, a Hugging Face dataset), their
+format (chat, prompt_completion, text) and how they become rows (packing, sequence_length,
+streaming); d9d-hf's `sft_data_provider` does the rest. A held-out split is evaluated before and
+after training; the model is exported as a Hugging Face directory that transformers loads.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-from sft_data import PackedRows, pack, read_pairs, split_pairs
-from tokenizers import Tokenizer
-from toy_setup import write_tiny_checkpoint, write_toy_pairs
+from pydantic import BaseModel, ConfigDict
+from toy_setup import record_texts, write_tiny_checkpoint, write_toy_pairs
 
 from d9d.hf import (
     CausalLMTask,
@@ -29,60 +28,68 @@ from d9d.hf import (
     causal_lm_task,
     resolve_snapshot,
 )
+from d9d.hf.data import SFTDataConfig, sft_data_provider
 from d9d.hf.qwen3 import Qwen3Inputs, Qwen3ModelProvider
 from d9d.loop import (
-    AutoDataProvider,
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
     BuildForwardInputsContext,
     ConfigFileError,
+    ExportTargetError,
     ProjectConfig,
     Trainer,
     TrainingConfigurator,
+    check_export_target,
 )
+from d9d.loop.data import DataFileError, SampleError, TokenDataProvider
 from d9d.mesh import DistributedContext
 
 
 class FinetuneSection(BaseModel):
-    """Where the data comes from and goes to.
+    """Where generated files go and where the model is exported.
 
     Attributes:
-        work_dir: Generated toy data and tiny checkpoint live here.
-        dataset: JSONL of prompt/completion pairs; None generates a toy set in ``work_dir``.
-        sequence_length: Tokens per packed row.
-        eval_fraction: Share of the pairs held out for evaluation.
-        export_dir: Where the fine-tuned model is exported (replaced if it exists).
+        work_dir: The generated tiny checkpoint (when ``model`` is null) lives here.
+        toy_data: Write the toy prompt/completion set to ``dataset.source`` when it is missing
+            (set false for your own data: a missing file is then an error).
+        export_dir: Where the fine-tuned model is exported. A previous export there is replaced;
+            any other non-empty directory stops the run before training, unless
+            ``replace_export_dir``.
+        replace_export_dir: Replace ``export_dir`` even when it holds files d9d did not write.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     work_dir: Path = Path("runs/finetune-qwen3")
-    dataset: Path | None = None
-    sequence_length: int = Field(default=64, ge=8)
-    eval_fraction: float = Field(default=0.2, gt=0, lt=1)
+    toy_data: bool = False
     export_dir: Path = Path("runs/finetune-qwen3/export")
+    replace_export_dir: bool = False
 
 
 class FinetuneConfig(ProjectConfig):
-    """The quickstart's sections plus ``model`` (None: a generated tiny Qwen3) and ``finetune``."""
+    """The quickstart's sections plus ``model`` (null: a tiny Qwen3), ``dataset`` and ``finetune``."""
 
     model: HFModelConfig | None = None
+    dataset: SFTDataConfig
     finetune: FinetuneSection = FinetuneSection()
 
 
-def prepare_sources(config: FinetuneConfig) -> tuple[HFModelConfig, Path]:
-    """The model section and the dataset, generating the toy ones that are not given."""
+def prepare_model(config: FinetuneConfig) -> HFModelConfig:
+    """The model section, generating the toy data and the tiny checkpoint where they are asked for."""
     section = config.finetune
-    dataset = section.dataset or section.work_dir / "toy_pairs.jsonl"
-    if section.dataset is None and not dataset.exists():
-        write_toy_pairs(dataset, seed=config.trainer.seed)
+    source = config.dataset.source
+    if section.toy_data and source.kind == "jsonl" and not source.path.exists():
+        write_toy_pairs(source.path, seed=config.trainer.seed)
     if config.model is not None:
-        return config.model, dataset
+        return config.model
     checkpoint = section.work_dir / "tiny-qwen3"
     if not checkpoint.exists():
-        texts = [f"{p.prompt} {p.completion}" for p in read_pairs(dataset)]
-        write_tiny_checkpoint(checkpoint, texts=texts, seed=config.trainer.seed)
-    return PretrainedModelConfig(source=str(checkpoint)), dataset
+        if source.kind != "jsonl":
+            raise ValueError(
+                "the generated tiny model needs a JSONL dataset.source to train its tokenizer on"
+            )
+        write_tiny_checkpoint(checkpoint, texts=record_texts(source.path), seed=config.trainer.seed)
+    return PretrainedModelConfig(source=str(checkpoint))
 
 
 def tokenizer_directory(model_config: HFModelConfig) -> Path:
@@ -98,45 +105,15 @@ def tokenizer_directory(model_config: HFModelConfig) -> Path:
             return model_config.tokenizer
 
 
-class SFTData:
-    """The train and held-out rows, tokenized once the model (and so its tokenizer) is known."""
-
-    def __init__(
-        self, config: FinetuneConfig, model_config: HFModelConfig, provider: Qwen3ModelProvider, dataset: Path
-    ) -> None:
-        self._config = config
-        self._model_config = model_config
-        self._provider = provider
-        self._dataset = dataset
-        self.eval_rows = PackedRows([])
-
-    def build(self, dist_context: DistributedContext) -> PackedRows:
-        """A dataset factory for ``AutoDataProvider`` (runs after the model stages are built)."""
-        with dist_context.main_process_first():
-            directory = tokenizer_directory(self._model_config)
-        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        model = self._provider.model_config(dist_context)
-        eos = model.eos_token_id[0] if isinstance(model.eos_token_id, list) else model.eos_token_id
-        if eos is None:
-            raise ValueError(f"{directory}/config.json names no eos_token_id")
-        pad = eos if model.pad_token_id is None else model.pad_token_id
-        section = self._config.finetune
-        train, held_out = split_pairs(
-            read_pairs(self._dataset), eval_fraction=section.eval_fraction, seed=self._config.trainer.seed
-        )
-        length = section.sequence_length
-        self.eval_rows = PackedRows(pack(held_out, tokenizer, sequence_length=length, eos_id=eos, pad_id=pad))
-        return PackedRows(pack(train, tokenizer, sequence_length=length, eos_id=eos, pad_id=pad))
-
-
 @torch.no_grad()
-def evaluate(trainer: Trainer, rows: PackedRows) -> float | None:
-    """Mean completion-token loss over ``rows``, forward only (every rank runs all rows).
+def evaluate(trainer: Trainer, data: TokenDataProvider[TokenBatch]) -> float | None:
+    """Mean target-token loss over the held-out rows, forward only (every rank runs all rows).
 
     None under pipeline or context parallelism, where one rank's forward is not the whole model.
     """
     mesh = trainer.dist_context.parameters
-    if mesh.pipeline_parallel > 1 or mesh.context_parallel > 1 or len(rows) == 0:
+    rows = data.held_out
+    if mesh.pipeline_parallel > 1 or mesh.context_parallel > 1 or not rows:
         return None
     model = trainer.model_stages[0]
     device = trainer.dist_context.device
@@ -144,7 +121,7 @@ def evaluate(trainer: Trainer, rows: PackedRows) -> float | None:
     total, count = 0.0, 0
     model.eval()
     for start in range(0, len(rows), 8):
-        batch = TokenBatch.collate([rows[i] for i in range(start, min(start + 8, len(rows)))])
+        batch = data.collate(rows[start : start + 8])
         built = task.build_forward_inputs(BuildForwardInputsContext(batch=batch, step=0))
         losses = model(_to(built.input, device), None)
         total += float(losses.sum())
@@ -167,25 +144,33 @@ def _to(inputs: Qwen3Inputs, device: torch.device) -> Qwen3Inputs:
 
 def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
     """Fine-tunes and exports; returns the held-out loss before and after, and the export."""
-    model_config, dataset = prepare_sources(config)
-    provider = Qwen3ModelProvider(model_config)
-    data = SFTData(config, model_config, provider, dataset)
+    # Before any work: an export_dir holding the user's own files is refused, not emptied.
+    overwrite = check_export_target(
+        config.finetune.export_dir, replace_other=config.finetune.replace_export_dir
+    )
+    model_config = prepare_model(config)
+
+    def tokenizer_dir(dist_context: DistributedContext) -> Path:
+        with dist_context.main_process_first():
+            return tokenizer_directory(model_config)
+
+    data = sft_data_provider(config.dataset, order=config.data, tokenizer_directory=tokenizer_dir)
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=provider,
+        model_provider=Qwen3ModelProvider(model_config),
         task_provider=causal_lm_task,
-        data_provider=AutoDataProvider(
-            dataset_factory=data.build, collator=TokenBatch.collate, config=config.data
-        ),
+        data_provider=data,
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
     with trainer:
-        before = evaluate(trainer, data.eval_rows)
+        if trainer.dist_context.is_main_process:
+            print(data.report.summary(str(config.dataset.source.kind)))
+        before = evaluate(trainer, data)
         trainer.train()
-        after = evaluate(trainer, data.eval_rows)
-        export = trainer.export(config.finetune.export_dir, overwrite=True)
+        after = evaluate(trainer, data)
+        export = trainer.export(config.finetune.export_dir, overwrite=overwrite)
     return before, after, export
 
 
@@ -201,7 +186,14 @@ def main() -> None:
     except ConfigFileError as e:
         print(e, file=sys.stderr)
         sys.exit(2)
-    before, after, export = run(config)
+    try:
+        before, after, export = run(config)
+    except ExportTargetError as e:
+        print(f"{e} (finetune.replace_export_dir: true)", file=sys.stderr)
+        sys.exit(2)
+    except (DataFileError, SampleError) as e:
+        print(f"bad data: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"held-out loss before: {_show(before)}  after: {_show(after)}")
     print(f"exported to {export}")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from loop_toy_job import build_trainer, toy_config
 
+from d9d.loop import ExportTargetError, check_export_target, is_d9d_export
 from d9d.mesh.testing import run_distributed
 
 
@@ -25,3 +26,34 @@ def _export_twice(directory: str) -> list[str]:
 
 def test_export_takes_overwrite(tmp_path: Path) -> None:
     assert run_distributed(_export_twice, str(tmp_path), world_size=1)[0] == ["export"]
+
+
+def test_an_export_is_marked_and_a_later_one_may_replace_it(tmp_path: Path) -> None:
+    run_distributed(_export_twice, str(tmp_path), world_size=1)
+    assert is_d9d_export(tmp_path / "export")
+    assert check_export_target(tmp_path / "export") is True
+
+
+@pytest.mark.parametrize(
+    ("contents", "replace_other", "expected"),
+    [
+        (None, False, False),  # absent: nothing to replace
+        ([], False, False),  # empty: nothing to replace
+        (["notes.txt"], True, True),  # the user opted in to losing other files
+        (["notes.txt"], False, ExportTargetError),  # a user's files: refused, kept
+    ],
+)
+def test_check_export_target_refuses_a_users_directory(
+    tmp_path: Path, contents: list[str] | None, replace_other: bool, expected: bool | type[Exception]
+) -> None:
+    target = tmp_path / "out"
+    if contents is not None:
+        target.mkdir()
+        for name in contents:
+            (target / name).write_text("mine")
+    if isinstance(expected, bool):
+        assert check_export_target(target, replace_other=replace_other) is expected
+    else:
+        with pytest.raises(expected, match=r"not a d9d export.*nothing was trained or written"):
+            check_export_target(target, replace_other=replace_other)
+        assert (target / "notes.txt").read_text() == "mine"

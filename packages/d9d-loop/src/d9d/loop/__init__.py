@@ -61,6 +61,7 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.loop._export_target import ExportTargetError, check_export_target, is_d9d_export
 from d9d.loop._exporter import ExportError, ModelExporter
 from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.loop._inference import (
@@ -123,6 +124,7 @@ __all__ = [
     "TaskFactory",
     "ModelExporter",
     "ExportError",
+    "ExportTargetError",
     "BatchLayout",
     "AdamConfig",
     "AdamWConfig",
@@ -242,4 +244,6 @@ __all__ = [
     "WandbTrackerConfig",
     "WarmupConfig",
     "check_batch_layout",
+    "check_export_target",
+    "is_d9d_export",
 ]

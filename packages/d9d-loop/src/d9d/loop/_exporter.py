@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from d9d.loop._export_target import write_export_marker
 from d9d.loop._model_provider import ModelProvider, PrepareExportModelStageContext
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop.peft import FullFineTuningConfig, PeftConfig
@@ -153,6 +154,7 @@ def _merge(parts: Path, staging: Path, extra_files: dict[str, bytes]) -> None:
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
     for name, content in extra_files.items():
         (staging / name).write_bytes(content)
+    write_export_marker(staging)
 
 
 def _replace(staging: Path, target: Path, *, overwrite: bool) -> None:

@@ -1,4 +1,4 @@
-"""The ``data`` section of a fine-tuning job: d9d-loop's token data plus the record format."""
+"""The ``dataset`` section of a fine-tuning job: d9d-loop's token data plus the record format."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from d9d.hf import TokenBatch
 from d9d.hf.data._config import SFTDataConfig
 from d9d.hf.data._encoder import SFTEncoder
 from d9d.hf.data._tokenizer_files import TokenizerFiles, TokenizerFilesError
+from d9d.loop import DataConfig
 from d9d.loop.data import RowBatch, TokenDataProvider
 from d9d.mesh import DistributedContext
 
@@ -21,14 +22,16 @@ def token_batch(rows: RowBatch) -> TokenBatch:
 def sft_data_provider(
     config: SFTDataConfig,
     *,
+    order: DataConfig,
     tokenizer_directory: Callable[[DistributedContext], Path],
     eos_id: int | None = None,
     pad_id: int | None = None,
 ) -> TokenDataProvider[TokenBatch]:
-    """A data provider for ``causal_lm_task`` from the ``data`` section.
+    """A data provider for ``causal_lm_task`` from the ``dataset`` section.
 
     Args:
-        config: The section.
+        config: The ``dataset`` section.
+        order: The job's ``data`` section (order, seed, loader workers).
         tokenizer_directory: Where ``tokenizer.json`` (and the chat template) are, resolved on
             each rank when the data is built (after the model, e.g. a downloaded snapshot).
         eos_id: The end-of-sequence id (default: ``eos_token`` of ``tokenizer_config.json``).
@@ -46,4 +49,4 @@ def sft_data_provider(
         pad = pad_id if pad_id is not None else files.token_id("pad_token")
         return SFTEncoder(files=files, format=config.format, eos_id=eos, pad_id=eos if pad is None else pad)
 
-    return TokenDataProvider(config=config, encoder_factory=encoder, convert=token_batch)
+    return TokenDataProvider(config=config, order=order, encoder_factory=encoder, convert=token_batch)

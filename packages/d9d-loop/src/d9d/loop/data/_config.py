@@ -13,6 +13,9 @@ from d9d.loop.data._source_config import DataSourceConfig
 class TokenDataConfig(BaseModel):
     """How samples are read and turned into rows of tokens (see ``TokenDataProvider``).
 
+    The order (``shuffle``, ``seed``) and loader workers stay in the job's ``data`` section
+    (``DataConfig``); this is the ``dataset`` section beside it.
+
     Attributes:
         source: A ``.jsonl`` / ``.parquet`` path, or ``{kind: jsonl|parquet|hf_datasets, ...}``.
         sequence_length: Tokens per row; the longest sample kept.
@@ -25,15 +28,14 @@ class TokenDataConfig(BaseModel):
             render) stops the run naming file and line (``error``), or is counted and left out
             (``skip``).
         streaming: Read the source as training goes (for data larger than memory; resumes at the
-            exact sample, in file order, needs ``trainer.max_steps``). False: read it all at
-            start (shuffled per epoch, held-out split, length bucketing).
-        shuffle: A seeded new order each epoch (not with ``streaming``).
-        seed: Seed of the order and of the held-out split.
+            exact sample, in file order whatever ``data.shuffle`` says, needs
+            ``trainer.max_steps``). False: read it all at start (``data.shuffle`` per epoch,
+            held-out split, length bucketing).
         bucket_window: Without packing: global batches whose samples are sorted by length
             together, so a batch pads little (1: no bucketing).
         pad_to_multiple_of: Without packing: round each batch's padded length up to this.
-        eval_fraction: Share of the samples held out for evaluation (not with ``streaming``).
-        num_workers: Not streaming: ``DataLoader`` workers per rank for collating packed rows.
+        eval_fraction: Share of the samples held out for evaluation (not with ``streaming``),
+            picked with ``data.seed``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,12 +46,9 @@ class TokenDataConfig(BaseModel):
     overlong: OverlongPolicy = "truncate"
     bad_samples: Literal["error", "skip"] = "error"
     streaming: bool = False
-    shuffle: bool = True
-    seed: int = 0
     bucket_window: int = Field(default=16, ge=1)
     pad_to_multiple_of: int = Field(default=8, ge=1)
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
-    num_workers: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _streaming_limits(self) -> Self:

@@ -52,7 +52,8 @@ class TokenDataProvider(Generic[BatchT]):
     ``StreamingBatchSource``. What was truncated, dropped or skipped is counted and logged.
 
     Args:
-        config: The ``data`` section.
+        config: The ``dataset`` section.
+        order: The job's ``data`` section (order, seed, loader workers).
         encoder_factory: Builds the encoder on each rank (after the model, so its tokenizer is
             known).
         convert: Turns a ``RowBatch`` into the task's batch type.
@@ -62,10 +63,12 @@ class TokenDataProvider(Generic[BatchT]):
         self,
         *,
         config: TokenDataConfig,
+        order: DataConfig,
         encoder_factory: Callable[[DistributedContext], SampleEncoder],
         convert: Callable[[RowBatch], BatchT],
     ) -> None:
         self._config = config
+        self._order = order
         self._encoder_factory = encoder_factory
         self._convert = convert
         self.report = DataReport()
@@ -98,6 +101,8 @@ class TokenDataProvider(Generic[BatchT]):
 
         encode = self._encode_fn(encoder)
         if config.streaming:
+            if self._order.shuffle:
+                log(f"{reader.name}: streaming reads in file order (data.shuffle applies to in-memory data)")
             return StreamingBatchSource(
                 reader=reader,
                 encode=encode,
@@ -123,7 +128,7 @@ class TokenDataProvider(Generic[BatchT]):
             return ShardedBatchSource(
                 dataset=_Rows(rows),
                 collator=self.collate,
-                config=DataConfig(shuffle=config.shuffle, seed=config.seed, num_workers=config.num_workers),
+                config=self._order,
                 global_batch_size=context.global_batch_size,
                 dp_rank=context.dp_rank,
                 dp_size=context.dp_size,
@@ -135,8 +140,8 @@ class TokenDataProvider(Generic[BatchT]):
             dp_rank=context.dp_rank,
             dp_size=context.dp_size,
             window_batches=config.bucket_window,
-            shuffle=config.shuffle,
-            seed=config.seed,
+            shuffle=self._order.shuffle,
+            seed=self._order.seed,
         )
 
     def _encode_fn(self, encoder: SampleEncoder) -> Callable[[Record], TokenRow | None]:
@@ -176,7 +181,7 @@ class TokenDataProvider(Generic[BatchT]):
         if fraction == 0:
             return samples
         indices = list(range(len(samples)))
-        random.Random(self._config.seed).shuffle(indices)
+        random.Random(self._order.seed).shuffle(indices)
         count = max(1, round(len(samples) * fraction))
         held = set(indices[:count])
         self.held_out = [samples[i] for i in sorted(held)]
