@@ -22,6 +22,7 @@ GUIDES = [
     "writing-a-model.md",
     "extending.md",
     "choosing-parallelism.md",
+    "adding-a-model-family.md",
 ]
 _BLOCK = re.compile(r"^(?P<marker><!-- [^\n]*-->\n)?```python\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
 

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from d9d.hf._head import HeadName
-from d9d.hf._rope_parameters import RopeParameters, with_rope_type
+from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
+from d9d.kernels.layers import RopeScaling
 
 ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
 
@@ -38,6 +39,7 @@ class DecoderConfigBase(BaseModel):
     num_labels: int | None = None
     problem_type: ProblemType | None = None
     hidden_act: Literal["silu"] = "silu"
+    max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
@@ -84,6 +86,12 @@ class DecoderConfigBase(BaseModel):
         if rope is not None and rope.rope_theta is not None:
             return rope.rope_theta
         return 10000.0 if self.rope_theta is None else self.rope_theta
+
+    @property
+    def rope_scaling_method(self) -> RopeScaling | None:
+        """d9d-kernels' scaling for the rope block (None for plain RoPE); its original context
+        defaults to ``max_position_embeddings``, as in Hugging Face."""
+        return rope_scaling_of(self.rope, max_position_embeddings=self.max_position_embeddings)
 
     @property
     def resolved_num_labels(self) -> int:

@@ -8,7 +8,6 @@ from typing import ClassVar, Literal
 from pydantic import TypeAdapter
 
 from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, DecoderSpec, LayerTensor, read_config_file
-from d9d.hf._rope_parameters import rope_scaling_of
 from d9d.hf.llama._decoder_layer import LlamaDecoderLayer
 from d9d.hf.llama._layer_tensors import llama_layer_tensors
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
@@ -53,7 +52,7 @@ class LlamaConfig(DecoderConfigBase):
             head_dim=self.resolved_head_dim,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.theta,
-            rope_scaling=rope_scaling_of(self.rope, max_position_embeddings=self.max_position_embeddings),
+            rope_scaling=self.rope_scaling_method,
             tie_word_embeddings=self.tie_word_embeddings,
             pad_token_id=self.pad_token_id,
             num_labels=self.resolved_num_labels,

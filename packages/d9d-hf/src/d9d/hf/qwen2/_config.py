@@ -16,7 +16,6 @@ from d9d.hf._decoder import (
     layer_windows,
     read_config_file,
 )
-from d9d.hf._rope_parameters import rope_scaling_of
 from d9d.hf.qwen2._decoder_layer import Qwen2DecoderLayer
 from d9d.hf.qwen2._layer_tensors import qwen2_layer_tensors
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
@@ -69,7 +68,7 @@ class Qwen2Config(DecoderConfigBase):
             head_dim=self.hidden_size // self.num_attention_heads,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.theta,
-            rope_scaling=rope_scaling_of(self.rope, max_position_embeddings=self.max_position_embeddings),
+            rope_scaling=self.rope_scaling_method,
             tie_word_embeddings=self.tie_word_embeddings,
             pad_token_id=self.pad_token_id,
             num_labels=self.resolved_num_labels,

@@ -18,7 +18,6 @@ from d9d.hf._decoder import (
     resolve_layer_types,
 )
 from d9d.hf._head import HeadName
-from d9d.hf._rope_parameters import rope_scaling_of
 from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
 from d9d.hf.qwen3._layer_tensors import qwen3_layer_tensors
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
@@ -176,7 +175,7 @@ def qwen3_spec(config: Qwen3DenseConfig | Qwen3MoeConfig) -> Qwen3Spec:
         head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.theta,
-        rope_scaling=rope_scaling_of(config.rope, max_position_embeddings=config.max_position_embeddings),
+        rope_scaling=config.rope_scaling_method,
         attention_bias=config.attention_bias,
         sliding_windows=windows,
         tie_word_embeddings=config.tie_word_embeddings,
