@@ -146,10 +146,12 @@ class InitializationConfig(_Strict):
     """How parameters get their first values when no source checkpoint is given.
 
     Attributes:
-        layout_invariant: Run ``reset_parameters()`` on an unsharded CPU copy of each stage and
-            scatter the values into the parallelized parameters, so every mesh layout starts from
-            bit-identical weights (costs one stage's full size in host memory). When False,
-            ``reset_parameters()`` runs directly on the sharded parameters on the device.
+        layout_invariant: Run ``reset_parameters()`` on an unsharded CPU copy of the model and
+            scatter the values into the parallelized parameters, so every mesh layout, pipeline
+            parallelism included, starts from bit-identical weights (costs the stage's full size
+            in host memory; with pipeline parallelism the whole model's, once per rank, and stage
+            tensors must carry the whole model's names). When False, ``reset_parameters()`` runs
+            directly on the sharded parameters on the device.
         source: A safetensors checkpoint (file or directory) loaded through the provider's state
             mapper instead of ``reset_parameters()``.
     """

@@ -47,8 +47,9 @@ def _reset(module: nn.Module) -> None:
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+    # every name of a shared tensor: a tied head is "lm_head.weight" on the last stage
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
 
 
 class ModelStageFactory(Generic[ModelT]):
@@ -58,6 +59,13 @@ class ModelStageFactory(Generic[ModelT]):
     ``to_empty`` on the device -> values from the provider's ``load_model_stage``, else from
     ``reset_parameters()`` (layout-invariant by default,
     see ``InitializationConfig``) or from a source checkpoint through the provider's state mapper.
+
+    Layout-invariant initialization runs ``reset_parameters()`` on an unsharded host copy of the
+    model as one process builds it, seeded as one process seeds it, and copies each tensor into
+    the stage by name. With pipeline parallelism that copy is the whole model (built once per rank
+    with a one-stage ``PipelineStageInfo``): a stage's ``reset_parameters()`` alone would draw its
+    layers from another point of the random stream than one process does. So stage tensors must
+    carry the whole model's names (global layer indices), as checkpoints require too.
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class ModelStageFactory(Generic[ModelT]):
         self._dist = dist_context
         self._config = config
         self._seed = seed
+        self._whole: nn.Module | None = None  # the initialized whole model (pipeline stages copy from it)
 
     def build(self, stage: PipelineStageInfo, *, keep_meta_copy: bool = False) -> BuiltStage[ModelT]:
         """Builds, parallelizes and initializes one stage.
@@ -91,9 +100,8 @@ class ModelStageFactory(Generic[ModelT]):
         # Adapters go in on the meta device, before parallelization: the provider's parallelize
         # then shards them with their base layer (FSDP shards every parameter of a module).
         apply_peft(model, self._peft)
-        shadow = (
-            copy.deepcopy(model) if self._config.source is None and self._config.layout_invariant else None
-        )
+        invariant = self._config.source is None and self._config.layout_invariant
+        shadow = copy.deepcopy(model) if invariant and stage.num_stages == 1 else None
         meta_model = copy.deepcopy(model) if keep_meta_copy else None
         self._provider.parallelize_model_stage(
             ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
@@ -133,11 +141,31 @@ class ModelStageFactory(Generic[ModelT]):
             _reset(shadow)
             reset_adapters(shadow)
             _copy_full_into(model, shadow)
+        elif invariant:
+            _copy_full_into(model, self._whole_model())
         else:
             _reset(model)
-        if loaded or self._config.source is not None or shadow is None:
+        if loaded or self._config.source is not None or not invariant:
             reset_adapters(model)  # whatever the base weights came from, adapters start at B = 0
         return BuiltStage(stage=stage, model=model, meta_model=meta_model, loaded_by_provider=loaded)
+
+    def _whole_model(self) -> nn.Module:
+        """The whole model on the host, initialized as one process initializes it (built once)."""
+        if self._whole is None:
+            whole_stage = PipelineStageInfo(current_stage=0, num_stages=1)
+            with torch.device("meta"):
+                whole = self._provider.initialize_model_stage(
+                    InitializeModelStageContext(dist_context=self._dist, stage=whole_stage)
+                ).model
+            apply_peft(whole, self._peft)
+            whole.to_empty(device="cpu")
+            # one process's seed; the stage's own random stream (seeded above) is left as it was
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derived_seed(self._seed, whole_stage.current_stage))
+                _reset(whole)
+                reset_adapters(whole)
+            self._whole = whole
+        return self._whole
 
 
 def _copy_full_into(target: nn.Module, full: nn.Module) -> None:
