@@ -23,7 +23,13 @@ from d9d.hf import (
     TokenSample,
     causal_lm_task,
 )
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider, parallelize_qwen3
+from d9d.hf.qwen3 import (
+    Qwen3CausalLM,
+    Qwen3DenseConfig,
+    Qwen3ModelProvider,
+    Qwen3MoeConfig,
+    parallelize_qwen3,
+)
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -298,12 +304,23 @@ TINY_SCRATCH: dict[str, Any] = {
 }
 
 
-def _units(mesh: dict[str, int], checkpointing: bool = False) -> tuple[bool, list[bool]]:
+TINY_MOE: dict[str, Any] = {
+    **TINY_SCRATCH,
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def _units(mesh: dict[str, int], checkpointing: bool = False, moe: bool = False) -> tuple[bool, list[bool]]:
     context = DistributedContext(MeshParameters(**mesh), device_type="cpu")
     try:
         with torch.device("meta"):
             model = Qwen3CausalLM(
-                Qwen3DenseConfig.model_validate(TINY_SCRATCH),
+                Qwen3MoeConfig.model_validate(TINY_MOE)
+                if moe
+                else Qwen3DenseConfig.model_validate(TINY_SCRATCH),
                 attention_backend="eager",
                 activation_checkpointing=checkpointing,
             )
@@ -322,11 +339,17 @@ def test_one_rank_casts_without_fsdp_and_several_ranks_wrap_each_layer() -> None
     assert root and layers == [False, False]  # recomputed layers: one FSDP unit for the stage
     for root, layers in run_distributed(_units, {"data_parallel_shard": 2}, world_size=2, timeout_s=120):
         assert root and layers == [True, True]
+    # experts too: FSDP on one rank would copy every expert weight and gradient each step
+    root, layers = run_distributed(_units, {}, False, True, world_size=1, timeout_s=120)[0]
+    assert not root and layers == [False, False]
+    root, layers = run_distributed(_units, {}, True, True, world_size=1, timeout_s=120)[0]
+    assert root and layers == [True, True]  # recomputed: per-layer units, never all experts at once
 
 
-def test_one_rank_in_bf16_trains_as_two_sharded_ranks() -> None:
+@pytest.mark.parametrize("shape", [TINY_SCRATCH, TINY_MOE], ids=["dense", "moe"])
+def test_one_rank_in_bf16_trains_as_two_sharded_ranks(shape: dict[str, Any]) -> None:
     config = ScratchModelConfig.model_validate(
-        {"config": TINY_SCRATCH, "param_dtype": "bfloat16", "attention_backend": "eager"}
+        {"config": shape, "param_dtype": "bfloat16", "attention_backend": "eager"}
     )
     # (an explicit one-rank mesh: `_train` reads the logits, outside forward, only for `{}`)
     single = run_distributed(_train, config, {"data_parallel_shard": 1}, world_size=1, timeout_s=120)[0]
