@@ -166,7 +166,7 @@ def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
     ).configure()
     with trainer:
         if trainer.dist_context.is_main_process:
-            print(data.report.summary(str(config.dataset.source.kind)))
+            print(data.report.summary(data.source_name))
         before = evaluate(trainer, data)
         trainer.train()
         after = evaluate(trainer, data)

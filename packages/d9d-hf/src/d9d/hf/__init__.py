@@ -1,6 +1,7 @@
 """d9d Hugging Face interop: decoder models (Qwen3, Qwen3-MoE, Llama, Qwen2) from and to checkpoints."""
 
 from d9d.hf._causal_lm_task import CausalLMState, CausalLMTask, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf._config_provider import provider_from_config
 from d9d.hf._decoder import (
     DecoderBackbone,
     DecoderCausalLM,
@@ -82,6 +83,7 @@ __all__ = [
     "load_pretrained",
     "load_weights",
     "parallelize_decoder",
+    "provider_from_config",
     "read_decoder_config",
     "resolve_snapshot",
     "save_pretrained",

@@ -72,6 +72,7 @@ class TokenDataProvider(Generic[BatchT]):
         self._encoder_factory = encoder_factory
         self._convert = convert
         self.report = DataReport()
+        self.source_name = ""
         self.held_out: list[TokenRow] = []
         self._encoder: SampleEncoder | None = None
 
@@ -94,6 +95,7 @@ class TokenDataProvider(Generic[BatchT]):
         config = self._config
         encoder = self.encoder(context.dist_context)
         reader = open_source(config.source)
+        self.source_name = reader.name
         logger = context.dist_context.logger
 
         def log(text: str) -> None:

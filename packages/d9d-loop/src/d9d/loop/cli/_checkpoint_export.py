@@ -1,0 +1,165 @@
+"""``d9d export``: a DCP training checkpoint, saved under any layout, to a Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch.distributed.checkpoint as dcp
+from pydantic import TypeAdapter, ValidationError
+
+from d9d.loop._config_trainer import InitializationConfig
+from d9d.loop._export_target import ExportTargetError, check_export_target
+from d9d.loop._exporter import ModelExporter
+from d9d.loop._model_provider import ModelProvider, StagesReadyContext
+from d9d.loop._model_stage_factory import ModelStageFactory
+from d9d.loop._train_state import ModelState
+from d9d.loop.cli._errors import CommandError
+from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.mesh import DistributedContext, MeshParameters
+from d9d.pipeline import PipelineStageInfo
+
+DEFAULT_PROVIDER = "d9d.hf:provider_from_config"
+"""Builds d9d-hf models from the config's ``model`` section (when d9d-hf is installed)."""
+
+ProviderFunction = Callable[[Mapping[str, Any]], ModelProvider[Any]]
+"""``module:function`` of ``--provider``: the job's whole config (a mapping) to its model provider."""
+
+
+def load_provider_function(spec: str) -> ProviderFunction:
+    """Imports ``module:function``.
+
+    Raises:
+        CommandError: If the spec is malformed, the module is missing (d9d-hf for the default)
+            or the attribute is not callable.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CommandError(f"--provider {spec!r} is not of the form module:function")
+    if importlib.util.find_spec(module_name.split(".")[0]) is None or _missing(module_name):
+        hint = (
+            " (pip install d9d-hf, or name your own with --provider module:function)"
+            if spec == DEFAULT_PROVIDER
+            else ""
+        )
+        raise CommandError(f"--provider {spec}: module {module_name} is not installed{hint}")
+    module = importlib.import_module(module_name)
+    function: Any = getattr(module, attribute, None)
+    if not callable(function):
+        raise CommandError(f"--provider {spec}: {module_name} has no function {attribute}")
+    return cast(ProviderFunction, function)
+
+
+def _missing(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name) is None
+    except ModuleNotFoundError:
+        return True
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint (has ``.metadata``), else its newest ``step_*``.
+
+    Raises:
+        CommandError: If neither is found.
+    """
+    if (path / ".metadata").is_file():
+        return path
+    steps = [
+        p
+        for p in path.glob("step_*")
+        if p.name.removeprefix("step_").isdigit() and (p / ".metadata").is_file()
+    ]
+    if not steps:
+        raise CommandError(
+            f"{path} is not a DCP checkpoint (no .metadata) nor a directory of step_* checkpoints"
+        )
+    return max(steps, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def _trainer(config: Mapping[str, Any]) -> dict[str, Any]:
+    trainer: Any = config.get("trainer")
+    return cast(dict[str, Any], trainer) if isinstance(trainer, dict) else {}
+
+
+def _trainer_section(
+    config: Mapping[str, Any], key: str, adapter: TypeAdapter[Any], path: Path, *, default: Any
+) -> Any:
+    value: Any = _trainer(config).get(key)
+    if value is None:
+        return default
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as e:
+        raise CommandError(f"{path}: trainer.{key} is not valid:\n{e}") from e
+
+
+def export_checkpoint(
+    *,
+    config: Mapping[str, Any],
+    config_path: Path,
+    checkpoint: Path,
+    target: Path,
+    provider_function: ProviderFunction,
+    replace_other: bool,
+) -> Path:
+    """Builds the whole model on one CPU process, loads the checkpoint's model state, exports it.
+
+    DCP reshards on load, so a checkpoint saved under any data, tensor or pipeline layout loads
+    into one unsharded model (a checkpoint's tensor names do not depend on the layout). With
+    ``trainer.peft: {kind: lora}`` the base weights come from where training took them
+    (``trainer.initialization.source`` or the provider) and the adapters from the checkpoint;
+    ``peft.export`` says whether they are merged. Memory: one copy of the model, then the
+    streaming safetensors writer (one file at a time).
+
+    Raises:
+        CommandError: On a bad config section, a target holding other files, or a checkpoint
+            that does not match the model (naming the paths).
+    """
+    peft: PeftConfig = _trainer_section(
+        config, "peft", TypeAdapter(PeftConfig), config_path, default=FullFineTuningConfig()
+    )
+    initialization: InitializationConfig = _trainer_section(
+        config,
+        "initialization",
+        TypeAdapter(InitializationConfig),
+        config_path,
+        default=InitializationConfig(),
+    )
+    seed: Any = _trainer(config).get("seed", 0)
+    try:
+        overwrite = check_export_target(target, replace_other=replace_other)
+    except ExportTargetError as e:
+        raise CommandError(f"{e} (--force)") from e
+    try:
+        provider = provider_function(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CommandError(f"{config_path}: the model provider cannot be built from it: {e}") from e
+    dist_context = DistributedContext(MeshParameters(), device_type="cpu")
+    try:
+        factory = ModelStageFactory(
+            provider=provider,
+            dist_context=dist_context,
+            config=initialization,
+            seed=int(seed) if isinstance(seed, int) else 0,
+            peft=peft,
+        )
+        built = factory.build(PipelineStageInfo(current_stage=0, num_stages=1))
+        state = ModelState([built.model], trainable_only=isinstance(peft, LoRAConfig))
+        try:
+            dcp.load({"model": state}, checkpoint_id=str(checkpoint))
+        except Exception as e:  # DCP wraps per-rank failures in CheckpointException
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise CommandError(
+                f"{checkpoint} does not hold this model's state (built from {config_path}): {first}"
+            ) from e
+        provider.stages_ready(
+            StagesReadyContext(dist_context=dist_context, stages=[(built.stage, built.model)])
+        )
+        exporter = ModelExporter(provider=provider, stages=[built], dist_context=dist_context, peft=peft)
+        return exporter.export(target, overwrite=overwrite)
+    finally:
+        dist_context.close()
