@@ -4,10 +4,12 @@ import gc
 import json
 from pathlib import Path
 
+import pytest
 from loop_toy_job import build_trainer, toy_config
 
 from d9d.loop import GarbageCollectionConfig
 from d9d.loop._gc_control import GarbageCollection
+from d9d.loop._step_metrics import StepMetrics, StepWork
 from d9d.loop._step_timing import StepTimer
 from d9d.loop._throughput import SmoothedThroughput
 from d9d.mesh.testing import run_distributed
@@ -63,6 +65,46 @@ def test_throughput_is_work_over_time_of_the_last_window_steps() -> None:
     assert throughput.samples_per_second == 16 / 11
     throughput.add(seconds=1.0, samples=8, tokens=80)  # the slow step leaves the window
     assert (throughput.samples_per_second, throughput.tokens_per_second) == (8.0, 80.0)
+
+
+class _Clock:
+    """A host clock that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_smoothed_throughput_stays_within_20_percent_of_the_mean_despite_stragglers() -> None:
+    # 300 steps of 10 ms with a 0.2 s warm-up step and two 0.1 s stalls (Python's GC in a busy
+    # process, a checkpoint): what a user watches stays within 20% of the run's mean once the
+    # warm-up left the window. The clock is the test's, so the machine's speed does not matter.
+    clock, window = _Clock(), 50
+    metrics = StepMetrics(window=window, clock=clock)
+    stalls = {0: 0.19, 150: 0.1, 220: 0.1}
+    records: list[dict[str, float]] = []
+    for step in range(300):
+        metrics.start()
+        clock.now += 0.004 + stalls.get(step, 0.0)
+        metrics.lap("data")
+        clock.now += 0.005
+        metrics.lap("forward_backward")
+        clock.now += 0.001
+        metrics.lap("optimizer")
+        records.append(metrics.finish(StepWork(samples=256, tokens=0)))
+    steady = records[window:]  # the mean: all samples over all time, after the warm-up's window
+    mean = 256 * len(steady) / sum(r["time/step_s"] for r in steady)
+    rates = [r["samples_per_s"] for r in records]
+    strays = [
+        (step, rate / mean)
+        for step, rate in enumerate(rates)
+        if step >= window and abs(rate / mean - 1) >= 0.2
+    ]
+    assert not strays
+    assert rates[window - 1] < 0.8 * mean  # the warm-up step is still in the window
+    assert rates[-1] == pytest.approx(256 / 0.01, rel=1e-9)  # work over time of the last window
 
 
 def test_gc_is_off_during_training_and_collects_every_n_steps() -> None:

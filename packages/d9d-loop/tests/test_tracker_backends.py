@@ -77,7 +77,13 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def test_wandb_offline_writes_history_and_config_and_resumes_the_same_run(tmp_path: Path) -> None:
+def test_wandb_offline_writes_history_and_config_and_resumes_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # W&B waits 30 s for its service process and 90 s for a run to start: on a machine whose
+    # cores are busy that is not enough, and the test would measure the machine, not the tracker.
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "600")
     config = WandbTrackerConfig(project="d9d-test", mode="offline", directory=tmp_path)
     first = build_tracker(config, metadata=METADATA)
     state = _log_run(first, range(3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,10 @@ def _hung_collective() -> None:
 
     from d9d.loop import StepFailedError
 
-    config = toy_config(mesh={"data_parallel_replicate": 2}, trainer={"timeouts": {"collective_seconds": 2}})
+    config = toy_config(mesh={"data_parallel_replicate": 2})
     trainer = build_trainer(config, strategy="replicate")
+    # short only now: configure()'s collectives on a busy machine may take longer than 2 s
+    trainer.dist_context.set_timeout(timedelta(seconds=2))
     if trainer.dist_context.rank == 1:
         return  # rank 1 never joins the step's collectives
     with pytest.raises(StepFailedError, match=r"step 0 failed on rank 0"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +32,22 @@ class StepMetrics:
     """
 
     def __init__(
-        self, *, window: int = 50, device: torch.device | None = None, flops: FlopsBudget | None = None
+        self,
+        *,
+        window: int = 50,
+        device: torch.device | None = None,
+        flops: FlopsBudget | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._timer = StepTimer()
+        """Sets up the timer, the throughput window and the memory reader.
+
+        Args:
+            window: Steps the throughput is smoothed over.
+            device: Whose memory figures to read (None: none).
+            flops: Turns tokens per second into MFU (None: no MFU).
+            clock: Seconds of a monotonic host clock (replaceable in tests).
+        """
+        self._timer = StepTimer(clock)
         self._throughput = SmoothedThroughput(window)
         self._memory = DeviceMemory(device) if device is not None else None
         self._flops = flops
