@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._head import HeadName
 from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
 from d9d.kernels.layers import RopeScaling
@@ -16,8 +17,10 @@ ProblemType = Literal["regression", "single_label_classification", "multi_label_
 class DecoderConfigBase(BaseModel):
     """Fields of every transformers decoder config.json (pydantic, ``extra="forbid"``).
 
-    A family subclasses it with its ``model_type`` literal, its own fields and defaults, and
-    ``architecture_prefix`` (``"Llama"`` gives ``LlamaForCausalLM``, ``LlamaModel``, ...).
+    A family subclasses it with its ``model_type`` literal, its own fields and defaults (a
+    field redeclared with the family's default), and ``architecture_prefix`` (``"Llama"`` gives
+    ``LlamaForCausalLM``, ``LlamaModel``, ...). ``decoder_spec`` reads the shared fields; a family
+    whose numbers differ (a ``head_dim`` rule, experts) overrides it.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -38,6 +41,12 @@ class DecoderConfigBase(BaseModel):
     label2id: dict[str, int] | None = None
     num_labels: int | None = None
     problem_type: ProblemType | None = None
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
     hidden_act: Literal["silu"] = "silu"
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
@@ -97,6 +106,29 @@ class DecoderConfigBase(BaseModel):
     def resolved_num_labels(self) -> int:
         """Classes of a sequence-classification head: ``num_labels``, else ``id2label``'s, else 2."""
         return self.num_labels or (len(self.id2label) if self.id2label else 2)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """The per-head size: ``hidden_size // num_attention_heads`` unless a family says otherwise."""
+        return self.hidden_size // self.num_attention_heads
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The core's numbers from the shared fields (a dense model: no experts)."""
+        return DecoderSpec(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
+            head_dim=self.resolved_head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.theta,
+            rope_scaling=self.rope_scaling_method,
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=self.pad_token_id,
+            num_labels=self.resolved_num_labels,
+            initializer_range=self.initializer_range,
+        )
 
     def hf_architecture(self, head: HeadName) -> str:
         """The transformers class name for ``head`` (``{prefix}ForCausalLM`` and its siblings)."""

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import TypeAdapter
 
-from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, DecoderSpec, LayerTensor, read_config_file
+from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, LayerTensor, read_config_file
 from d9d.hf.llama._decoder_layer import LlamaDecoderLayer
 from d9d.hf.llama._layer_tensors import llama_layer_tensors
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
@@ -40,24 +40,6 @@ class LlamaConfig(DecoderConfigBase):
     def resolved_head_dim(self) -> int:
         """``head_dim``, else ``hidden_size // num_attention_heads``."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    def decoder_spec(self) -> DecoderSpec:
-        """The core's numbers."""
-        return DecoderSpec(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_hidden_layers,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
-            head_dim=self.resolved_head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.theta,
-            rope_scaling=self.rope_scaling_method,
-            tie_word_embeddings=self.tie_word_embeddings,
-            pad_token_id=self.pad_token_id,
-            num_labels=self.resolved_num_labels,
-            initializer_range=self.initializer_range,
-        )
 
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None

@@ -10,7 +10,6 @@ from pydantic import TypeAdapter, model_validator
 from d9d.hf._decoder import (
     DecoderConfigBase,
     DecoderLayer,
-    DecoderSpec,
     LayerTensor,
     LayerType,
     layer_windows,
@@ -55,24 +54,6 @@ class Qwen2Config(DecoderConfigBase):
             window=self.sliding_window if self.use_sliding_window else None,
             max_window_layers=self.max_window_layers,
             num_layers=self.num_hidden_layers,
-        )
-
-    def decoder_spec(self) -> DecoderSpec:
-        """The core's numbers."""
-        return DecoderSpec(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_hidden_layers,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
-            head_dim=self.hidden_size // self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.theta,
-            rope_scaling=self.rope_scaling_method,
-            tie_word_embeddings=self.tie_word_embeddings,
-            pad_token_id=self.pad_token_id,
-            num_labels=self.resolved_num_labels,
-            initializer_range=self.initializer_range,
         )
 
     def build_decoder_layer(
