@@ -21,6 +21,7 @@ def test_a_short_run_under_torchrun_lowers_the_loss_and_exports(tmp_path: Path) 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(SCRIPT), str(path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "12/12" in result.stderr, result.stderr[-3000:]  # the main rank's progress bar reached the end
     match = re.search(r"loss: first ([\d.]+), last ([\d.]+)", result.stdout)
     assert match is not None, result.stdout
     first, last = float(match.group(1)), float(match.group(2))
