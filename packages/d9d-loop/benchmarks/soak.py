@@ -2,9 +2,11 @@
 
 Each trial trains the quickstart MLP on 4 CPU ranks (HSDP 2x2, gloo, ``d9d.mesh.testing``) with a
 checkpoint after every step, kills every rank with SIGKILL at a random point (between steps,
-inside a synchronous save, inside an asynchronous save), then, half of the time, damages a random
-file of the newest checkpoint (truncates, deletes, or flips 4 bytes of it). The run is then resumed
-to the end and compared with an uninterrupted reference run:
+inside a synchronous save, inside an asynchronous save), then, most of the time, damages the newest
+checkpoint: truncates, deletes, or flips 4 bytes of a random file, or writes a NaN into a model
+weight with the file's size unchanged (``nan``: resumed with ``verify: sizes``, so only the
+non-finite check after loading finds it). The run is then resumed to the end and compared with an
+uninterrupted reference run:
 
 - bit-exact: the losses of the resumed steps and the final parameters equal the reference's;
 - nothing lost: it resumed from the newest checkpoint, or from the one before when the newest
@@ -14,6 +16,7 @@ It also measures what resume verification costs: ``stat`` per file (``verify: si
 CRC-32 throughput (``verify: checksums``) on a file of ``--verify-mb`` MiB.
 
 Run:  uv run packages/d9d-loop/benchmarks/soak.py [--trials 20] [--seed 0] [--verify-mb 256]
+          [--damages none,truncate,delete,flip,nan]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from d9d.loop import (
     AutoDataProvider,
@@ -51,7 +55,8 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS = 12
 WORLD = 4
 KILLS = ("between-steps", "inside-save", "inside-async-save")
-DAMAGES = ("none", "truncate", "delete", "flip")
+DAMAGES = ("none", "truncate", "delete", "flip", "nan")
+NAN = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
 
 
 def _load_quickstart() -> ModuleType:
@@ -63,7 +68,7 @@ def _load_quickstart() -> ModuleType:
     return module
 
 
-def _config(directory: str | None, asynchronous: bool) -> ProjectConfig:
+def _config(directory: str | None, asynchronous: bool, verify: str = "checksums") -> ProjectConfig:
     trainer: dict[str, Any] = {
         "max_steps": STEPS,
         "global_batch_size": 64,
@@ -78,7 +83,7 @@ def _config(directory: str | None, asynchronous: bool) -> ProjectConfig:
             "every_steps": 1,
             "keep_last": 2,
             "asynchronous": asynchronous,
-            "verify": "checksums",
+            "verify": verify,
         }
     return ProjectConfig.model_validate(
         {
@@ -99,11 +104,13 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _train(directory: str | None, asynchronous: bool, kill: str | None, kill_step: int) -> dict[str, Any]:
+def _train(
+    directory: str | None, asynchronous: bool, kill: str | None, kill_step: int, verify: str = "checksums"
+) -> dict[str, Any]:
     """One rank of a run; with ``kill`` it SIGKILLs itself at ``kill_step``."""
     logging.getLogger("d9d").setLevel(logging.ERROR)  # the fallback warnings are expected here
     qs = _load_quickstart()
-    config = _config(directory, asynchronous)
+    config = _config(directory, asynchronous, verify)
     events = EventBus()
     losses: list[float] = []
     events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
@@ -147,7 +154,38 @@ def _complete(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.name.startswith("step_") and "." not in p.name)
 
 
+def _model_weights(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    if isinstance(tree, torch.Tensor) and tree.dtype == torch.float32 and tree.numel() >= 4:
+        found[prefix] = tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            found |= _model_weights(value, f"{prefix}.{key}" if prefix else str(key))
+    return found
+
+
+def _poison(step_dir: Path, rng: random.Random) -> str:
+    """Writes a NaN over the first element of a random model weight; every file keeps its size."""
+    whole = step_dir.parent / "poison.pt"
+    dcp_to_torch_save(str(step_dir), str(whole))
+    saved: dict[str, Any] = torch.load(whole, weights_only=False)
+    whole.unlink()
+    weights = _model_weights(saved.get("model", {}), "model")
+    name = rng.choice(sorted(weights))
+    needle = weights[name].flatten()[:4].contiguous().view(torch.uint8).numpy().tobytes()
+    for shard in sorted(step_dir.glob("*.distcp")):
+        data = bytearray(shard.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at : at + 4] = NAN
+            shard.write_bytes(bytes(data))
+            return f"nan in {name} ({shard.relative_to(step_dir.parent)})"
+    raise RuntimeError(f"the bytes of {name} were not found in {step_dir}")
+
+
 def _damage(step_dir: Path, kind: str, rng: random.Random) -> str:
+    if kind == "nan":
+        return _poison(step_dir, rng)
     files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
     target = rng.choice(files)
     data = target.read_bytes()
@@ -182,7 +220,9 @@ class Trial:
         return self.bit_exact and self.start == self.expected_start
 
 
-def _trial(root: Path, index: int, rng: random.Random, reference: dict[str, Any]) -> Trial:
+def _trial(
+    root: Path, index: int, rng: random.Random, reference: dict[str, Any], damages: tuple[str, ...]
+) -> Trial:
     directory = root / f"trial_{index:03d}"
     kill = rng.choice(KILLS)
     kill_step = rng.randrange(2, STEPS - 1)
@@ -196,7 +236,7 @@ def _trial(root: Path, index: int, rng: random.Random, reference: dict[str, Any]
         if "-9" not in str(e):
             raise
     complete = _complete(directory)
-    damage = rng.choice(DAMAGES) if len(complete) >= 2 else "none"
+    damage = rng.choice(damages) if len(complete) >= 2 else "none"
     described = "none"
     expected = int(complete[-1].name.split("_")[1]) if complete else 0
     if damage != "none":
@@ -204,8 +244,9 @@ def _trial(root: Path, index: int, rng: random.Random, reference: dict[str, Any]
         expected = int(complete[-2].name.split("_")[1])
     trial = Trial(kill=kill, kill_step=kill_step, damage=described, expected_start=expected)
     try:
+        verify = "sizes" if damage == "nan" else "checksums"  # a NaN keeps sizes: the load check finds it
         resumed = run_distributed(
-            _train, str(directory), asynchronous, None, 0, world_size=WORLD, timeout_s=300
+            _train, str(directory), asynchronous, None, 0, verify, world_size=WORLD, timeout_s=300
         )[0]
     except DistributedTestError as e:
         trial.error = str(e).splitlines()[-1][:200]
@@ -240,7 +281,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20, help="kill points (default 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify-mb", type=int, default=256, help="file size for the verification cost")
+    parser.add_argument(
+        "--damages", default=",".join(DAMAGES), help=f"damages to draw from (default {','.join(DAMAGES)})"
+    )
     args = parser.parse_args()
+    damages = tuple(d.strip() for d in args.damages.split(",") if d.strip())
+    unknown = sorted(set(damages) - set(DAMAGES))
+    if unknown or not damages:
+        parser.error(f"--damages: unknown {unknown}; choose from {list(DAMAGES)}")
     rng = random.Random(args.seed)
     print(_verification_cost(args.verify_mb), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -248,7 +296,7 @@ def main() -> None:
         reference = run_distributed(_train, None, False, None, 0, world_size=WORLD, timeout_s=300)[0]
         trials: list[Trial] = []
         for index in range(args.trials):
-            trial = _trial(root, index, rng, reference)
+            trial = _trial(root, index, rng, reference, damages)
             trials.append(trial)
             verdict = "ok" if trial.ok else f"FAILED {trial.error}"
             print(
