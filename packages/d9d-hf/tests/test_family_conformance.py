@@ -9,6 +9,7 @@ and gradient norms. A new family joins by adding a ``FamilyCase`` to ``FAMILIES`
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -289,6 +290,18 @@ def test_lora_trains_and_its_merged_export_loads_in_transformers(
     hf = helpers.hf_model(export).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(PROBE).logits, result["logits"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
+def test_config_json_selects_the_family_from_source_and_from_scratch(
+    family_checkpoints: dict[str, Path], case: FamilyCase
+) -> None:
+    directory = family_checkpoints[case.name]
+    family = d9d.hf.read_decoder_config(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    scratch = d9d.hf.ScratchModelConfig.model_validate({"config": raw})
+    assert type(scratch.config) is type(family)
+    assert scratch.config.decoder_spec() == family.decoder_spec()
 
 
 _REFERENCES: dict[str, dict[str, Any]] = {}
