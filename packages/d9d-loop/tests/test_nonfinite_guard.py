@@ -8,6 +8,7 @@ from typing import Any
 
 from recovery_helpers import checkpoints, run_toy
 
+from d9d.loop._rollback_walk import RollbackWalk
 from d9d.mesh.testing import run_distributed
 
 SGD_TOO_HIGH: dict[str, Any] = {"name": "sgd", "lr": 1e4}
@@ -85,3 +86,14 @@ def test_rollback_without_checkpoints_says_so(tmp_path: Path) -> None:
         world_size=1,
     )[0]
     assert "no checkpoint to roll back to" in (result["error"] or ""), result["error"]
+
+
+def test_a_rollback_walks_back_only_while_the_run_fails_before_passing_the_last_failure() -> None:
+    walk = RollbackWalk()
+    assert walk.older_than(failed_step=6) is None  # first failure: the newest checkpoint
+    walk.moved(failed_step=6, checkpoint_step=5)
+    assert walk.older_than(failed_step=6) == 5  # failed again at the same step: older than 5
+    walk.moved(failed_step=6, checkpoint_step=4)
+    assert walk.older_than(failed_step=5) == 4  # failed even earlier: older still
+    walk.moved(failed_step=5, checkpoint_step=3)
+    assert walk.older_than(failed_step=9) is None  # passed step 6: a new failure, the newest again

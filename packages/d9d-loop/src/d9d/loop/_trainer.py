@@ -40,6 +40,7 @@ from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdic
 from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource
 from d9d.loop._resume_settings import capture_settings, reapply
+from d9d.loop._rollback_walk import RollbackWalk
 from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
 from d9d.loop._step_metrics import StepWork
@@ -142,9 +143,7 @@ class Trainer:
             parts.optimizer, parts.lr_scheduler, total_steps=parts.plan.total_steps
         )
         self._saved_total_steps: int | None = None
-        # (checkpoint step rolled back to, furthest step that failed): a rollback that fails again
-        # before passing that step moves to an older checkpoint instead of reloading the same one
-        self._rollback_walk: tuple[int, int] | None = None
+        self._rollback_walk = RollbackWalk()
         self._gate = CheckpointGate(
             guard=parts.nonfinite_guard,
             nonfinite_weights=self._nonfinite_weights,
@@ -385,9 +384,7 @@ class Trainer:
         if self._p.checkpointer is not None:
             self._p.checkpointer.finalize(self._on_checkpoint_visible)
         failed_step = self._step
-        walk = self._rollback_walk
-        again = walk is not None and failed_step <= walk[1]  # not past the last failure yet
-        older_than = walk[0] if walk is not None and again else None
+        older_than = self._rollback_walk.older_than(failed_step)
         location = self._resume(older_than=older_than)
         if location is None and older_than is not None:
             raise NonFiniteError(
@@ -399,8 +396,7 @@ class Trainer:
                 f"step {failed_step - 1} was not finite and there is no checkpoint to roll back to "
                 f"(trainer.nonfinite.policy=rollback needs trainer.checkpoint.directory)"
             )
-        furthest = max(failed_step, walk[1]) if walk is not None and again else failed_step
-        self._rollback_walk = (location.step, furthest)
+        self._rollback_walk.moved(failed_step=failed_step, checkpoint_step=location.step)
         if self._p.dist_context.is_main_process:
             self._p.dist_context.logger.warning(
                 "step %d was not finite: rolled back to %s", failed_step - 1, location.path
