@@ -126,6 +126,7 @@ def _context_parallel(harness, causal, sliding_window, with_documents) -> None:
         (4, True, None, False),  # causal, cp=4 (8 chunks of 2 tokens)
         (2, True, 6, True),  # causal with a sliding window and packed documents, cp=2
         (2, False, 6, True),  # two-sided sliding window (not causal) and packed documents, cp=2
+        (2, False, None, False),  # bidirectional without a mask, cp=2
     ],
 )
 def test_context_parallel_attention_matches_full_sequence(

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from d9d.parallel._load_balanced_positions import local_positions
 from d9d.parallel._mesh_dims import require_one_dim
@@ -62,6 +63,12 @@ class ContextParallelAttention:
     packed documents) over global positions. The all-gather is differentiable (its backward
     reduce-scatters key and value gradients), so forward and backward are exact. Inputs are the
     local parts from ``context_parallel_shard``.
+
+    Plain causal attention (no window, no documents), the usual pre-training case, runs without a
+    mask tensor: each of the rank's two chunks attends to the keys up to its own end with a
+    lower-right causal bias, which SDPA sends to its flash kernels (a dense mask would force the
+    slower masked kernels and a local x global boolean tensor per layer). Bidirectional
+    attention without window or documents needs no mask at all.
     """
 
     def __init__(self, *, mesh: DeviceMesh) -> None:
@@ -103,6 +110,15 @@ class ContextParallelAttention:
             raise ValueError(f"query heads {q_heads} are not a multiple of key/value heads {kv_heads}")
         full_key = gather_sequence(key, mesh=self._mesh)
         full_value = gather_sequence(value, mesh=self._mesh)
+        if sliding_window is None and document_ids is None:
+            return _attend_unmasked(
+                query,
+                _expand_heads(full_key, q_heads),
+                _expand_heads(full_value, q_heads),
+                causal=causal,
+                softmax_scale=softmax_scale,
+                chunk_indices=(self._mesh.get_local_rank(), 2 * cp - 1 - self._mesh.get_local_rank()),
+            )
         q_pos = local_positions(length, cp, self._mesh.get_local_rank(), device=query.device)
         distance = q_pos.unsqueeze(1) - torch.arange(length, device=query.device).unsqueeze(0)
         allowed = torch.ones(local_len, length, dtype=torch.bool, device=query.device)
@@ -114,13 +130,52 @@ class ContextParallelAttention:
         if document_ids is not None:
             full_docs = gather_sequence(document_ids, mesh=self._mesh)
             mask = mask & (document_ids.unsqueeze(2) == full_docs.unsqueeze(1))
-        repeat = q_heads // kv_heads
-        k = full_key.repeat_interleave(repeat, dim=2).transpose(1, 2)
-        v = full_value.repeat_interleave(repeat, dim=2).transpose(1, 2)
+        k = _expand_heads(full_key, q_heads).transpose(1, 2)
+        v = _expand_heads(full_value, q_heads).transpose(1, 2)
         out = nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=softmax_scale
         )
         return out.transpose(1, 2)
+
+
+def _expand_heads(states: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """(batch, seq, kv_heads, dim) -> (batch, seq, q_heads, dim), each kv head for its query group."""
+    return states.repeat_interleave(q_heads // states.shape[2], dim=2)
+
+
+def _attend_unmasked(
+    query: torch.Tensor,
+    full_key: torch.Tensor,
+    full_value: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    chunk_indices: tuple[int, int],
+) -> torch.Tensor:
+    """Attention of the local queries without a mask tensor (no window, no documents).
+
+    Causal: the local part is two chunks of the sequence (``chunk_indices``); chunk ``c`` of
+    length ``n`` sees keys ``[0, (c + 1) * n)`` and, within that range, query ``i`` sees key ``j``
+    iff ``j <= i + c * n``: the lower-right aligned causal mask of an ``n x (c + 1) * n`` block.
+    """
+    if not causal:
+        out = nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), full_key.transpose(1, 2), full_value.transpose(1, 2), scale=softmax_scale
+        )
+        return out.transpose(1, 2)
+    chunk = query.shape[1] // 2
+    parts: list[torch.Tensor] = []
+    for part, index in enumerate(chunk_indices):
+        end = (index + 1) * chunk
+        out = nn.functional.scaled_dot_product_attention(
+            query[:, part * chunk : (part + 1) * chunk].transpose(1, 2),
+            full_key[:, :end].transpose(1, 2),
+            full_value[:, :end].transpose(1, 2),
+            attn_mask=CausalBias(CausalVariant.LOWER_RIGHT, chunk, end),
+            scale=softmax_scale,
+        )
+        parts.append(out.transpose(1, 2))
+    return torch.cat(parts, dim=1)
 
 
 def parallelize_context_parallel(attention: AttentionLayerLike, *, mesh: DeviceMesh) -> None:
