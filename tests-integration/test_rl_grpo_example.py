@@ -36,7 +36,7 @@ def test_grpo_example_reward_and_accuracy_rise(tmp_path: Path) -> None:
     assert (checkpoints / "step_000000030").is_dir(), sorted(p.name for p in checkpoints.iterdir())
     measured = json.loads(report.read_text())
     rewards = measured["rewards"]
-    assert len(rewards) == 30
+    assert measured["steps"] == list(range(30)) and len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # chance is about 0.1 (1/16 for the digit, 0.5/16 for the end token); the run ends far above it
     assert first < 0.2, rewards

@@ -64,8 +64,12 @@ class GRPOProjectConfig(ProjectConfig):
 
 @dataclass(kw_only=True, frozen=True)
 class RunResult:
-    """What a run measured: the mean reward of every step, greedy accuracy before and after."""
+    """What a run measured: the mean reward of every step it ran, greedy accuracy before and after.
 
+    ``steps`` names the step of each reward: a resumed run starts at its checkpoint's step.
+    """
+
+    steps: list[int]
     rewards: list[float]
     accuracy_before: float
     accuracy_after: float
@@ -128,6 +132,7 @@ def run(config: GRPOProjectConfig) -> RunResult:
         file=sys.stderr,
     )
     return RunResult(
+        steps=[r.step for r in rollouts.history],
         rewards=[r.mean_reward for r in rollouts.history],
         accuracy_before=before,
         accuracy_after=after,
@@ -139,7 +144,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="GRPO on single-digit addition with a tiny Qwen3")
     parser.add_argument("config", type=Path)
     parser.add_argument("--steps", type=int, default=None, help="override trainer.max_steps")
-    parser.add_argument("--report", type=Path, default=None, help="write the mean reward per step as JSON")
+    parser.add_argument(
+        "--report", type=Path, default=None, help="write the steps run and their mean rewards as JSON"
+    )
     args = parser.parse_args(argv)
     config = GRPOProjectConfig.from_yaml(args.config)
     if args.steps is not None:
@@ -151,6 +158,7 @@ def main(argv: list[str]) -> int:
         args.report.write_text(
             json.dumps(
                 {
+                    "steps": result.steps,
                     "rewards": result.rewards,
                     "accuracy_before": result.accuracy_before,
                     "accuracy_after": result.accuracy_after,
