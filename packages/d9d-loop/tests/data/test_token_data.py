@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from d9d.loop import DataProviderContext
+from d9d.loop import DataConfig, DataProviderContext
 from d9d.loop.data import (
     DataFileError,
     DataReport,
@@ -181,6 +181,7 @@ def test_streaming_has_no_epoch_length(tmp_path: Path) -> None:
 def _build(config: dict[str, Any], tmp_path: Path) -> tuple[TokenDataProvider[RowBatch], Any]:
     provider = TokenDataProvider(
         config=TokenDataConfig.model_validate(config),
+        order=DataConfig(),
         encoder_factory=lambda _: WordEncoder(),
         convert=lambda b: b,
     )
