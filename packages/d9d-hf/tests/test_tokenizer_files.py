@@ -111,6 +111,21 @@ def test_autotokenizer_loads_the_export_as_the_source_tokenizer(tmp_path: Path) 
     assert loaded.decode(original.encode("the cat sat").ids) == "the cat sat"
 
 
+def test_transformers_generates_from_the_export_with_its_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _export(_source(tmp_path / "source"), tmp_path / "export")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+
+    prompt = tokenizer("the cat sat on the", return_tensors="pt")
+    output = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+
+    assert prompt["input_ids"].shape == (1, 5)  # five words, five tokens
+    assert output.shape[1] > 5 and torch.equal(output[0, :5], prompt["input_ids"][0])
+    assert isinstance(tokenizer.decode(output[0], skip_special_tokens=True), str)
+
+
 def test_an_existing_tokenizer_config_is_copied_unchanged(tmp_path: Path) -> None:
     _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
     written = json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 8})
