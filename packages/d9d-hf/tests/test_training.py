@@ -179,6 +179,20 @@ def test_layout_trains_to_the_single_process_losses(
         torch.testing.assert_close(result["losses"], expected, atol=2e-5, rtol=2e-5)
 
 
+def test_context_parallel_on_unpacked_rows_trains_to_the_single_process_losses(
+    checkpoints: dict[str, Path],
+) -> None:
+    # One document per row: the task passes the cut rows' positions without document ids, so
+    # context parallelism attends without a mask (its flash path on GPU).
+    directory = checkpoints["dense"]
+    expected = _reference(directory, documents=False)["losses"]
+    train = functools.partial(_train, documents=False)
+    for result in run_distributed(
+        train, directory, {"context_parallel_shard": 2}, world_size=2, timeout_s=180
+    ):
+        torch.testing.assert_close(result["losses"], expected, atol=2e-5, rtol=2e-5)
+
+
 def test_pipeline_with_tied_embeddings_trains_and_exports_for_transformers(
     checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
 ) -> None:

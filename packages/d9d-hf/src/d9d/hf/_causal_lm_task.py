@@ -104,9 +104,17 @@ class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, Caus
         if self._cp_mesh is None and document_ids is None:
             # One document per row: the model numbers the positions itself.
             inputs = DecoderInputs(input_ids=batch.input_ids, labels=local_targets)
+        elif document_ids is None:
+            # A cut row's positions jump between the rank's two chunks: pass them, and say the row
+            # is one document (no document mask: context parallelism's unmasked flash path).
+            _, position_ids = resolve_positions(batch.input_ids, None, None)
+            inputs = DecoderInputs(
+                input_ids=shard(batch.input_ids),
+                labels=local_targets,
+                position_ids=shard(position_ids),
+                one_document_per_row=True,
+            )
         else:
-            if document_ids is None:  # a cut row's positions jump: state its one document
-                document_ids = torch.zeros_like(batch.input_ids)
             document_ids, position_ids = resolve_positions(batch.input_ids, document_ids, None)
             inputs = DecoderInputs(
                 input_ids=shard(batch.input_ids),

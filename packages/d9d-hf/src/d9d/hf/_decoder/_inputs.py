@@ -33,6 +33,10 @@ class DecoderInputs:
             or ``0..seq-1`` when absent.
         attention_mask: Nonzero on real tokens; pooling heads use it to skip padding (the
             classification head otherwise derives it from ``pad_token_id``).
+        one_document_per_row: Each row is one document even though ``position_ids`` are given
+            without ``document_ids`` (a context-parallel rank's part of a row: its positions
+            jump between its two chunks); no document ids are derived, so attention needs no
+            document mask.
     """
 
     input_ids: torch.Tensor
@@ -40,10 +44,16 @@ class DecoderInputs:
     document_ids: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    one_document_per_row: bool = False
 
     def handoff(self, hidden_states: torch.Tensor) -> StageHandoff:
         """The hand-off dict of this batch with ``hidden_states``, positions resolved."""
-        document_ids, position_ids = resolve_positions(self.input_ids, self.document_ids, self.position_ids)
+        if self.one_document_per_row and self.position_ids is not None:
+            document_ids, position_ids = None, self.position_ids
+        else:
+            document_ids, position_ids = resolve_positions(
+                self.input_ids, self.document_ids, self.position_ids
+            )
         out: StageHandoff = {"hidden_states": hidden_states, "position_ids": position_ids}
         if document_ids is not None:
             out["document_ids"] = document_ids
