@@ -57,3 +57,20 @@ def test_an_unchanged_config_resumes_without_a_line(tmp_path: Path) -> None:
     resumed = run_distributed(run_toy, str(tmp_path), max_steps=3, lr_scheduler=COSINE, world_size=1)[0]
     assert resumed["error"] is None and len(resumed["lrs"]) == 1
     assert _config_wins(resumed["warnings"]) == []
+
+
+def test_another_global_batch_is_named_with_the_position_kept_in_samples(tmp_path: Path) -> None:
+    run_distributed(run_toy, str(tmp_path), max_steps=2, data={"shuffle": False}, world_size=1)
+    resumed = run_distributed(
+        run_toy,
+        str(tmp_path),
+        max_steps=6,
+        trainer={"global_batch_size": 16},
+        data={"shuffle": False},
+        world_size=1,
+    )[0]
+    assert resumed["error"] is None, resumed["error"]
+    assert (
+        "trainer.global_batch_size: 32 in the checkpoint, 16 in the config (the data position is kept "
+        "in samples)" in _config_wins(resumed["warnings"])
+    )

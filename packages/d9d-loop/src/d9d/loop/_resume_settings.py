@@ -31,15 +31,17 @@ class ConfiguredSettings:
         groups: Each param group's hyperparameters (everything but ``params`` and ``lr``).
         base_lrs: The scheduler's base learning rate per group (``optimizer.lr``).
         total_steps: Optimizer steps of the run (the schedule's horizon).
+        global_batch_size: Samples per optimizer step.
     """
 
     groups: tuple[Mapping[str, object], ...]
     base_lrs: tuple[float, ...]
     total_steps: int
+    global_batch_size: int
 
 
 def capture_settings(
-    optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, total_steps: int
+    optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, total_steps: int, global_batch_size: int
 ) -> ConfiguredSettings:
     """Reads the configured settings; call before a checkpoint is loaded."""
     groups = tuple(
@@ -47,7 +49,10 @@ def capture_settings(
         for group in optimizer.param_groups
     )
     return ConfiguredSettings(
-        groups=groups, base_lrs=tuple(float(b) for b in scheduler.base_lrs), total_steps=total_steps
+        groups=groups,
+        base_lrs=tuple(float(b) for b in scheduler.base_lrs),
+        total_steps=total_steps,
+        global_batch_size=global_batch_size,
     )
 
 
@@ -87,6 +92,7 @@ def reapply(
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler,
     saved_total_steps: int | None,
+    saved_global_batch_size: int | None,
 ) -> list[str]:
     """Puts the configured settings back after a checkpoint loaded its own (the config wins).
 
@@ -95,6 +101,8 @@ def reapply(
         optimizer: The optimizer, its param groups as the checkpoint left them.
         scheduler: The scheduler, its state as the checkpoint left it.
         saved_total_steps: The run length the checkpoint was written with (None: not recorded).
+        saved_global_batch_size: Its samples per step (None: not recorded); the data source
+            converted its position already, this only names the change.
 
     Returns:
         One line per setting whose checkpoint value differs from the config's, then the learning
@@ -119,6 +127,11 @@ def reapply(
         changes.append(
             f"the run's length (trainer.max_steps / epochs, the LR schedule's horizon): "
             f"{saved_total_steps} steps in the checkpoint, {configured.total_steps} in the config"
+        )
+    if saved_global_batch_size is not None and saved_global_batch_size != configured.global_batch_size:
+        changes.append(
+            f"trainer.global_batch_size: {saved_global_batch_size} in the checkpoint, "
+            f"{configured.global_batch_size} in the config (the data position is kept in samples)"
         )
     saved_lrs = [float(lr) for lr in scheduler.get_last_lr()]
     new_lrs = _configured_lrs(scheduler, configured, saved_base)

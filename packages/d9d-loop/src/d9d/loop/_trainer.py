@@ -6,7 +6,7 @@ import atexit
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -140,9 +140,13 @@ class Trainer:
         self._closed = False
         # What the config set, before any checkpoint restores its own values: on resume the config wins.
         self._configured = capture_settings(
-            parts.optimizer, parts.lr_scheduler, total_steps=parts.plan.total_steps
+            parts.optimizer,
+            parts.lr_scheduler,
+            total_steps=parts.plan.total_steps,
+            global_batch_size=parts.plan.batch.global_batch_size,
         )
         self._saved_total_steps: int | None = None
+        self._saved_global_batch: int | None = None
         self._rollback_walk = RollbackWalk()
         self._gate = CheckpointGate(
             guard=parts.nonfinite_guard,
@@ -267,6 +271,11 @@ class Trainer:
         self._step = int(state["step"])
         saved_total: object = state.get("total_steps")  # absent in checkpoints of older d9d
         self._saved_total_steps = saved_total if isinstance(saved_total, int) else None
+        data: object = state["data"]
+        saved_global = (
+            cast(dict[str, object], data).get("global_batch_size") if isinstance(data, dict) else None
+        )
+        self._saved_global_batch = saved_global if isinstance(saved_global, int) else None
         self._p.batches.load_state_dict(state["data"])
         scheduler = self._p.lr_scheduler
         scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
@@ -318,6 +327,7 @@ class Trainer:
             optimizer=self._p.optimizer,
             scheduler=self._p.lr_scheduler,
             saved_total_steps=self._saved_total_steps,
+            saved_global_batch_size=self._saved_global_batch,
         )
         if self._p.dist_context.is_main_process:
             for line in changed:
