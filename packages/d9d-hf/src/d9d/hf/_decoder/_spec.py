@@ -26,8 +26,9 @@ class DecoderSpec:
             ``nn.Embedding(padding_idx=...)``), and sequence classification pools the last other token.
         num_labels: Classes of a sequence-classification head.
         initializer_range: Standard deviation of the initialization.
-        has_experts: Some layer's feed-forward is a mixture of experts (sharded per layer by FSDP
-            even on one data-parallel rank, so no unit holds every expert's cast weights).
+        has_experts: Some layer's feed-forward is a mixture of experts (where FSDP wraps the
+            stage, it does so per layer even on one data-parallel rank, so no unit holds every
+            expert's gathered weights).
         load_balancing: Sparse layers hand over a load-balancing loss, carried from stage to stage.
     """
 
