@@ -2,6 +2,7 @@
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,26 @@ def test_wandb_offline_writes_history_and_config_and_resumes_the_same_run(
     resumed.log(3, {"loss": 3.0, "lr": 0.1})
     resumed.close()
 
-    files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    # W&B's service may still be flushing after finish() on a busy machine: read until the history
+    # is complete, bounded by a deadline far beyond any machine's speed, not by a fixed sleep.
+    expected = [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    deadline = time.monotonic() + 300
+    while True:
+        files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+        try:
+            steps, configs = _wandb_history(files)
+        except Exception:  # a file still being written: a truncated header or record
+            steps, configs = [], {}
+        if (len(files) == 2 and sorted(steps) == expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(files) == 2
     assert {f.name for f in files} == {f"run-{state['run_id']}.wandb"}, "both parts are one run id"
+    assert sorted(steps) == expected
+    assert configs["git_revision"] == "abc" and configs["trainer"] == {"max_steps": 4}
+
+
+def _wandb_history(files: list[Path]) -> tuple[list[tuple[int, float]], dict[str, Any]]:
     steps: list[tuple[int, float]] = []
     configs: dict[str, Any] = {}
     for file in files:
@@ -109,8 +127,7 @@ def test_wandb_offline_writes_history_and_config_and_resumes_the_same_run(
                     configs |= {u.key: json.loads(u.value_json) for u in record.run.config.update}
                 case _:
                     pass
-    assert sorted(steps) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
-    assert configs["git_revision"] == "abc" and configs["trainer"] == {"max_steps": 4}
+    return steps, configs
 
 
 def test_aim_tracks_metrics_and_metadata_and_resumes_the_same_run(tmp_path: Path) -> None:

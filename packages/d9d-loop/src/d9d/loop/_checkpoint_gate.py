@@ -49,7 +49,7 @@ class CheckpointGate:
         self._deferred = True
         if self._is_main:
             self._logger.warning(
-                "not saving the checkpoint of step %d: %s; it is saved after the next finite step",
+                "not saving the checkpoint of step %d: %s; saving after the next finite step instead",
                 step,
                 reason,
             )
