@@ -41,6 +41,7 @@ class Qwen2Config(DecoderConfigBase):
     sliding_window: int | None = 4096
     max_window_layers: int = 28
     layer_types: list[LayerType] | None = None
+    use_mrope: Literal[False] | None = None  # in Qwen2.5 files; multimodal RoPE is Qwen2-VL's
 
     @model_validator(mode="after")
     def _layer_types_per_layer(self) -> Qwen2Config:

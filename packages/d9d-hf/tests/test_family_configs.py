@@ -1,0 +1,133 @@
+"""Released Llama and Qwen2.5 config.json files -> the family and the numbers the core builds from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from d9d.hf import LlamaConfig, Qwen2Config, ScratchModelConfig
+from d9d.hf._families import DECODER_CONFIG_ADAPTER
+from d9d.kernels.layers import Llama3RopeScaling
+
+# meta-llama/Llama-3.2-1B as released (transformers 4.45)
+LLAMA_3_2_1B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+# meta-llama/Meta-Llama-3-8B: no rope scaling, no head_dim, untied
+LLAMA_3_8B: dict[str, Any] = {
+    **{k: v for k, v in LLAMA_3_2_1B.items() if k not in ("head_dim", "mlp_bias")},
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "num_hidden_layers": 32,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+}
+
+# Qwen/Qwen2.5-0.5B as released (transformers 4.40)
+QWEN2_5_0_5B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "use_mrope": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_llama_3_2_scales_rope_with_llama3_and_ties_the_head() -> None:
+    config = DECODER_CONFIG_ADAPTER.validate_python(LLAMA_3_2_1B)
+    assert isinstance(config, LlamaConfig)
+    spec = config.decoder_spec()
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 8, 64)
+    assert spec.tie_word_embeddings and spec.rope_theta == 500000.0
+    assert spec.rope_scaling == Llama3RopeScaling(
+        factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+    assert config.hf_architecture("sequence_classification") == "LlamaForSequenceClassification"
+
+
+def test_llama_3_without_head_dim_divides_the_width() -> None:
+    spec = DECODER_CONFIG_ADAPTER.validate_python(LLAMA_3_8B).decoder_spec()
+    assert spec.head_dim == 128 and spec.rope_scaling is None and not spec.tie_word_embeddings
+
+
+def test_qwen2_5_has_full_attention_unless_use_sliding_window() -> None:
+    config = DECODER_CONFIG_ADAPTER.validate_python(QWEN2_5_0_5B)
+    assert isinstance(config, Qwen2Config)
+    assert config.windows() == (None,) * 24
+    assert config.decoder_spec().head_dim == 64
+    sliding = Qwen2Config.model_validate({**QWEN2_5_0_5B, "use_sliding_window": True, "sliding_window": 8})
+    assert sliding.windows() == (None,) * 24  # max_window_layers=24: no layer from 24 on
+    assert Qwen2Config.model_validate(
+        {**QWEN2_5_0_5B, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 22}
+    ).windows()[21:] == (None, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({**LLAMA_3_2_1B, "architectures": ["Qwen2ForCausalLM"]}, "architectures"),  # another family's class
+        ({**QWEN2_5_0_5B, "use_mrope": True}, "use_mrope"),  # Qwen2-VL's multimodal rope
+        ({**LLAMA_3_2_1B, "unknown_field": 1}, "unknown_field"),  # extra="forbid"
+        ({**LLAMA_3_2_1B, "model_type": "mistral"}, "model_type"),  # a family d9d has not
+    ],
+)
+def test_a_config_outside_the_families_is_refused_naming_the_field(raw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        DECODER_CONFIG_ADAPTER.validate_python(raw)
+
+
+def test_pretraining_from_scratch_takes_any_family() -> None:
+    scratch = ScratchModelConfig.model_validate({"config": {**LLAMA_3_2_1B, "num_hidden_layers": 2}})
+    assert isinstance(scratch.config, LlamaConfig)
