@@ -24,6 +24,16 @@ class TensorEntry:
     shape: tuple[int, ...]
     nbytes: int
 
+    @staticmethod
+    def of(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
+        """The entry of a tensor of ``dtype`` and ``shape``."""
+        return TensorEntry(
+            name=name,
+            dtype=str(dtype).removeprefix("torch."),
+            shape=shape,
+            nbytes=_numel(shape) * torch.empty((), dtype=dtype).element_size(),
+        )
+
 
 @dataclass(kw_only=True)
 class Inspection:
@@ -42,10 +52,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def inspect_dcp(path: Path) -> Inspection:
     """A DCP checkpoint's tensors from its ``.metadata`` (a pickle: a checkpoint is trusted input)."""
     try:
@@ -56,16 +62,7 @@ def inspect_dcp(path: Path) -> Inspection:
     other: list[str] = []
     for name, entry in sorted(metadata.state_dict_metadata.items()):
         if isinstance(entry, TensorStorageMetadata):
-            shape = tuple(int(s) for s in entry.size)
-            dtype = entry.properties.dtype
-            tensors.append(
-                TensorEntry(
-                    name=name,
-                    dtype=str(dtype).removeprefix("torch."),
-                    shape=shape,
-                    nbytes=_numel(shape) * _dtype_size(dtype),
-                )
-            )
+            tensors.append(TensorEntry.of(name, entry.properties.dtype, tuple(int(s) for s in entry.size)))
         else:
             other.append(name)
     facts = {"checkpoint": str(path)}
@@ -109,15 +106,7 @@ def inspect_safetensors(path: Path) -> Inspection:
     tensors: list[TensorEntry] = []
     for file in files:
         for name, (dtype_name, shape) in _safetensors_header(file).items():
-            dtype = _SAFETENSORS_DTYPES.get(dtype_name, torch.uint8)
-            tensors.append(
-                TensorEntry(
-                    name=name,
-                    dtype=str(dtype).removeprefix("torch."),
-                    shape=shape,
-                    nbytes=_numel(shape) * _dtype_size(dtype),
-                )
-            )
+            tensors.append(TensorEntry.of(name, _SAFETENSORS_DTYPES.get(dtype_name, torch.uint8), shape))
     facts = {"files": str(len(files))}
     config_file = (path if path.is_dir() else path.parent) / "config.json"
     if config_file.exists():

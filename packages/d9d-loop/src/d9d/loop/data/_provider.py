@@ -51,6 +51,11 @@ class TokenDataProvider(Generic[BatchT]):
     ``ShardedBatchSource``, or batches unpacked rows by length bucket. Streaming, see
     ``StreamingBatchSource``. What was truncated, dropped or skipped is counted and logged.
 
+    Attributes:
+        report: What was used, truncated, dropped and skipped (filled by ``build``).
+        source_name: The source as named in messages (set by ``build``).
+        held_out: The ``eval_fraction`` share, as rows (packed when ``packing``), after ``build``.
+
     Args:
         config: The ``dataset`` section.
         order: The job's ``data`` section (order, seed, loader workers).
