@@ -88,12 +88,18 @@ def test_plot_bad_metrics_is_exit_2_naming_the_file(
     assert not (tmp_path / "m.png").exists()
 
 
-def _train_checkpoint_and_export(directory: str) -> None:
+LORA = {"kind": "lora", "target": "fc1", "r": 2, "alpha": 4.0}
+
+
+def _train_checkpoint_and_export(directory: str, peft: dict[str, Any] | None = None) -> None:
     root = Path(directory)
-    config = toy_config(
-        mesh={"data_parallel_shard": 2},
-        trainer={"max_steps": 2, "checkpoint": {"directory": str(root / "ckpt"), "every_steps": 2}},
-    )
+    trainer_section: dict[str, Any] = {
+        "max_steps": 2,
+        "checkpoint": {"directory": str(root / "ckpt"), "every_steps": 2},
+    }
+    if peft is not None:
+        trainer_section["peft"] = peft
+    config = toy_config(mesh={"data_parallel_shard": 2}, trainer=trainer_section)
     trainer = build_trainer(config, strategy="fsdp")
     trainer.train()
     trainer.export(root / "trainer-export")
@@ -136,6 +142,20 @@ def test_export_and_inspect_of_a_checkpoint_saved_on_two_ranks(
     argv[-1] = str(mine)
     assert main([*argv, "--provider", "test_cli_commands:toy_provider"]) == 2
     assert "not a d9d export" in capsys.readouterr().err and (mine / "notes.txt").exists()
+
+
+def test_export_of_a_lora_checkpoint_merges_the_adapters_as_the_job_does(tmp_path: Path) -> None:
+    # The checkpoint holds only the adapters; the base comes from the seeded initialization, as
+    # in training, and the export merges W + alpha/r * B @ A.
+    run_distributed(_train_checkpoint_and_export, str(tmp_path), LORA, world_size=2)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"seed": 0, "peft": LORA}}))
+    argv = ["export", str(config), str(tmp_path / "ckpt"), str(tmp_path / "cli-export")]
+    assert run_distributed(_cli, [*argv, "--provider", "test_cli_commands:toy_provider"], world_size=1) == [0]
+    ours, theirs = _tensors(tmp_path / "cli-export"), _tensors(tmp_path / "trainer-export")
+    assert ours.keys() == theirs.keys() and not any("lora" in name for name in ours)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
