@@ -31,9 +31,21 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 8,
 }
 FAMILIES: list[DecoderFamily] = [
-    Qwen3DenseConfig(model_type="qwen3", head_dim=8, use_sliding_window=True, sliding_window=3, **TINY),
-    LlamaConfig(model_type="llama", rope_scaling=LLAMA3_ROPE, attention_bias=True, **TINY),
-    Qwen2Config(model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1, **TINY),
+    Qwen3DenseConfig.model_validate(
+        {**TINY, "model_type": "qwen3", "head_dim": 8, "use_sliding_window": True, "sliding_window": 3}
+    ),
+    LlamaConfig.model_validate(
+        {**TINY, "model_type": "llama", "rope_scaling": LLAMA3_ROPE, "attention_bias": True}
+    ),
+    Qwen2Config.model_validate(
+        {
+            **TINY,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "max_window_layers": 1,
+        }
+    ),
 ]
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matters
 
