@@ -30,9 +30,10 @@ class MoELayer(nn.Module):
     its share does not depend on how a batch is split into microbatches).
 
     Auxiliary-loss-free balancing: with ``expert_bias=True`` the layer counts tokens per expert in
-    ``tokens_per_expert`` (summed over forwards) and ``update_expert_bias(rate)`` moves the router's
-    bias towards under-loaded experts and clears the counts; all-reduce the counts across
-    data-parallel ranks before calling it.
+    ``tokens_per_expert`` (summed over training forwards) and ``update_expert_bias(rate)`` moves the
+    router's bias towards under-loaded experts and clears the counts; all-reduce the counts across
+    data-parallel ranks before calling it. ``router.enable_expert_bias()`` turns it on for a layer
+    built without it.
 
     Args:
         hidden_size: Model width.
@@ -112,7 +113,7 @@ class MoELayer(nn.Module):
         shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, shape[-1])
         routing = self.router(hidden)
-        if self.router.expert_bias is not None:
+        if self.router.expert_bias is not None and self.training:
             with torch.no_grad():  # scatter_add rather than bincount: no host sync on the GPU
                 chosen = routing.expert_indices.reshape(-1)
                 self.tokens_per_expert.scatter_add_(

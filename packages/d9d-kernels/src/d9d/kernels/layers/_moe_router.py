@@ -70,11 +70,22 @@ class TopKRouter(nn.Module):
         self.renormalize = renormalize
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-        else:
-            self.expert_bias = None
+        # a None buffer without the bias: ``enable_expert_bias`` can register it later
+        self.register_buffer(
+            "expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None
+        )
         self.reset_parameters()
+
+    def enable_expert_bias(self) -> None:
+        """Adds the selection bias (zeros) to a router built without it; no-op if it has one.
+
+        For a job that turns on auxiliary-loss-free balancing for a model whose architecture does
+        not build the bias itself; call before materializing (the buffer follows the gate's
+        device, also ``meta``).
+        """
+        if self.expert_bias is None:
+            bias = torch.zeros(self.num_experts, dtype=torch.float32, device=self.weight.device)
+            self.register_buffer("expert_bias", bias)
 
     def reset_parameters(self) -> None:
         """Truncated-normal gate, zero expert bias."""
