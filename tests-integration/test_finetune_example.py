@@ -87,6 +87,16 @@ def test_a_users_chat_jsonl_file_trains_from_config_alone(tmp_path: Path) -> Non
     assert after < 0.5 * before
 
 
+def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path) -> None:
+    config = _shipped_config(tmp_path, steps=12).replace("eval_fraction: 0.2", "eval_fraction: 0.0")
+    config = config.replace("packing: true ", "streaming: true\n  packing: true ")
+    assert "streaming: true" in config
+    result = _run(config, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out loss before: n/a (no held-out split" in result.stdout
+    assert (tmp_path / "runs" / "export" / "config.json").is_file()
+
+
 def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path) -> None:
     chats = tmp_path / "chats.jsonl"
     chats.write_text(

@@ -165,8 +165,8 @@ def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
     with trainer:
-        if trainer.dist_context.is_main_process:
-            print(data.report.summary(data.source_name))
+        if trainer.dist_context.is_main_process and not config.dataset.streaming:
+            print(data.report.summary(data.source_name))  # streaming: logged after each pass
         before = evaluate(trainer, data)
         trainer.train()
         after = evaluate(trainer, data)
@@ -199,7 +199,7 @@ def main() -> None:
 
 
 def _show(loss: float | None) -> str:
-    return "n/a (pipeline or context parallel)" if loss is None else f"{loss:.4f}"
+    return "n/a (no held-out split, or pipeline or context parallel)" if loss is None else f"{loss:.4f}"
 
 
 if __name__ == "__main__":
