@@ -30,6 +30,7 @@ from d9d.hf.qwen3 import (
     Qwen3MoeConfig,
     parallelize_qwen3,
 )
+from d9d.kernels.layers import MoELayer
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -43,6 +44,7 @@ from d9d.loop import (
 )
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.mesh.testing import run_distributed
+from d9d.state_mappers import SafetensorsCheckpoint
 
 SEQ = 16
 STEPS = 3
@@ -107,7 +109,7 @@ def _train(
     grad_norms: list[float] = []
     model = (
         directory
-        if isinstance(directory, ScratchModelConfig)
+        if isinstance(directory, ScratchModelConfig | PretrainedModelConfig)
         else PretrainedModelConfig(source=str(directory), attention_backend="eager", param_dtype=param_dtype)
     )
     provider = Qwen3ModelProvider(model)
@@ -132,6 +134,12 @@ def _train(
         trainer.train()
         result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
         result["layers"] = [list(stage.layout.layers) for stage in trainer.model_stages]
+        result["expert_bias"] = [
+            layer.router.expert_bias.clone()
+            for stage in trainer.model_stages
+            for layer in stage.modules()
+            if isinstance(layer, MoELayer) and layer.router.expert_bias is not None
+        ]
         if export is not None:
             trainer.export(export)
         if mesh == {}:
@@ -447,3 +455,70 @@ def test_zero_bubble_schedule_on_fsdp_stages_is_refused_before_training() -> Non
             world_size=2,
             timeout_s=120,
         )
+
+
+@pytest.mark.parametrize(
+    ("mesh", "world"),
+    [
+        ({"data_parallel_shard": 2}, 2),
+        ({"expert_parallel": 2, "data_parallel_shard": 2}, 2),
+        ({"pipeline_parallel": 2, "data_parallel_shard": 2}, 4),
+    ],
+    ids=["fsdp", "ep", "pp"],
+)
+def test_expert_bias_moves_alike_on_every_rank_and_as_one_process(mesh: dict[str, int], world: int) -> None:
+    # Auxiliary-loss-free balancing: each step's token counts are summed over the stage's ranks,
+    # so every replica holds the bias one process gets from the whole batch.
+    config = ScratchModelConfig.model_validate(
+        {"config": TINY_MOE, "attention_backend": "eager", "expert_bias_update_rate": 0.01}
+    )
+    single = run_distributed(_train, config, {}, world_size=1, timeout_s=120)[0]
+    expected = torch.stack(single["expert_bias"])
+    assert expected.shape == (2, 4) and expected.abs().sum() > 0  # it moved
+    assert {round(v, 6) for v in expected.flatten().tolist()} <= {
+        round(0.01 * k, 6) for k in range(-STEPS, STEPS + 1)
+    }  # sign steps of 0.01
+    results = run_distributed(_train, config, mesh, world_size=world, timeout_s=180)
+    by_layer: dict[int, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["losses"], single["losses"], atol=2e-5, rtol=2e-5)
+        for layer, bias in zip(
+            [i for layers in result["layers"] for i in layers], result["expert_bias"], strict=True
+        ):
+            torch.testing.assert_close(bias, expected[layer], atol=0, rtol=0)
+            by_layer[layer] = bias
+    assert sorted(by_layer) == [0, 1]
+
+
+def test_expert_bias_starts_at_zero_from_a_checkpoint_and_is_not_exported(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
+    config = PretrainedModelConfig(
+        source=str(checkpoints["moe"]), attention_backend="eager", expert_bias_update_rate=0.01
+    )
+    export = tmp_path / "export"
+    initial = tmp_path / "initial"
+    result = run_distributed(
+        functools.partial(_train, export_initial=initial), config, {}, export, world_size=1, timeout_s=120
+    )[0]
+    assert torch.stack(result["expert_bias"]).abs().sum() > 0
+    for directory in (initial, export):  # the checkpoint's tensors only, as transformers reads them
+        names = set(SafetensorsCheckpoint(directory).specs)
+        assert names == set(SafetensorsCheckpoint(checkpoints["moe"]).specs)
+    helpers.hf_model(export)  # loads strictly
+    untrained = helpers.hf_model(initial)
+    source = helpers.hf_model(checkpoints["moe"])
+    for (name, got), expected in zip(
+        untrained.state_dict().items(), source.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(got, expected, msg=name)
+
+
+def test_expert_bias_needs_experts() -> None:
+    config = ScratchModelConfig.model_validate(
+        {"config": TINY_SCRATCH, "attention_backend": "eager", "expert_bias_update_rate": 0.01}
+    )
+    with pytest.raises(
+        Exception, match="expert_bias_update_rate is set but the model has no mixture-of-experts"
+    ):
+        run_distributed(_train, config, {}, world_size=1, timeout_s=120)

@@ -25,6 +25,7 @@ class _ModelOptions(BaseModel):
     param_dtype: ParamDtype | None = None
     compile: bool = False
     last_stage_weight: float = Field(default=0.0, ge=0.0)
+    expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
 
 
 class PretrainedModelConfig(_ModelOptions):
@@ -44,6 +45,11 @@ class PretrainedModelConfig(_ModelOptions):
             norm, head and loss) in decoder layers, so that it gets fewer layers (0: an even split).
             The head's FLOPs over one layer's: ``vocab x hidden`` over a layer's parameters plus
             ``seq x heads x head_dim`` (attention); a Qwen3-0.6B head at seq 4096 weighs about 6.4.
+        expert_bias_update_rate: Auxiliary-loss-free MoE balancing: every router selects experts by
+            score plus a per-expert bias (starting at 0, not exported) that moves by this rate
+            after each step, up for experts that got fewer tokens than the mean and down for those
+            that got more, counted over every rank of the stage (DeepSeek-V3 uses 0.001). None:
+            off. Only for models with MoE layers; the bias is checkpointed with the model.
     """
 
     source: str = Field(min_length=1)
@@ -57,6 +63,8 @@ class ScratchModelConfig(_ModelOptions):
     Attributes:
         config: The model's config.json content (``model_type`` selects the family).
         tokenizer: A directory whose tokenizer files are exported with the model.
+
+    The other fields are ``PretrainedModelConfig``'s.
     """
 
     config: DecoderConfig

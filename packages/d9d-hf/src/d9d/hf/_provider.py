@@ -18,6 +18,12 @@ from d9d.hf._decoder import (
     parallelize_decoder,
     stage_load_mapper,
 )
+from d9d.hf._decoder._expert_bias import (
+    enable_expert_bias,
+    expert_bias_names,
+    update_expert_bias,
+    zero_expert_bias,
+)
 from d9d.hf._families import as_family, read_decoder_config
 from d9d.hf._head import HeadName
 from d9d.hf._hub import resolve_snapshot
@@ -39,7 +45,7 @@ from d9d.loop import (
 )
 from d9d.mesh import DistributedContext
 from d9d.pipeline import layers_of_stage
-from d9d.state_mappers import SafetensorsCheckpoint
+from d9d.state_mappers import DropMapper, ParallelMapper, SafetensorsCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,6 +133,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             activation_checkpointing=self._config.activation_checkpointing,
             attention_backend=self._config.attention_backend,
         )
+        if self._config.expert_bias_update_rate is not None:
+            enable_expert_bias(model)  # before the load mapper: the checkpoint has no bias
         dtype = self._config.param_dtype
         model.compute_dtype = None if dtype is None else _DTYPES[dtype]
         mapper = None
@@ -152,6 +160,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         if checkpoint is None:
             return LoadModelStageResult(loaded=False)
         load_stage_from_checkpoint(model, checkpoint, show_progress=context.dist_context.is_main_process)
+        zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
 
@@ -168,7 +177,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         )
 
     def finalize_gradients(self, context: FinalizeGradientsContext[DecoderModelBase]) -> None:
-        """Sums the gradients of a tied embedding's two copies (first and last pipeline stage)."""
+        """Sums the gradients of a tied embedding's two copies (first and last pipeline stage);
+        moves the MoE selection biases by the step's token counts (``expert_bias_update_rate``)."""
+        rate = self._config.expert_bias_update_rate
+        if rate is not None:
+            update_expert_bias(context.dist_context, [model for _, model in context.stages], rate)
         if not self._tied_across_stages(context.dist_context):
             return
         self._tied.sum_gradients(context.dist_context, context.stages)
@@ -185,6 +198,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             files["config.json"] = (
                 json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n"
             ).encode()
-        return PrepareExportModelStageResult(
-            state_mapper=decoder_export_mapper(model.config, self._config.head, model.layout), files=files
-        )
+        mapper = decoder_export_mapper(model.config, self._config.head, model.layout)
+        biases = expert_bias_names(model)  # the job's, not the architecture's: not exported
+        if biases:
+            mapper = ParallelMapper([mapper, DropMapper(biases)])
+        return PrepareExportModelStageResult(state_mapper=mapper, files=files)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from d9d.hf._decoder._expert_bias import expert_bias_names
 from d9d.hf._decoder._heads import head_of
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.hf._decoder._state_mapper import (
@@ -16,7 +17,7 @@ from d9d.hf._decoder._state_mapper import (
     decoder_load_mapper,
     hf_prefix,
 )
-from d9d.loop.peft import without_adapters
+from d9d.loop.peft import view_of, without_adapters
 from d9d.state_mappers import (
     CastMapper,
     ParallelMapper,
@@ -30,13 +31,18 @@ from d9d.state_mappers import (
 
 
 def base_state_module(module: nn.Module) -> nn.Module:
-    """``module``'s own tensors under their names, without LoRA adapters (``d9d.loop.peft``).
+    """``module``'s own tensors under their names, without LoRA adapters (``d9d.loop.peft``) and
+    without the job's MoE selection biases (``expert_bias_names``).
 
     An HF checkpoint holds the base model only: with adapters injected (a LoRA run), they are
-    no target of loading or checking; they start at ``B = 0`` afterwards. The same tensor
-    objects, so loading into the view fills ``module`` (sharded tensors stay sharded).
+    no target of loading or checking; they start at ``B = 0`` afterwards, the biases at 0. The
+    same tensor objects, so loading into the view fills ``module`` (sharded tensors stay sharded).
     """
-    return without_adapters(module)
+    base = without_adapters(module)
+    biases = set(expert_bias_names(base))
+    if not biases:
+        return base
+    return view_of({k: v for k, v in base.state_dict(keep_vars=True).items() if k not in biases})
 
 
 def _state_specs(model: DecoderModelBase) -> dict[str, TensorSpec]:

@@ -10,6 +10,7 @@ from d9d.loop.peft._inject import (
     merged_state,
     reset_adapters,
     trainable_names,
+    view_of,
     without_adapters,
 )
 from d9d.loop.peft._lora import LoRALinear
@@ -30,5 +31,6 @@ __all__ = [
     "place_adapters_like_base",
     "reset_adapters",
     "trainable_names",
+    "view_of",
     "without_adapters",
 ]
