@@ -88,12 +88,19 @@ def _train(
     documents: bool = True,
     param_dtype: str | None = None,
     pipeline: str | None = None,
+    checkpoint_dir: Path | None = None,
+    max_steps: int = STEPS,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
             "mesh": mesh,
             "trainer": {
-                "max_steps": STEPS,
+                "max_steps": max_steps,
+                **(
+                    {}
+                    if checkpoint_dir is None
+                    else {"checkpoint": {"directory": str(checkpoint_dir), "every_steps": 1}}
+                ),
                 "global_batch_size": 8,
                 "microbatch_size": microbatch_size,
                 "logging": {"progress_bar": False},
@@ -522,3 +529,21 @@ def test_expert_bias_needs_experts() -> None:
         Exception, match="expert_bias_update_rate is set but the model has no mixture-of-experts"
     ):
         run_distributed(_train, config, {}, world_size=1, timeout_s=120)
+
+
+def test_expert_bias_resumes_exactly(tmp_path: Path) -> None:
+    config = ScratchModelConfig.model_validate(
+        {"config": TINY_MOE, "attention_backend": "eager", "expert_bias_update_rate": 0.01}
+    )
+    mesh = {"data_parallel_shard": 2}
+    uninterrupted = run_distributed(_train, config, mesh, world_size=2, timeout_s=180)
+    stopped = functools.partial(_train, checkpoint_dir=tmp_path / "ckpt", max_steps=STEPS - 1)
+    run_distributed(stopped, config, mesh, world_size=2, timeout_s=180)
+    resumed = functools.partial(_train, checkpoint_dir=tmp_path / "ckpt")
+    for full, rest in zip(
+        uninterrupted, run_distributed(resumed, config, mesh, world_size=2, timeout_s=180), strict=True
+    ):
+        assert len(rest["losses"]) == 1  # only the last step ran again
+        torch.testing.assert_close(rest["losses"], full["losses"][-1:], atol=0, rtol=0)
+        for got, expected in zip(rest["expert_bias"], full["expert_bias"], strict=True):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
