@@ -22,6 +22,11 @@ def toy_provider(config: Mapping[str, Any]) -> ToyProvider:
     return ToyProvider("fsdp")
 
 
+def wide_toy_provider(config: Mapping[str, Any]) -> ToyProvider:
+    """A toy model twice as wide: not the model the checkpoint holds."""
+    return ToyProvider("fsdp", hidden=32)
+
+
 @pytest.mark.parametrize("command", ["lr-plot", "plot", "inspect", "export"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -142,6 +147,13 @@ def test_export_and_inspect_of_a_checkpoint_saved_on_two_ranks(
     argv[-1] = str(mine)
     assert main([*argv, "--provider", "test_cli_commands:toy_provider"]) == 2
     assert "not a d9d export" in capsys.readouterr().err and (mine / "notes.txt").exists()
+
+    # a checkpoint of another model is exit 2 naming it, and nothing is written
+    argv[-1] = str(tmp_path / "wide")
+    assert run_distributed(
+        _cli, [*argv, "--provider", "test_cli_commands:wide_toy_provider"], world_size=1
+    ) == [2]
+    assert not (tmp_path / "wide").exists()
 
 
 def test_export_of_a_lora_checkpoint_merges_the_adapters_as_the_job_does(tmp_path: Path) -> None:

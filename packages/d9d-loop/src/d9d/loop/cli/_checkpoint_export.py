@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch.distributed.checkpoint as dcp
 from pydantic import TypeAdapter, ValidationError
+from torch.distributed.checkpoint.api import CheckpointException
 
 from d9d.loop._config_trainer import InitializationConfig
 from d9d.loop._export_target import ExportTargetError, check_export_target
@@ -147,11 +148,14 @@ def export_checkpoint(
             seed=int(seed) if isinstance(seed, int) else 0,
             peft=peft,
         )
-        built = factory.build(PipelineStageInfo(current_stage=0, num_stages=1))
+        try:
+            built = factory.build(PipelineStageInfo(current_stage=0, num_stages=1))
+        except (OSError, ValueError) as e:
+            raise CommandError(f"the model of {config_path} cannot be built: {type(e).__name__}: {e}") from e
         state = ModelState([built.model], trainable_only=isinstance(peft, LoRAConfig))
         try:
             dcp.load({"model": state}, checkpoint_id=str(checkpoint))
-        except Exception as e:  # DCP wraps per-rank failures in CheckpointException
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CommandError(
                 f"{checkpoint} does not hold this model's state (built from {config_path}): {first}"
