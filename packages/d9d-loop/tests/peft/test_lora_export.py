@@ -59,6 +59,7 @@ def test_merged_export_is_base_plus_scaled_b_a_and_adapters_export_is_peft_forma
 
     # PEFT's layout: two files, PEFT's tensor names, the LoRA hyper-parameters
     assert sorted(p.name for p in adapters_dir.iterdir()) == [
+        ".d9d-export",  # the marker that lets a later export replace this directory
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
