@@ -17,7 +17,11 @@ from d9d.loop.cli._errors import CommandError, read_yaml_mapping
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="d9d", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="d9d",
+        description="Tools around a d9d job that do not start it "
+        "(bad input: exit status 2 and a line naming the file).",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     lr_plot = commands.add_parser("lr-plot", help="draw the learning-rate schedule of a config")
     lr_plot.add_argument("config", type=Path, help="the job's YAML config")
