@@ -38,7 +38,8 @@ def assistant_spans(
                 f"message {i}: the conversation before it, rendered with the generation prompt, is not a "
                 "prefix of the whole conversation: this template cannot be split into turns"
             )
-        upto = template.render(messages[: i + 1], variables=variables)
+        last = i == len(messages) - 1
+        upto = full if last else template.render(messages[: i + 1], variables=variables)
         if full.startswith(upto):
             spans.append((len(before), len(upto)))
             continue
