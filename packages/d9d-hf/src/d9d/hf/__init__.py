@@ -3,6 +3,7 @@
 from d9d.hf._causal_lm_task import CausalLMState, CausalLMTask, TokenBatch, TokenSample, causal_lm_task
 from d9d.hf._config_provider import provider_from_config
 from d9d.hf._decoder import (
+    ClassificationHeadSpec,
     DecoderBackbone,
     DecoderCausalLM,
     DecoderConfigBase,
@@ -11,9 +12,12 @@ from d9d.hf._decoder import (
     DecoderInputs,
     DecoderLayer,
     DecoderModelBase,
+    DecoderMultiHead,
     DecoderSequenceClassification,
     DecoderSpec,
+    LanguageModelHeadSpec,
     LayerTensor,
+    MultiHeadOutput,
     StackedExperts,
     StageHandoff,
     StageLayout,
@@ -30,8 +34,16 @@ from d9d.hf._decoder import (
 )
 from d9d.hf._families import DecoderConfig, read_decoder_config
 from d9d.hf._head import HeadName
+from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, ClassificationMetric, HeadConfig
 from d9d.hf._hub import SNAPSHOT_PATTERNS, resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, ParamDtype, PretrainedModelConfig, ScratchModelConfig
+from d9d.hf._multi_head_task import (
+    MultiHeadBatch,
+    MultiHeadSample,
+    MultiHeadState,
+    MultiHeadTask,
+    multi_head_task,
+)
 from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
@@ -40,6 +52,19 @@ from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
 __all__ = [
+    "MultiHeadOutput",
+    "LanguageModelHeadSpec",
+    "ClassificationHeadSpec",
+    "DecoderMultiHead",
+    "multi_head_task",
+    "MultiHeadTask",
+    "MultiHeadState",
+    "MultiHeadSample",
+    "MultiHeadBatch",
+    "HeadConfig",
+    "ClassificationMetric",
+    "ClassificationHeadConfig",
+    "CausalLMHeadConfig",
     "SNAPSHOT_PATTERNS",
     "CausalLMState",
     "CausalLMTask",

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from d9d.hf._decoder import check_head_specs
 from d9d.hf._families import DecoderConfig
 from d9d.hf._head import HeadName
+from d9d.hf._head_config import HeadConfig, head_specs
 from d9d.kernels.layers import AttentionBackendName
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
@@ -26,6 +28,18 @@ class _ModelOptions(BaseModel):
     compile: bool = False
     last_stage_weight: float = Field(default=0.0, ge=0.0)
     expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
+    heads: tuple[HeadConfig, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_name_heads(self) -> _ModelOptions:
+        if self.heads is None:
+            return self
+        if "head" in self.model_fields_set:
+            raise ValueError("set either head (one head) or heads (several), not both")
+        if "num_labels" in self.model_fields_set:
+            raise ValueError("with heads, each classification head names its own num_labels")
+        check_head_specs(head_specs(self.heads))
+        return self
 
 
 class PretrainedModelConfig(_ModelOptions):
@@ -36,6 +50,12 @@ class PretrainedModelConfig(_ModelOptions):
         revision: Branch, tag or commit of a Hub repo.
         head: The head to train; one the checkpoint lacks (a classifier on a causal-LM checkpoint)
             starts from a fresh initialization, the backbone from the checkpoint.
+        heads: Several heads on the backbone instead of ``head`` (``CausalLMHeadConfig``,
+            ``ClassificationHeadConfig``; at most one ``causal_lm``), each with its loss weight
+            and metrics; train them with ``multi_head_task``. The LM head loads from the
+            checkpoint (or its tie), classification heads start fresh. Export writes the backbone
+            and the LM head as a transformers directory, each classification head as
+            ``head-<name>.safetensors`` with ``head-<name>.json`` beside it.
         num_labels: Classes of a fresh sequence-classification head (default: the config's).
         activation_checkpointing: Recompute every decoder layer in backward.
         attention_backend: Attention implementation; None auto-detects.

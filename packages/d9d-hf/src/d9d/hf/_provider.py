@@ -11,10 +11,15 @@ import torch
 from d9d.hf._decoder import (
     DecoderFamily,
     DecoderModelBase,
+    DecoderMultiHead,
     build_decoder,
+    classification_head_files,
     decoder_export_mapper,
     export_config,
+    load_multi_head_stage,
     load_stage_from_checkpoint,
+    multi_head_export_mapper,
+    multi_head_load_mapper,
     parallelize_decoder,
     stage_load_mapper,
 )
@@ -26,6 +31,7 @@ from d9d.hf._decoder._expert_bias import (
 )
 from d9d.hf._families import as_family, read_decoder_config
 from d9d.hf._head import HeadName
+from d9d.hf._head_config import CausalLMHeadConfig, head_specs
 from d9d.hf._hub import resolve_snapshot
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
@@ -77,6 +83,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
     every step (``finalize_gradients``), so both copies stay equal, and the last stage's copy is
     left out of the gradient norm (it counts once, as in one process).
 
+    With ``heads`` (several heads on one backbone) every stage is a ``DecoderMultiHead``: the
+    heads live on the last stage, the language-model head loads from the checkpoint (or its tie),
+    classification heads start fresh, and export adds ``head-<name>.safetensors`` and
+    ``head-<name>.json`` per classification head beside the transformers directory.
+
     Args:
         config: The ``model:`` section (``PretrainedModelConfig`` or ``ScratchModelConfig``).
     """
@@ -121,25 +132,41 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
     ) -> InitializeModelStageResult[DecoderModelBase]:
         """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes."""
         resolved = self._resolve(context.dist_context)
-        model = build_decoder(
-            resolved.config,
-            self._config.head,
-            stage=context.stage,
-            layers=layers_of_stage(
-                context.stage,
-                resolved.config.decoder_spec().num_layers,
-                last_stage_weight=self._config.last_stage_weight,
-            ),
-            activation_checkpointing=self._config.activation_checkpointing,
-            attention_backend=self._config.attention_backend,
+        layers = layers_of_stage(
+            context.stage,
+            resolved.config.decoder_spec().num_layers,
+            last_stage_weight=self._config.last_stage_weight,
+        )
+        heads = self._config.heads
+        model = (
+            build_decoder(
+                resolved.config,
+                self._config.head,
+                stage=context.stage,
+                layers=layers,
+                activation_checkpointing=self._config.activation_checkpointing,
+                attention_backend=self._config.attention_backend,
+            )
+            if heads is None
+            else DecoderMultiHead(
+                resolved.config,
+                head_specs(heads),
+                stage=context.stage,
+                layers=layers,
+                activation_checkpointing=self._config.activation_checkpointing,
+                attention_backend=self._config.attention_backend,
+            )
         )
         if self._config.expert_bias_update_rate is not None:
             enable_expert_bias(model)  # before the load mapper: the checkpoint has no bias
         dtype = self._config.param_dtype
         model.compute_dtype = None if dtype is None else _DTYPES[dtype]
         mapper = None
-        if resolved.checkpoint is not None:
-            mapper = stage_load_mapper(model, resolved.checkpoint)  # raises early on a misfit
+        if resolved.checkpoint is not None:  # raises early on a misfit
+            if isinstance(model, DecoderMultiHead):
+                mapper = multi_head_load_mapper(model, resolved.checkpoint)
+            else:
+                mapper = stage_load_mapper(model, resolved.checkpoint)
         return InitializeModelStageResult(model=model, state_mapper=mapper)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
@@ -159,7 +186,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         checkpoint = self._resolve(context.dist_context).checkpoint
         if checkpoint is None:
             return LoadModelStageResult(loaded=False)
-        load_stage_from_checkpoint(model, checkpoint, show_progress=context.dist_context.is_main_process)
+        show_progress = context.dist_context.is_main_process
+        if isinstance(model, DecoderMultiHead):
+            load_multi_head_stage(model, checkpoint, show_progress=show_progress)
+        else:
+            load_stage_from_checkpoint(model, checkpoint, show_progress=show_progress)
         zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
@@ -171,8 +202,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         return StagesReadyResult(norm_duplicates=self._tied.align(context.dist_context, context.stages))
 
     def _tied_across_stages(self, dist_context: DistributedContext) -> bool:
+        heads = self._config.heads
+        has_lm_head = heads is None or any(isinstance(head, CausalLMHeadConfig) for head in heads)
         return (
             dist_context.parameters.pipeline_parallel > 1
+            and has_lm_head
             and self._resolve(dist_context).config.decoder_spec().tie_word_embeddings
         )
 
@@ -198,7 +232,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             files["config.json"] = (
                 json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n"
             ).encode()
-        mapper = decoder_export_mapper(model.config, self._config.head, model.layout)
+        if isinstance(model, DecoderMultiHead):
+            mapper = multi_head_export_mapper(model)
+            files.update(classification_head_files(model))  # collective over the stage's ranks
+        else:
+            mapper = decoder_export_mapper(model.config, self._config.head, model.layout)
         biases = expert_bias_names(model)  # the job's, not the architecture's: not exported
         if biases:
             mapper = ParallelMapper([mapper, DropMapper(biases)])

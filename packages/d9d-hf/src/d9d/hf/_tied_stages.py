@@ -30,7 +30,7 @@ def tied_copies(stages: Sequence[tuple[PipelineStageInfo, nn.Module]]) -> tuple[
         if info.is_first:
             copies.append(model.get_parameter("model.embed_tokens.weight"))
             holds_first = True
-        if info.is_last and not info.is_first and hasattr(model, "lm_head"):
+        if info.is_last and not info.is_first and isinstance(getattr(model, "lm_head", None), nn.Module):
             copies.append(model.get_parameter("lm_head.weight"))
     return copies, holds_first
 

@@ -14,11 +14,25 @@ from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_co
 from d9d.hf._decoder._decoder_layer import DecoderLayer
 from d9d.hf._decoder._embedding import DecoderEmbedding
 from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._head_specs import (
+    ClassificationHeadSpec,
+    HeadSpec,
+    LanguageModelHeadSpec,
+    check_head_specs,
+)
 from d9d.hf._decoder._heads import build_decoder, head_of
 from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, causal_lm_targets, resolve_positions
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
 from d9d.hf._decoder._layer_windows import LayerType, layer_windows, resolve_layer_types
 from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._multi_head import DecoderMultiHead, MultiHeadOutput
+from d9d.hf._decoder._multi_head_checkpoint import (
+    classification_head_files,
+    head_file_names,
+    load_multi_head_stage,
+    multi_head_export_mapper,
+    multi_head_load_mapper,
+)
 from d9d.hf._decoder._parallelize import parallelize_decoder
 from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
 from d9d.hf._decoder._spec import DecoderSpec
@@ -28,6 +42,17 @@ from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_ma
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 
 __all__ = [
+    "multi_head_load_mapper",
+    "multi_head_export_mapper",
+    "load_multi_head_stage",
+    "head_file_names",
+    "classification_head_files",
+    "MultiHeadOutput",
+    "DecoderMultiHead",
+    "check_head_specs",
+    "LanguageModelHeadSpec",
+    "HeadSpec",
+    "ClassificationHeadSpec",
     "CONFIG_FILE",
     "DecoderBackbone",
     "DecoderCausalLM",

@@ -8,12 +8,16 @@ from d9d.hf._decoder._causal_lm import DecoderCausalLM
 from d9d.hf._decoder._embedding import DecoderEmbedding
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._multi_head import DecoderMultiHead
 from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
 from d9d.hf._head import HeadName
 
 
 def head_of(model: DecoderModelBase) -> HeadName:
-    """The head a decoder model carries."""
+    """The head a decoder model carries; for several heads, the one of its transformers export
+    (``causal_lm`` with a language-model head, else the bare backbone's ``embedding``)."""
+    if isinstance(model, DecoderMultiHead):
+        return "embedding" if model.language_model_head is None else "causal_lm"
     if isinstance(model, DecoderCausalLM):
         return "causal_lm"
     if isinstance(model, DecoderSequenceClassification):

@@ -124,3 +124,7 @@ def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: Device
         if isinstance(head, nn.Module):
             # lm_head(hidden_states, labels); score / head(hidden_states, attention_mask)
             _replicate_head(head, mesh, num_args=2)
+    heads = getattr(model, "heads", None)
+    if isinstance(heads, nn.ModuleDict):  # a several-head model's classification heads
+        for head in heads.values():
+            _replicate_head(head, mesh, num_args=2)

@@ -1,0 +1,223 @@
+"""The several-head training task for d9d-loop: one loss per head, weighted and summed; metrics per head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from d9d.hf._causal_lm_task import IGNORE_INDEX
+from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets
+from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, HeadConfig
+from d9d.loop import (
+    BuildForwardInputsContext,
+    BuildForwardInputsResult,
+    ComputeLossContext,
+    ComputeLossResult,
+    CreateMetricsContext,
+    CreateMetricsResult,
+    TaskProviderContext,
+    TrainTask,
+    UpdateMetricsContext,
+)
+from d9d.loop.metrics import Accuracy, BinaryAUROC, Metric, MulticlassScores, WeightedMean
+
+
+def _empty_labels() -> dict[str, torch.Tensor]:
+    return {}
+
+
+@dataclass(kw_only=True)
+class MultiHeadSample:
+    """One row, one sequence.
+
+    Attributes:
+        input_ids: ``(seq,)`` token ids.
+        labels: ``(seq,)`` Hugging Face style labels of the language-model head (``-100`` where
+            no loss is wanted); None trains it on every token.
+        class_labels: Per classification head name, the row's class (a 0-d integer tensor).
+        attention_mask: ``(seq,)`` nonzero on real tokens; None derives it from ``pad_token_id``.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+    class_labels: dict[str, torch.Tensor] = field(default_factory=_empty_labels)
+    attention_mask: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class MultiHeadBatch:
+    """Rows of equal length: ``input_ids``, ``labels``, ``attention_mask`` ``(batch, seq)``,
+    each ``class_labels`` entry ``(batch,)`` (see ``MultiHeadSample``)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+    class_labels: dict[str, torch.Tensor] = field(default_factory=_empty_labels)
+    attention_mask: torch.Tensor | None = None
+
+    @staticmethod
+    def collate(samples: list[MultiHeadSample]) -> MultiHeadBatch:
+        """Stacks equal-length samples (a collator for ``AutoDataProvider``)."""
+
+        def stack(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+            present = [v for v in values if v is not None]
+            if not present:
+                return None
+            if len(present) != len(values):
+                raise ValueError("some samples have labels or attention_mask and others do not")
+            return torch.stack(present)
+
+        names = samples[0].class_labels.keys()
+        if any(sample.class_labels.keys() != names for sample in samples):
+            raise ValueError("every sample must carry the same class_labels keys")
+        return MultiHeadBatch(
+            input_ids=torch.stack([s.input_ids for s in samples]),
+            labels=stack([s.labels for s in samples]),
+            class_labels={name: torch.stack([s.class_labels[name] for s in samples]) for name in names},
+            attention_mask=stack([s.attention_mask for s in samples]),
+        )
+
+
+@dataclass(kw_only=True)
+class MultiHeadState:
+    """What the losses need beside the model's outputs.
+
+    Attributes:
+        targets: The language-model head's per-position targets (None without that head).
+        class_labels: Per classification head, the rows' classes ``(batch,)``.
+    """
+
+    targets: torch.Tensor | None
+    class_labels: dict[str, torch.Tensor]
+
+
+def _token_mean(losses: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean per-token loss over the target tokens, and their count."""
+    if targets is None:
+        raise ValueError("a causal_lm head needs the batch's targets")
+    count = (targets != IGNORE_INDEX).sum()
+    return losses.sum() / count.clamp(min=1), count
+
+
+class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutput, MultiHeadState]):
+    """Several heads on one backbone: the loss is ``sum(loss_weight * head loss)`` over the heads.
+
+    Per microbatch, the language-model head's loss is the mean over its target tokens, a
+    classification head's the cross-entropy mean over its rows; every microbatch weighs 1, so
+    the step optimizes the mean over microbatches (equal for any data-parallel or pipeline
+    layout of the same microbatch size). Metrics per head: ``<name>/loss`` and the configured
+    classification metrics (``<name>/accuracy``, ``<name>/f1``, ``<name>/auroc``), accumulated on
+    the last stage of every rank and combined across ranks by d9d-loop.
+
+    Rows are one sequence each (no packed documents); context parallelism is not supported.
+
+    Args:
+        heads: The ``model.heads`` list (the same the model provider was given).
+    """
+
+    def __init__(self, heads: Sequence[HeadConfig]) -> None:
+        self._heads = tuple(heads)
+        self._has_lm = any(isinstance(head, CausalLMHeadConfig) for head in heads)
+
+    def build_forward_inputs(
+        self, ctx: BuildForwardInputsContext[MultiHeadBatch]
+    ) -> BuildForwardInputsResult[DecoderInputs, None, MultiHeadState]:
+        """Next-token targets (with a language-model head) and every head's class labels."""
+        batch = ctx.batch
+        targets = None
+        if self._has_lm:
+            labels = batch.input_ids if batch.labels is None else batch.labels
+            targets = causal_lm_targets(labels, ignore_index=IGNORE_INDEX)
+        for head in self._heads:
+            if isinstance(head, ClassificationHeadConfig) and head.name not in batch.class_labels:
+                raise ValueError(f"the batch has no class_labels for head {head.name!r}")
+        return BuildForwardInputsResult(
+            input=DecoderInputs(
+                input_ids=batch.input_ids, labels=targets, attention_mask=batch.attention_mask
+            ),
+            shared=None,
+            state=MultiHeadState(targets=targets, class_labels=dict(batch.class_labels)),
+            num_tokens=int(batch.input_ids.numel()),
+        )
+
+    def _head_loss(self, head: HeadConfig, output: torch.Tensor, state: MultiHeadState) -> torch.Tensor:
+        match head:
+            case CausalLMHeadConfig():
+                return _token_mean(output, state.targets)[0]
+            case ClassificationHeadConfig():
+                return F.cross_entropy(output.float(), state.class_labels[head.name])
+
+    def compute_loss(self, ctx: ComputeLossContext[MultiHeadOutput, MultiHeadState]) -> ComputeLossResult:
+        """The loss-weighted sum of every head's loss; the microbatch weighs 1."""
+        terms = [
+            head.loss_weight * self._head_loss(head, ctx.pipeline_results[head.name], ctx.state)
+            for head in self._heads
+        ]
+        return ComputeLossResult(loss=torch.stack(terms).sum(), loss_weight=None)
+
+    def create_metrics(self, ctx: CreateMetricsContext) -> CreateMetricsResult:
+        """``<name>/loss`` per head, and each classification head's configured metrics."""
+        del ctx
+        metrics: dict[str, Metric] = {}
+        for head in self._heads:
+            metrics[f"{head.name}/loss"] = WeightedMean()
+            match head:
+                case CausalLMHeadConfig():
+                    pass
+                case ClassificationHeadConfig():
+                    for metric in head.metrics:
+                        metrics[f"{head.name}/{metric}"] = _classification_metric(metric, head.num_labels)
+        return CreateMetricsResult(metrics=metrics)
+
+    def update_metrics(self, ctx: UpdateMetricsContext[MultiHeadOutput, MultiHeadState]) -> None:
+        """Adds one microbatch to every head's metrics."""
+        for head in self._heads:
+            _update_head(head, ctx.pipeline_results[head.name], ctx.state, ctx.metrics)
+
+
+def _classification_metric(name: str, num_labels: int) -> Metric:
+    match name:
+        case "accuracy":
+            return Accuracy()
+        case "f1":
+            return MulticlassScores(num_classes=num_labels)
+        case "auroc":
+            return BinaryAUROC()
+        case _:
+            raise ValueError(f"unknown classification metric {name!r}")
+
+
+def _update_head(
+    head: HeadConfig, output: torch.Tensor, state: MultiHeadState, metrics: Mapping[str, Metric]
+) -> None:
+    match head:
+        case CausalLMHeadConfig():
+            mean, count = _token_mean(output, state.targets)
+            metrics[f"{head.name}/loss"].update(mean.detach(), count)
+        case ClassificationHeadConfig():
+            labels = state.class_labels[head.name]
+            logits = output.detach().float()
+            metrics[f"{head.name}/loss"].update(F.cross_entropy(logits, labels), float(labels.numel()))
+            for metric in head.metrics:
+                match metric:
+                    case "accuracy" | "f1":
+                        metrics[f"{head.name}/{metric}"].update(logits, labels)
+                    case "auroc":
+                        metrics[f"{head.name}/auroc"].update(logits.softmax(-1)[:, 1], labels)
+
+
+def multi_head_task(heads: Sequence[HeadConfig]) -> Callable[[TaskProviderContext], MultiHeadTask]:
+    """A ``TaskFactory`` of ``MultiHeadTask`` for ``heads`` (refuses context parallelism).
+
+    Args:
+        heads: The ``model.heads`` list.
+    """
+
+    def build(context: TaskProviderContext) -> MultiHeadTask:
+        if context.dist_context.parameters.context_parallel > 1:
+            raise ValueError("several heads (rows of one sequence) do not support context parallelism")
+        return MultiHeadTask(heads)
+
+    return build

@@ -1,0 +1,248 @@
+"""Several heads on one backbone through d9d-loop: trains, tracks each head's metrics, exports.
+
+A tiny Qwen3 from scratch with a language-model head and two classification heads trains 3
+steps in one process, under pipeline parallelism (PP=2: the heads on the last stage) and under
+FSDP=2; every layout reports the single-process losses and metrics. The export holds a
+transformers directory (backbone and LM head: transformers gives the d9d model's logits) and
+one safetensors file with a JSON config per classification head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from d9d.hf import (
+    DecoderMultiHead,
+    HFModelProvider,
+    MultiHeadBatch,
+    MultiHeadSample,
+    PretrainedModelConfig,
+    ScratchModelConfig,
+    multi_head_task,
+)
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ForwardBackwardFinished,
+    ProjectConfig,
+    StepFinished,
+    TrainingConfigurator,
+)
+from d9d.mesh.testing import run_distributed
+
+SEQ = 12
+STEPS = 3
+TINY: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_hidden_layers": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": True,
+}
+HEADS: list[dict[str, Any]] = [
+    {"kind": "causal_lm", "name": "lm", "loss_weight": 1.0},
+    {"kind": "classification", "name": "sentiment", "num_labels": 2, "loss_weight": 0.5,
+     "metrics": ["accuracy", "f1", "auroc"]},
+    {"kind": "classification", "name": "topic", "num_labels": 3, "loss_weight": 0.25},
+]  # fmt: skip
+PROBE = torch.randint(1, 128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class _Rows:
+    """16 right-padded rows; the sentiment label is whether token 5 is even, the topic its value mod 3."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, 128, (16, SEQ), generator=generator)
+        for row in range(16):
+            self.ids[row, SEQ - row % 4 :] = 0  # 0 to 3 padding tokens
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> MultiHeadSample:
+        ids = self.ids[index]
+        labels = ids.masked_fill(ids == 0, -100)
+        key = int(ids[5])
+        return MultiHeadSample(
+            input_ids=ids,
+            labels=labels,
+            class_labels={"sentiment": torch.tensor(key % 2), "topic": torch.tensor(key % 3)},
+        )
+
+
+def _model(source: Path | None) -> ScratchModelConfig | PretrainedModelConfig:
+    if source is None:
+        return ScratchModelConfig.model_validate(
+            {"config": TINY, "heads": HEADS, "attention_backend": "eager"}
+        )
+    return PretrainedModelConfig.model_validate(
+        {"source": str(source), "heads": HEADS, "attention_backend": "eager"}
+    )
+
+
+def _train(mesh: dict[str, int], export: Path | None, source: Path | None = None) -> dict[str, Any]:
+    config = ProjectConfig.model_validate(
+        {
+            "mesh": mesh,
+            "trainer": {
+                "max_steps": STEPS,
+                "global_batch_size": 8,
+                "microbatch_size": 2,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        }
+    )
+    model = _model(source)
+    assert model.heads is not None
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=HFModelProvider(model),
+        task_provider=multi_head_task(model.heads),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Rows(), collator=MultiHeadBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    losses: list[float] = []
+    metrics: list[dict[str, float]] = []
+    result: dict[str, Any] = {"losses": losses, "metrics": metrics}
+    with trainer:
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.events.subscribe(StepFinished, lambda event: metrics.append(dict(event.metrics)))
+        if source is not None and export is not None:
+            trainer.export(export / "initial")
+        trainer.train()
+        if export is not None:
+            trainer.export(export / "trained")
+        if mesh == {}:
+            stage = trainer.model_stages[0]
+            assert isinstance(stage, DecoderMultiHead) and stage.lm_head is not None
+            with torch.no_grad():
+                result["logits"] = stage.lm_head.compute_logits(stage.hidden_states(PROBE))
+                result["sentiment"] = stage.heads["sentiment"].state_dict()["classifier.weight"].clone()
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    export = tmp_path_factory.mktemp("multi_head")
+    result = run_distributed(_train, {}, export, world_size=1, timeout_s=120)[0]
+    result["export"] = export / "trained"
+    return result
+
+
+def _head_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.split("/")[0] in {"lm", "sentiment", "topic"}}
+
+
+def test_one_process_trains_every_head_and_tracks_its_metrics(reference: dict[str, Any]) -> None:
+    assert len(reference["losses"]) == STEPS
+    last = _head_metrics(reference["metrics"][-1])
+    for name in ("lm/loss", "sentiment/loss", "sentiment/accuracy", "sentiment/auroc", "topic/loss"):
+        assert name in last, sorted(last)
+    assert any(name.startswith("sentiment/f1") for name in last)
+    assert 0.0 <= last["sentiment/accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [{"pipeline_parallel": 2}, {"data_parallel_shard": 2}],
+    ids=["pp2", "fsdp2"],
+)
+def test_layout_trains_to_the_single_process_losses_and_metrics(
+    reference: dict[str, Any], mesh: dict[str, int], tmp_path: Path
+) -> None:
+    export = tmp_path / "export"
+    results = run_distributed(_train, mesh, export, world_size=2, timeout_s=180)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], atol=2e-5, rtol=2e-5)
+    # the main rank reports the metrics combined across ranks (under PP: the last stage's)
+    for ours, expected in zip(results_metrics(results[0]), reference["metrics"], strict=True):
+        torch.testing.assert_close(ours, _head_metrics(expected), atol=1e-4, rtol=1e-4)
+    theirs = load_file(export / "trained" / "head-sentiment.safetensors")["classifier.weight"]
+    torch.testing.assert_close(theirs, reference["sentiment"], atol=1e-4, rtol=1e-4)
+
+
+def results_metrics(result: dict[str, Any]) -> list[dict[str, float]]:
+    return [_head_metrics(metrics) for metrics in result["metrics"]]
+
+
+def test_export_is_a_transformers_directory_plus_one_file_per_classification_head(
+    reference: dict[str, Any], helpers: Any
+) -> None:
+    export: Path = reference["export"]
+    hf = helpers.hf_model(export)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(PROBE).logits, reference["logits"], atol=1e-4, rtol=1e-4)
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any("heads" in name or "score" in name for name in index)
+    sentiment = load_file(export / "head-sentiment.safetensors")
+    torch.testing.assert_close(sentiment["classifier.weight"], reference["sentiment"])
+    topic = json.loads((export / "head-topic.json").read_text())
+    assert topic == {
+        "bias": False,
+        "dtype": "float32",
+        "hidden_size": 32,
+        "kind": "classification",
+        "name": "topic",
+        "num_labels": 3,
+        "pooling": "last",
+    }
+    assert load_file(export / "head-topic.safetensors")["classifier.weight"].shape == (3, 32)
+
+
+def test_pretrained_backbone_and_lm_head_load_from_the_checkpoint(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
+    # The export before any step is the checkpoint again: backbone and (tied) LM head loaded.
+    run_distributed(_train, {}, tmp_path, checkpoints["tied"], world_size=1, timeout_s=120)
+    ours, theirs = helpers.hf_model(tmp_path / "initial"), helpers.hf_model(checkpoints["tied"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(PROBE).logits, theirs(PROBE).logits)
+    assert (tmp_path / "trained" / "head-sentiment.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"head": "causal_lm"}, "either head"),
+        ({"heads": [{"kind": "causal_lm"}, {"kind": "causal_lm", "name": "b"}]}, "at most one"),
+        ({"heads": [{"kind": "classification", "name": "a", "num_labels": 2}] * 2}, "unique"),
+        (
+            {"heads": [{"kind": "classification", "name": "a", "num_labels": 3, "metrics": ["auroc"]}]},
+            "auroc",
+        ),
+        ({"heads": [{"kind": "regression", "name": "a"}]}, "kind"),
+        ({"heads": [{"kind": "classification", "name": "a.b", "num_labels": 2}]}, "pattern"),
+    ],
+)
+def test_heads_config_is_checked(options: dict[str, Any], message: str) -> None:
+    raw = {"source": "x", "heads": [{"kind": "causal_lm"}], **options}
+    with pytest.raises(ValidationError, match=message):
+        PretrainedModelConfig.model_validate(raw)
+
+
+def test_single_head_config_is_unchanged() -> None:
+    config = PretrainedModelConfig.model_validate({"source": "x", "head": "sequence_classification"})
+    assert config.heads is None and config.head == "sequence_classification"
