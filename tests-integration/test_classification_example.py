@@ -34,6 +34,18 @@ def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     assert str(missing) in result.stderr
 
 
+def _run(config: str, tmp_path: Path, *, timeout: int) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path) -> None:
     config = (EXAMPLE / "config.yaml").read_text()
     config = config.replace("runs/classification", str(tmp_path / "runs"))
@@ -47,15 +59,7 @@ def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path)
     ]:
         assert old in config, old
         config = config.replace(old, new)
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = _run(config, tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     pattern = r"eval after (\d+) steps: eval/loss=([\d.]+) eval/auroc=([\d.]+) eval/f1=([\d.]+)"
     reports = [(int(s), float(auroc), float(f1)) for s, _, auroc, f1 in re.findall(pattern, result.stdout)]
@@ -77,15 +81,7 @@ def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: 
     export = tmp_path / "runs" / "export"
     export.mkdir(parents=True)
     (export / "notes.txt").write_text("mine")
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = _run(config, tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
     assert (export / "notes.txt").read_text() == "mine"
