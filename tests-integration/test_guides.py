@@ -23,6 +23,7 @@ GUIDES = [
     "extending.md",
     "choosing-parallelism.md",
     "adding-a-model-family.md",
+    "model-heads.md",
     "model-design.md",
 ]
 _BLOCK = re.compile(r"^(?P<marker><!-- [^\n]*-->\n)?```python\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
