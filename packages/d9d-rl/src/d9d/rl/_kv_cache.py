@@ -1,9 +1,9 @@
 """Incremental decoding of a d9d-hf decoder model (any family) with a key/value cache.
 
-The d9d-hf layers compute attention over a whole sequence and keep nothing between calls. Here
-each decoder layer's own submodules (norms, projections, q/k norms, rotary applicator, feed-forward)
-run step by step, and the attention over the cached keys and values is computed with PyTorch's
-SDPA, so the model classes stay unchanged and the weights are the trainer's.
+The cache owns the slots, positions and validity of every row; each decoder layer runs its own
+forward on the new tokens with its attention's ``kv_cache`` slot (d9d-kernels' ``KeyValueCache``)
+filled by this layer's view of the cache, so generation uses the model's code and the trainer's
+weights, whatever the family.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from d9d.hf import DecoderCausalLM, DecoderLayer
+from d9d.hf import DecoderCausalLM
 
 
 @dataclass(kw_only=True)
@@ -76,42 +75,24 @@ class KVCache:
         self._masks.clear()
 
 
-def _layer_forward(
-    layer: DecoderLayer,
-    hidden: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    cache: KVCache,
-    index: int,
-) -> torch.Tensor:
-    """``DecoderLayer.forward`` over new slots ``cache.filled ..``, attending to the cache."""
-    attn = layer.self_attn
-    batch, length, _ = hidden.shape
-    start = cache.filled
-    normed = layer.input_layernorm(hidden)
-    head_shape = (batch, length, -1, attn.head_dim)
-    query = attn.q_proj(normed).view(head_shape)
-    key = attn.k_proj(normed).view(head_shape)
-    value = attn.v_proj(normed).view(head_shape)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        query = attn.q_norm(query)
-        key = attn.k_norm(key)
-    cos, sin = position_embeddings
-    query = attn.rotary(query, cos, sin)
-    key = attn.rotary(key, cos, sin)
-    cache.keys[index][:, start : start + length] = key
-    cache.values[index][:, start : start + length] = value
-    keys = cache.keys[index][:, : start + length].transpose(1, 2)
-    values = cache.values[index][:, : start + length].transpose(1, 2)
-    attended = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=cache.attention_mask(start, length, attn.sliding_window),
-        scale=attn.softmax_scale,
-        enable_gqa=True,
-    )
-    hidden = hidden + attn.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+@dataclass(kw_only=True, frozen=True)
+class _LayerSlots:
+    """Layer ``index``'s view of the cache: d9d-kernels' ``KeyValueCache`` slot of its attention."""
+
+    cache: KVCache
+    index: int
+    length: int
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new slots ``cache.filled ..`` and returns every slot up to them."""
+        start, end = self.cache.filled, self.cache.filled + self.length
+        self.cache.keys[self.index][:, start:end] = key
+        self.cache.values[self.index][:, start:end] = value
+        return self.cache.keys[self.index][:, :end], self.cache.values[self.index][:, :end]
+
+    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The cache's mask for the new slots (shared by the layers with the same window)."""
+        return self.cache.attention_mask(self.cache.filled, self.length, sliding_window)
 
 
 def forward_with_cache(model: DecoderCausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -130,7 +111,8 @@ def forward_with_cache(model: DecoderCausalLM, input_ids: torch.Tensor, cache: K
     position_embeddings = backbone.rotary_emb(cache.positions[:, start : start + length], dtype=hidden.dtype)
     cache.new_step()
     for index, layer in enumerate(backbone.decoder_layers()):
-        hidden = _layer_forward(layer, hidden, position_embeddings, cache, index)
+        slots = _LayerSlots(cache=cache, index=index, length=length)
+        hidden = layer(hidden, position_embeddings, None, kv_cache=slots)
     cache.filled = start + length
     last = backbone.norm(hidden[:, -1:])
     return model.lm_head.compute_logits(last)[:, -1].float()

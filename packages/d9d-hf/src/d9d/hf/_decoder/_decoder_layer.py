@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from d9d.kernels.layers import GroupedQueryAttention, MoELayer, RMSNorm, SwiGLU
+from d9d.kernels.layers import GroupedQueryAttention, KeyValueCache, MoELayer, RMSNorm, SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -60,8 +60,15 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        kv_cache: KeyValueCache | None = None,
     ) -> torch.Tensor:
-        """Maps ``(batch, seq, hidden)`` to ``(batch, seq, hidden)``."""
+        """Maps ``(batch, seq, hidden)`` to ``(batch, seq, hidden)``.
+
+        With ``kv_cache`` (incremental decoding), ``hidden_states`` are the new tokens, which
+        attend to the cache (eager: generation is not compiled).
+        """
+        if kv_cache is not None:
+            return self._eager_block(hidden_states, position_embeddings, document_ids, kv_cache)
         output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids)
         return output
 
@@ -70,9 +77,13 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        kv_cache: KeyValueCache | None = None,
     ) -> torch.Tensor:
         attended = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, document_ids=document_ids
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
         )
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

@@ -25,6 +25,7 @@ from d9d.kernels.layers._flash_attention import (
 from d9d.kernels.layers._grouped_experts import GroupedSwiGLUExperts
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
+from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
 from d9d.kernels.layers._load_balancing import load_balancing_loss
 from d9d.kernels.layers._moe_layer import MoELayer
 from d9d.kernels.layers._moe_router import RouterOutput, RouterScoreFunction, TopKRouter
@@ -65,6 +66,7 @@ __all__ = [
     "FlashAttention4Backend",
     "GroupedQueryAttention",
     "GroupedSwiGLUExperts",
+    "KeyValueCache",
     "LanguageModelHead",
     "LinearRopeScaling",
     "Llama3RopeScaling",
@@ -84,6 +86,7 @@ __all__ = [
     "TokenEmbedding",
     "TopKRouter",
     "YarnRopeScaling",
+    "attend_cached",
     "build_attention_backend",
     "build_attention_mask",
     "compute_rope_frequencies",

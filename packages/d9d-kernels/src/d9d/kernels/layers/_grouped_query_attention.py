@@ -9,6 +9,7 @@ from d9d.kernels import RopeLayout
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
 from d9d.kernels.layers._init import init_linear_
+from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
 from d9d.kernels.layers._rms_norm import RMSNorm
 from d9d.kernels.layers._rotary_applicator import RotaryApplicator
 
@@ -102,6 +103,7 @@ class GroupedQueryAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         *,
         document_ids: torch.Tensor | None = None,
+        kv_cache: KeyValueCache | None = None,
     ) -> torch.Tensor:
         """Attends every token to the allowed tokens of its row.
 
@@ -110,6 +112,9 @@ class GroupedQueryAttention(nn.Module):
             position_embeddings: ``(cos, sin)`` from ``RotaryEmbedding``, each ``(batch, seq, rotary_dim)``.
             document_ids: ``(batch, seq)`` ids of packed documents; tokens attend only within their
                 document. Pair it with per-document positions for the rotary tables.
+            kv_cache: Incremental decoding: ``hidden_states`` are the new tokens only; their keys
+                and values go into the cache and they attend to everything cached, under the
+                cache's mask (SDPA; the attention backend is for whole sequences).
 
         Returns:
             ``(batch, seq, hidden_size)``.
@@ -125,6 +130,16 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = position_embeddings
         query = self.rotary(query, cos, sin)
         key = self.rotary(key, cos, sin)
+        if kv_cache is not None:
+            attended = attend_cached(
+                query,
+                key,
+                value,
+                kv_cache,
+                softmax_scale=self.softmax_scale,
+                sliding_window=self.sliding_window,
+            )
+            return self.o_proj(attended.reshape(batch, seq, -1))
         attended = self.attention_backend.attend(
             query,
             key,

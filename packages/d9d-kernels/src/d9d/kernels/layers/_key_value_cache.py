@@ -1,0 +1,64 @@
+"""The key/value cache slot of an attention layer, for incremental decoding."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class KeyValueCache(Protocol):
+    """One attention layer's cache of keys and values, as ``GroupedQueryAttention`` uses it.
+
+    The owner (a generation loop) keeps the slots, the positions and which slots hold real
+    tokens; the layer hands over the keys and values of the tokens it is computing and attends
+    to everything cached so far.
+    """
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores the new tokens' rotated keys and values, ``(batch, new, kv_heads, head_dim)``.
+
+        Returns:
+            Every cached key and value up to and including the new ones, ``(batch, total,
+            kv_heads, head_dim)``.
+        """
+        ...
+
+    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``(batch, 1, new, total)`` bool: which cached keys each new query may see."""
+        ...
+
+
+def attend_cached(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KeyValueCache,
+    *,
+    softmax_scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of the new queries to the cache after appending ``key`` and ``value``.
+
+    Args:
+        query: ``(batch, new, q_heads, head_dim)``, rotated.
+        key: ``(batch, new, kv_heads, head_dim)``, rotated.
+        value: ``(batch, new, kv_heads, head_dim)``.
+        cache: The layer's cache.
+        softmax_scale: Score multiplier.
+        sliding_window: The layer's window (the cache's mask applies it by position).
+
+    Returns:
+        ``(batch, new, q_heads, head_dim)``.
+    """
+    keys, values = cache.append(key, value)
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=cache.attention_mask(sliding_window),
+        scale=softmax_scale,
+        enable_gqa=query.shape[2] != key.shape[2],
+    )
+    return out.transpose(1, 2)
