@@ -84,17 +84,21 @@ class _Rows:
         )
 
 
-def _model(source: Path | None) -> ScratchModelConfig | PretrainedModelConfig:
+def _model(source: Path | None, heads: list[dict[str, Any]]) -> ScratchModelConfig | PretrainedModelConfig:
     if source is None:
-        return ScratchModelConfig.model_validate(
-            {"config": TINY, "heads": HEADS, "attention_backend": "eager"}
-        )
+        raw = {"config": TINY, "heads": heads, "attention_backend": "eager"}
+        return ScratchModelConfig.model_validate(raw)
     return PretrainedModelConfig.model_validate(
-        {"source": str(source), "heads": HEADS, "attention_backend": "eager"}
+        {"source": str(source), "heads": heads, "attention_backend": "eager"}
     )
 
 
-def _train(mesh: dict[str, int], export: Path | None, source: Path | None = None) -> dict[str, Any]:
+def _train(
+    mesh: dict[str, int],
+    export: Path | None,
+    source: Path | None = None,
+    heads: list[dict[str, Any]] = HEADS,
+) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
             "mesh": mesh,
@@ -109,7 +113,7 @@ def _train(mesh: dict[str, int], export: Path | None, source: Path | None = None
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
         }
     )
-    model = _model(source)
+    model = _model(source, heads)
     assert model.heads is not None
     trainer = TrainingConfigurator(
         mesh=config.mesh,
@@ -133,7 +137,7 @@ def _train(mesh: dict[str, int], export: Path | None, source: Path | None = None
         trainer.train()
         if export is not None:
             trainer.export(export / "trained")
-        if mesh == {}:
+        if mesh == {} and heads is HEADS:
             stage = trainer.model_stages[0]
             assert isinstance(stage, DecoderMultiHead) and stage.lm_head is not None
             with torch.no_grad():
@@ -212,15 +216,40 @@ def test_export_is_a_transformers_directory_plus_one_file_per_classification_hea
     assert load_file(export / "head-topic.safetensors")["classifier.weight"].shape == (3, 32)
 
 
+@pytest.mark.parametrize("checkpoint", ["tied", "dense"])
 def test_pretrained_backbone_and_lm_head_load_from_the_checkpoint(
-    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+    checkpoints: dict[str, Path], checkpoint: str, tmp_path: Path, helpers: Any
 ) -> None:
-    # The export before any step is the checkpoint again: backbone and (tied) LM head loaded.
-    run_distributed(_train, {}, tmp_path, checkpoints["tied"], world_size=1, timeout_s=120)
-    ours, theirs = helpers.hf_model(tmp_path / "initial"), helpers.hf_model(checkpoints["tied"])
+    # The export before any step is the checkpoint again: backbone and LM head (tied or not) loaded.
+    run_distributed(_train, {}, tmp_path, checkpoints[checkpoint], world_size=1, timeout_s=120)
+    ours, theirs = helpers.hf_model(tmp_path / "initial"), helpers.hf_model(checkpoints[checkpoint])
     with torch.no_grad():
         torch.testing.assert_close(ours(PROBE).logits, theirs(PROBE).logits)
     assert (tmp_path / "trained" / "head-sentiment.json").exists()
+
+
+CLASSIFIERS = HEADS[1:]  # two classification heads, no language-model head
+
+
+def test_two_classification_heads_train_under_pp_and_export_the_bare_backbone(tmp_path: Path) -> None:
+    expected = run_distributed(_train, {}, None, None, CLASSIFIERS, world_size=1, timeout_s=120)[0]
+    export = tmp_path / "export"
+    pp = run_distributed(
+        _train, {"pipeline_parallel": 2}, export, None, CLASSIFIERS, world_size=2, timeout_s=180
+    )
+    for result in pp:
+        torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
+    trained = export / "trained"
+    assert json.loads((trained / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    index = json.loads((trained / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "embed_tokens.weight" in index and "lm_head.weight" not in index
+    assert {p.name for p in trained.glob("head-*")} == {
+        f"head-{name}.{ext}" for name in ("sentiment", "topic") for ext in ("json", "safetensors")
+    }
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(trained, attn_implementation="eager", dtype=torch.float32)
+    assert backbone.config.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize(

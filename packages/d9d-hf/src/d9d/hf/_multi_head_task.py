@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from d9d.hf._causal_lm_task import IGNORE_INDEX
 from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets
-from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, HeadConfig
+from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, ClassificationMetric, HeadConfig
 from d9d.loop import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -177,7 +177,7 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
             _update_head(head, ctx.pipeline_results[head.name], ctx.state, ctx.metrics)
 
 
-def _classification_metric(name: str, num_labels: int) -> Metric:
+def _classification_metric(name: ClassificationMetric, num_labels: int) -> Metric:
     match name:
         case "accuracy":
             return Accuracy()
@@ -185,8 +185,6 @@ def _classification_metric(name: str, num_labels: int) -> Metric:
             return MulticlassScores(num_classes=num_labels)
         case "auroc":
             return BinaryAUROC()
-        case _:
-            raise ValueError(f"unknown classification metric {name!r}")
 
 
 def _update_head(

@@ -99,7 +99,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
 
     @property
     def head(self) -> HeadName:
-        """The head every stage is built with."""
+        """The single head every stage is built with (``causal_lm`` by default; with ``heads`` set,
+        the config's ``heads`` list describes the model instead)."""
         return self._config.head
 
     def model_config(self, dist_context: DistributedContext) -> DecoderFamily:
