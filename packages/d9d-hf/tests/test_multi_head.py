@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from d9d.hf import (
+    ClassificationHeadSpec,
     DecoderMultiHead,
     HFModelProvider,
     MultiHeadBatch,
@@ -27,6 +28,7 @@ from d9d.hf import (
     ScratchModelConfig,
     multi_head_task,
 )
+from d9d.hf._decoder._multi_head_checkpoint import saved_head
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -37,6 +39,7 @@ from d9d.loop import (
     TrainingConfigurator,
 )
 from d9d.mesh.testing import run_distributed
+from d9d.state_mappers import SafetensorsCheckpoint
 
 SEQ = 12
 STEPS = 3
@@ -275,3 +278,23 @@ def test_heads_config_is_checked(options: dict[str, Any], message: str) -> None:
 def test_single_head_config_is_unchanged() -> None:
     config = PretrainedModelConfig.model_validate({"source": "x", "head": "sequence_classification"})
     assert config.heads is None and config.head == "sequence_classification"
+
+
+def test_an_export_read_back_trains_alike_on_every_layout(reference: dict[str, Any], tmp_path: Path) -> None:
+    # Every head comes from the export (the classification heads from their files): PP=2 starts
+    # from the same values as one process and trains to its losses.
+    source: Path = reference["export"]
+    one = run_distributed(_train, {}, None, source, world_size=1, timeout_s=120)[0]
+    mesh = {"pipeline_parallel": 2}
+    for result in run_distributed(_train, mesh, tmp_path, source, world_size=2, timeout_s=180):
+        torch.testing.assert_close(result["losses"], one["losses"], atol=2e-5, rtol=2e-5)
+    for name in ("sentiment", "topic"):
+        file = f"head-{name}.safetensors"
+        torch.testing.assert_close(load_file(tmp_path / "initial" / file), load_file(source / file))
+
+
+def test_a_saved_head_of_another_shape_is_refused(reference: dict[str, Any]) -> None:
+    checkpoint = SafetensorsCheckpoint(reference["export"])
+    assert saved_head(checkpoint, ClassificationHeadSpec(name="other", num_labels=3), 32) is None
+    with pytest.raises(ValueError, match="num_labels"):
+        saved_head(checkpoint, ClassificationHeadSpec(name="topic", num_labels=4), 32)

@@ -53,7 +53,8 @@ class PretrainedModelConfig(_ModelOptions):
         heads: Several heads on the backbone instead of ``head`` (``CausalLMHeadConfig``,
             ``ClassificationHeadConfig``; at most one ``causal_lm``), each with its loss weight
             and metrics; train them with ``multi_head_task``. The LM head loads from the
-            checkpoint (or its tie), classification heads start fresh. Export writes the backbone
+            checkpoint (or its tie), a classification head from ``head-<name>.safetensors``
+            beside it (an earlier export), else it starts fresh. Export writes the backbone
             and the LM head as a transformers directory, each classification head as
             ``head-<name>.safetensors`` with ``head-<name>.json`` beside it.
         num_labels: Classes of a fresh sequence-classification head (default: the config's).

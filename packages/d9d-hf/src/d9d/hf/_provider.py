@@ -85,7 +85,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
 
     With ``heads`` (several heads on one backbone) every stage is a ``DecoderMultiHead``: the
     heads live on the last stage, the language-model head loads from the checkpoint (or its tie),
-    classification heads start fresh, and export adds ``head-<name>.safetensors`` and
+    a classification head from its ``head-<name>.safetensors`` beside the checkpoint (an earlier
+    export) or fresh, and export adds ``head-<name>.safetensors`` and
     ``head-<name>.json`` per classification head beside the transformers directory.
 
     Args:
