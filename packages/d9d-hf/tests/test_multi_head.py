@@ -1,8 +1,8 @@
 """Several heads on one backbone through d9d-loop: trains, tracks each head's metrics, exports.
 
 A tiny Qwen3 from scratch with a language-model head and two classification heads trains 3
-steps in one process, under pipeline parallelism (PP=2: the heads on the last stage) and under
-FSDP=2; every layout reports the single-process losses and metrics. The export holds a
+steps in one process, under pipeline parallelism (PP=2: the heads on the last stage), FSDP=2
+and TP=2; every layout reports the single-process losses and metrics. The export holds a
 transformers directory (backbone and LM head: transformers gives the d9d model's logits) and
 one safetensors file with a JSON config per classification head.
 """
@@ -87,9 +87,12 @@ class _Rows:
         )
 
 
-def _model(source: Path | None, heads: list[dict[str, Any]]) -> ScratchModelConfig | PretrainedModelConfig:
+def _model(
+    source: Path | None, heads: list[dict[str, Any]], tie: bool
+) -> ScratchModelConfig | PretrainedModelConfig:
     if source is None:
-        raw = {"config": TINY, "heads": heads, "attention_backend": "eager"}
+        config = {**TINY, "tie_word_embeddings": tie}
+        raw = {"config": config, "heads": heads, "attention_backend": "eager"}
         return ScratchModelConfig.model_validate(raw)
     return PretrainedModelConfig.model_validate(
         {"source": str(source), "heads": heads, "attention_backend": "eager"}
@@ -101,6 +104,7 @@ def _train(
     export: Path | None,
     source: Path | None = None,
     heads: list[dict[str, Any]] = HEADS,
+    tie: bool = True,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -116,7 +120,7 @@ def _train(
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
         }
     )
-    model = _model(source, heads)
+    model = _model(source, heads, tie)
     assert model.heads is not None
     trainer = TrainingConfigurator(
         mesh=config.mesh,
@@ -187,6 +191,17 @@ def test_layout_trains_to_the_single_process_losses_and_metrics(
         torch.testing.assert_close(ours, _head_metrics(expected), atol=1e-4, rtol=1e-4)
     theirs = load_file(export / "trained" / "head-sentiment.safetensors")["classifier.weight"]
     torch.testing.assert_close(theirs, reference["sentiment"], atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_trains_to_the_single_process_losses_and_metrics() -> None:
+    # TP needs untied embeddings (the vocabulary-parallel embedding); every head is replicated.
+    expected = run_distributed(_train, {}, None, None, HEADS, False, world_size=1, timeout_s=120)[0]
+    mesh = {"tensor_parallel": 2}
+    results = run_distributed(_train, mesh, None, None, HEADS, False, world_size=2, timeout_s=180)
+    for result in results:
+        torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
+    for ours, theirs in zip(results_metrics(results[0]), results_metrics(expected), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def results_metrics(result: dict[str, Any]) -> list[dict[str, float]]:
