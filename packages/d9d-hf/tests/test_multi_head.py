@@ -20,15 +20,21 @@ from safetensors.torch import load_file
 
 from d9d.hf import (
     ClassificationHeadSpec,
+    DecoderCausalLM,
+    DecoderInputs,
     DecoderMultiHead,
+    DecoderSequenceClassification,
     HFModelProvider,
+    LanguageModelHeadSpec,
     MultiHeadBatch,
     MultiHeadSample,
     PretrainedModelConfig,
     ScratchModelConfig,
+    causal_lm_targets,
     multi_head_task,
 )
 from d9d.hf._decoder._multi_head_checkpoint import saved_head
+from d9d.hf._families import as_family
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -313,3 +319,26 @@ def test_a_saved_head_of_another_shape_is_refused(reference: dict[str, Any]) -> 
     assert saved_head(checkpoint, ClassificationHeadSpec(name="other", num_labels=3), 32) is None
     with pytest.raises(ValueError, match="num_labels"):
         saved_head(checkpoint, ClassificationHeadSpec(name="topic", num_labels=4), 32)
+
+
+def test_each_head_computes_what_its_single_head_model_computes() -> None:
+    raw = {"config": {**TINY, "tie_word_embeddings": False}}
+    family = as_family(ScratchModelConfig.model_validate(raw).config)
+    torch.manual_seed(0)
+    heads = [LanguageModelHeadSpec(name="lm"), ClassificationHeadSpec(name="topic", num_labels=3)]
+    multi = DecoderMultiHead(family, heads, attention_backend="eager")
+    multi.reset_parameters()
+    state = multi.state_dict()
+    backbone = {name: t for name, t in state.items() if name.startswith("model.")}
+    causal = DecoderCausalLM(family, attention_backend="eager")
+    causal.load_state_dict({**backbone, "lm_head.weight": state["lm_head.weight"]})
+    classifier = DecoderSequenceClassification(family.with_num_labels(3), attention_backend="eager")
+    classifier.load_state_dict(
+        {**backbone, "score.classifier.weight": state["heads.topic.classifier.weight"]}
+    )
+    ids = _Rows().ids[:4]
+    targets = causal_lm_targets(ids.masked_fill(ids == 0, -100))
+    with torch.no_grad():
+        outputs = multi.outputs(ids, labels=targets)
+        torch.testing.assert_close(outputs["lm"], causal(DecoderInputs(input_ids=ids, labels=targets)))
+        torch.testing.assert_close(outputs["topic"], classifier.classify(ids))
