@@ -153,7 +153,8 @@ def main() -> None:
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
-    trainer.train()
+    with trainer:  # releases the process group before the interpreter shuts down
+        trainer.train()
 
 
 if __name__ == "__main__":
