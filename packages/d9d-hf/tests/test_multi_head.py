@@ -240,7 +240,7 @@ def test_export_is_a_transformers_directory_plus_one_file_per_classification_hea
     assert load_file(export / "head-topic.safetensors")["classifier.weight"].shape == (3, 32)
 
 
-@pytest.mark.parametrize("checkpoint", ["tied", "dense"])
+@pytest.mark.parametrize("checkpoint", ["tied", "dense", "moe"])
 def test_pretrained_backbone_and_lm_head_load_from_the_checkpoint(
     checkpoints: dict[str, Path], checkpoint: str, tmp_path: Path, helpers: Any
 ) -> None:

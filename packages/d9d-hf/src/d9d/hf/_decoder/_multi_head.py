@@ -37,7 +37,8 @@ class DecoderMultiHead(DecoderModelBase):
     padding mask is derived from ``pad_token_id`` when the batch has none), so rows are one
     sequence each when a classification head is present.
 
-    On MoE layers the load-balancing loss is attached (weight 1) to the first head's output.
+    On MoE layers the load-balancing loss is attached once, to the first head's output (as the
+    single-head models attach it), so the task's weight of that head's loss scales it too.
 
     Args:
         config: The model's config.json (a family's config model).
