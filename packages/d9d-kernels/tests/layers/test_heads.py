@@ -67,6 +67,14 @@ def test_pooling_rejects_empty_rows() -> None:
         pool_hidden_states(HIDDEN, "mean", attention_mask=torch.zeros(2, 4))
 
 
+@pytest.mark.parametrize("pooling", ["first", "last", "mean"])
+def test_pooling_runs_on_the_meta_device(pooling: Pooling) -> None:
+    # a pipeline's shape pass runs the last stage on meta tensors: no value may be read there
+    hidden = torch.empty(2, 4, 8, device="meta")
+    mask = torch.empty(2, 4, dtype=torch.int64, device="meta")
+    assert pool_hidden_states(hidden, pooling, attention_mask=mask).shape == (2, 8)
+
+
 def test_classification_head_pools_then_classifies() -> None:
     torch.manual_seed(0)
     head = ClassificationHead(3, 5, pooling="last")
