@@ -7,7 +7,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,3 +123,51 @@ def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: 
     assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
     assert (export / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "runs" / "tiny-qwen3").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_llama_or_qwen2_source_trains_by_config_alone(tmp_path: Path, family: str) -> None:
+    # The same script and config with model.source at another family's checkpoint: config.json's
+    # model_type picks the family; nothing else changes.
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    toy = _run(
+        _shipped_config(tmp_path, steps=1).replace("warmup: {steps: 3}", "warmup: {steps: 0}"), tmp_path
+    )
+    assert toy.returncode == 0, toy.stderr[-3000:]  # the toy set and a tokenizer for it
+    tiny = tmp_path / "runs" / "tiny-qwen3"
+    shape: dict[str, Any] = json.loads((tiny / "config.json").read_text())
+    fields: dict[str, Any] = {
+        key: shape[key] for key in ("vocab_size", "max_position_embeddings", "pad_token_id", "eos_token_id")
+    }
+    fields.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = (
+        LlamaForCausalLM(LlamaConfig(**fields, head_dim=16))
+        if family == "llama"
+        else Qwen2ForCausalLM(Qwen2Config(**fields))
+    )
+    source = tmp_path / f"tiny-{family}"
+    model.save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((tiny / name).read_bytes())
+    config = _shipped_config(tmp_path, steps=20).replace("toy_data: true", "toy_data: false")
+    config = config.replace("replace_export_dir: false", "replace_export_dir: true")
+    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = _losses(result.stdout)
+    assert after < before
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "export", attn_implementation="eager")
+    assert type(export).__name__ == ("LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM")

@@ -21,7 +21,9 @@ from toy_setup import record_texts, write_tiny_checkpoint, write_toy_pairs
 
 from d9d.hf import (
     CausalLMTask,
+    DecoderInputs,
     HFModelConfig,
+    HFModelProvider,
     PretrainedModelConfig,
     ScratchModelConfig,
     TokenBatch,
@@ -29,7 +31,6 @@ from d9d.hf import (
     resolve_snapshot,
 )
 from d9d.hf.data import SFTDataConfig, sft_data_provider
-from d9d.hf.qwen3 import Qwen3Inputs, Qwen3ModelProvider
 from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -130,11 +131,11 @@ def evaluate(trainer: Trainer, data: TokenDataProvider[TokenBatch]) -> float | N
     return total / max(count, 1)
 
 
-def _to(inputs: Qwen3Inputs, device: torch.device) -> Qwen3Inputs:
+def _to(inputs: DecoderInputs, device: torch.device) -> DecoderInputs:
     def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(device)
 
-    return Qwen3Inputs(
+    return DecoderInputs(
         input_ids=inputs.input_ids.to(device),
         labels=move(inputs.labels),
         document_ids=move(inputs.document_ids),
@@ -158,7 +159,7 @@ def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(model_config),
+        model_provider=HFModelProvider(model_config),
         task_provider=causal_lm_task,
         data_provider=data,
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
