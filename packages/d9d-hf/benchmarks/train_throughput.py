@@ -1,4 +1,4 @@
-"""Qwen3 training throughput: the full d9d job against transformers and torchtitan, same GPU, same run.
+"""Decoder training throughput: the full d9d job against transformers and torchtitan, same GPU, same run.
 
 Each implementation runs in its own process (clean memory statistics and compile caches), on
 random tokens, and reports tokens/s, MFU and peak memory. MFU counts
@@ -7,6 +7,7 @@ random tokens, and reports tokens/s, MFU and peak memory. MFU counts
 same run.
 
     python train_throughput.py --model dense                 # every implementation, one GPU
+    python train_throughput.py --model llama1b               # Llama-3.2-1B shape, against llama3
     python train_throughput.py --quick --device cpu          # a tiny smoke run on a CPU
 
 d9d on several GPUs (``--batch`` is samples per data-parallel replica and step, so the global
@@ -28,10 +29,16 @@ the run prints its speed-up and per-GPU efficiency, and under ``--pp`` the pipel
 simulator's prediction for the schedule, the stage imbalance of the layer split, and the measured
 bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's GPU idle time).
 
-Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM, plain loop, bf16),
-``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's Qwen3 model and
-loss, each block compiled, as its trainer does), ``d9d`` (config -> TrainingConfigurator ->
-Trainer with d9d-hf's Qwen3 provider, FSDP mixed precision bf16 with float32 master weights).
+Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM,
+plain loop, bf16), ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's
+Qwen3 or llama3 model and loss, each block compiled, as its trainer does; bf16 parameters and
+AdamW state), ``titan_amp`` (the same with float32 parameters and AdamW state under bf16 autocast:
+how torchtitan's trainer runs on one device without FSDP, and the same precision as d9d's
+float32 master weights), ``d9d`` (config ->
+TrainingConfigurator -> Trainer with d9d-hf's provider, FSDP mixed precision bf16 with float32
+master weights). torchtitan's llama3 model has no tied embedding: its Llama row unties the head
+(the same FLOPs; 0.26 B more parameters to hold) while d9d and transformers tie it as the
+checkpoint does.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from typing import Any
 
 import torch
 
-IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "d9d", "d9d_compile")
+IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "titan_amp", "d9d", "d9d_compile")
+PEERS = ("titan", "titan_amp")
+"""The torchtitan rows that the table gives ratios against."""
 
 DENSE_0_6B: dict[str, Any] = {
     "model_type": "qwen3",
@@ -98,10 +107,33 @@ DENSE_4B_12_LAYERS: dict[str, Any] = {
     "head_dim": 128,
     "intermediate_size": 9728,
 }
+# Llama-3.2-1B's config.json (16 layers, tied head, llama3 RoPE scaling).
+LLAMA_3_2_1B: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 8192,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+    "rope_theta": 500_000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+}
 SHAPES: dict[str, dict[str, Any]] = {
     "dense": DENSE_0_6B,
     "dense4b": DENSE_4B_12_LAYERS,
     "moe": MOE_30B_A3B_6_LAYERS,
+    "llama1b": LLAMA_3_2_1B,
 }
 QUICK: dict[str, Any] = {
     "hidden_size": 64,
@@ -200,14 +232,12 @@ def _tokens(args: argparse.Namespace, vocab: int, device: torch.device) -> torch
 def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     import transformers
 
-    config_class = (
-        transformers.Qwen3MoeConfig if shape["model_type"] == "qwen3_moe" else transformers.Qwen3Config
-    )
-    model_class = (
-        transformers.Qwen3MoeForCausalLM
-        if shape["model_type"] == "qwen3_moe"
-        else transformers.Qwen3ForCausalLM
-    )
+    classes: dict[str, tuple[Any, Any]] = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }
+    config_class, model_class = classes[shape["model_type"]]
     fields = {k: v for k, v in shape.items() if k != "model_type"}
     config = config_class(**fields, attn_implementation="sdpa")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -229,8 +259,45 @@ def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device
     return _report(args, "hf_compile" if compiled else "hf", tokens_per_s, loss, device)
 
 
-def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.device) -> float:
-    from torchtitan.components.loss import cross_entropy_loss
+def _titan_llama3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
+    """torchtitan's llama3 Transformer at ``shape`` (its MLP width from multiplier and rounding)."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    dim, hidden = shape["hidden_size"], shape["intermediate_size"]
+    if shape["head_dim"] != dim // shape["num_attention_heads"]:
+        raise ValueError("torchtitan's llama3 derives head_dim as hidden_size / num_attention_heads")
+    # torchtitan sizes the MLP as multiple_of x ceil(multiplier x int(8 dim / 3) / multiple_of)
+    multiple_of = math.gcd(hidden, 256)
+    multiplier = hidden / int(8 * dim / 3)
+    scaling = shape["rope_scaling"]
+    model_args = TransformerModelArgs(
+        dim=dim,
+        n_layers=shape["num_hidden_layers"],
+        n_heads=shape["num_attention_heads"],
+        n_kv_heads=shape["num_key_value_heads"],
+        vocab_size=shape["vocab_size"],
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=multiplier,
+        norm_eps=shape["rms_norm_eps"],
+        rope_theta=shape["rope_theta"],
+        rope_scaling_args=RoPEScalingArgs(
+            scaling_factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        ),
+        max_seq_len=seq,
+    )
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    widths = {m.w1.out_features for m in model.modules() if hasattr(m, "w1")}
+    if widths != {hidden}:
+        raise ValueError(f"torchtitan's llama3 MLP width came out {widths}, not {hidden}")
+    return model
+
+
+def _titan_qwen3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
     from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
 
     base = qwen3_args["0.6B" if shape["model_type"] == "qwen3" else "30B-A3B"]
@@ -243,15 +310,25 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
         head_dim=shape["head_dim"],
         hidden_dim=shape["intermediate_size"],
         vocab_size=shape["vocab_size"],
-        max_seq_len=args.seq,
+        max_seq_len=seq,
     )
     with torch.device("meta"):
-        model = Qwen3Model(model_args)
+        return Qwen3Model(model_args)
+
+
+def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, amp: bool) -> float:
+    """torchtitan's model and loss; ``amp``: float32 parameters under bf16 autocast, else all bf16."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    model: Any = (
+        _titan_llama3(shape, args.seq) if shape["model_type"] == "llama" else _titan_qwen3(shape, args.seq)
+    )
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model.to(dtype=dtype)
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not amp:
+        model.to(dtype=low)
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
     model.train()
@@ -260,14 +337,16 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> torch.Tensor:
-        loss = cross_entropy_loss(model(inputs), labels)
+        # torchtitan's trainer: forward and loss under autocast when FSDP does not cast
+        with torch.autocast(device.type, dtype=low, enabled=amp):
+            loss = cross_entropy_loss(model(inputs), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     tokens_per_s, loss = _timed_plain_loop(step, args, device)
-    return _report(args, "titan", tokens_per_s, loss, device)
+    return _report(args, "titan_amp" if amp else "titan", tokens_per_s, loss, device)
 
 
 class _RandomTokens:
@@ -499,8 +578,7 @@ def _head_weight(shape: dict[str, Any], seq: int) -> float:
 
 
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
-    from d9d.hf import ScratchModelConfig, TokenBatch, causal_lm_task
-    from d9d.hf.qwen3 import Qwen3ModelProvider
+    from d9d.hf import HFModelProvider, ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.loop import (
         AutoDataProvider,
         AutoLRSchedulerProvider,
@@ -595,7 +673,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     with TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(model),
+        model_provider=HFModelProvider(model),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _ctx: _RandomTokens(
@@ -700,7 +778,9 @@ def run_one(args: argparse.Namespace) -> None:
         case "hf_compile":
             run_hf(args, shape, device, compiled=True)
         case "titan":
-            run_titan(args, shape, device)
+            run_titan(args, shape, device, amp=False)
+        case "titan_amp":
+            run_titan(args, shape, device, amp=True)
         case "d9d":
             run_d9d(args, shape, device, compiled=False)
         case "d9d_compile":
@@ -763,12 +843,16 @@ def run_all(args: argparse.Namespace) -> None:
                     f.write(json.dumps(record) + "\n")
         rounds.append(records)
     print(
-        f"\nQwen3 {args.model} ({shape['num_hidden_layers']} layers), seq {args.seq}, batch {args.batch}, "
+        f"\n{shape['model_type']} {args.model} ({shape['num_hidden_layers']} layers), "
+        f"seq {args.seq}, batch {args.batch}, "
         f"{args.device}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP/token; "
         f"{args.repeats} round(s): median (min-max)"
     )
-    print("| implementation | k tok/s | MFU % | peak GiB | tok/s vs torchtitan | memory vs torchtitan |")
-    print("|---|---|---|---|---|---|")
+    peers = [peer for peer in PEERS if peer in names]
+    header = "| implementation | k tok/s | MFU % | peak GiB |"
+    header += "".join(f" tok/s vs {peer} | memory vs {peer} |" for peer in peers)
+    print(header)
+    print("|---" * (4 + 2 * len(peers)) + "|")
     for name in names:
         done_rounds = [r for r in rounds if name in r]
         if not done_rounds:
@@ -776,13 +860,15 @@ def run_all(args: argparse.Namespace) -> None:
         speeds = [r[name]["tokens_per_s"] / 1e3 for r in done_rounds]
         mfus = [100 * r[name]["tokens_per_s"] * flops / (peak * 1e12) for r in done_rounds]
         memory = [r[name]["peak_memory_gib"] for r in done_rounds]
-        paired = [r for r in done_rounds if "titan" in r]
-        speed_ratio = [r[name]["tokens_per_s"] / r["titan"]["tokens_per_s"] for r in paired]
-        memory_ratio = [r[name]["peak_memory_gib"] / r["titan"]["peak_memory_gib"] for r in paired]
-        print(
-            f"| {name} | {_spread(speeds)} | {_spread(mfus)} | {_spread(memory)} "
-            f"| {_spread(speed_ratio) if paired else '-'} | {_spread(memory_ratio) if paired else '-'} |"
-        )
+        line = f"| {name} | {_spread(speeds)} | {_spread(mfus)} | {_spread(memory)} |"
+        for peer in peers:
+            paired = [r for r in done_rounds if peer in r]
+            speed_ratio = [r[name]["tokens_per_s"] / r[peer]["tokens_per_s"] for r in paired]
+            memory_ratio = [r[name]["peak_memory_gib"] / r[peer]["peak_memory_gib"] for r in paired]
+            line += (
+                f" {_spread(speed_ratio) if paired else '-'} | {_spread(memory_ratio) if paired else '-'} |"
+            )
+        print(line)
 
 
 def pipeline_schedules() -> list[str]:
@@ -805,7 +891,8 @@ def main() -> None:
         "--model",
         choices=list(SHAPES),
         default="dense",
-        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; moe: Qwen3-30B-A3B widths, 6 layers",
+        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; moe: Qwen3-30B-A3B widths, "
+        "6 layers; llama1b: Llama-3.2-1B",
     )
     parser.add_argument(
         "--repeats",
