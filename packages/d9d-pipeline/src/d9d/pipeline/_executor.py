@@ -14,6 +14,7 @@ from d9d.pipeline._executor_base import check_stage_modules, forward_only_view
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._runner import RankRunner
 from d9d.pipeline._shapes import PipelineShapeError, infer_output_spec
+from d9d.pipeline._sharded_backward import check_split_backward_support
 from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._transport import P2PTransport
 from d9d.pipeline._tree import TreeSpec, spec_of, split_microbatches
@@ -33,7 +34,10 @@ class PipelineExecutor:
     Stages are called as ``module(inputs)``, or ``module(inputs, shared)`` when ``shared`` is given.
     Stage inputs and outputs are pytrees (tensors, dicts, lists, tuples); gradients travel back for
     their floating-point tensors. Parameter gradients accumulate in ``.grad`` over microbatches (the
-    executor never zeroes them).
+    executor never zeroes them). On a stage holding FSDP (``fully_shard``) modules whose backward
+    the program splits (``I`` and ``W``), FSDP's gradient reduction is held back during the step
+    and runs once per parameter group after the stage's last ``W``, parameters gathered for every
+    ``W`` (see :mod:`d9d.pipeline._sharded_backward`).
 
     Args:
         program: The program, the same on every rank (validated here).
@@ -43,8 +47,9 @@ class PipelineExecutor:
         device: Where receive buffers live; the device of the stages' first parameter when None.
 
     Raises:
-        ValueError: If the group size differs from the program's rank count or the stages are not
-            this rank's stages under the program.
+        ValueError: If the group size differs from the program's rank count, the stages are not
+            this rank's stages under the program, or a split-backward stage holds FSDP modules
+            and this torch lacks ``FSDPModule.finalize_backward``.
         PipelineProgramError: If the program is invalid.
     """
 
@@ -68,6 +73,7 @@ class PipelineExecutor:
         self._rank = dist.get_rank(self._group)
         check_stage_modules(program, self._rank, stages)
         validate_program(program)
+        check_split_backward_support(program, self._rank, stages)
         self._program = program
         self._global = [dist.get_global_rank(self._group, r) for r in range(world)]
         if device is None:

@@ -54,9 +54,12 @@ class RankRunner:
         self._device = device
         self._weight_hook: WeightGradientHook | None = None
         self._last_weight_action: dict[int, Action] = {}
+        self._split_stages: set[int] = set()
         for action in program.actions[rank]:
             if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 self._last_weight_action[action.stage] = action
+            if action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
+                self._split_stages.add(action.stage)
         self._microbatches: Sequence[Any] = ()
         self._shared: Any = None
         self._loss_fn: LossFn | None = None
@@ -83,6 +86,8 @@ class RankRunner:
         self._output_grads.clear()
         self._outgoing.clear()
         self.losses, self.outputs = {}, {}
+        for stage, runtime in self._stages.items():
+            runtime.begin_step(split_backward=stage in self._split_stages)
 
     def _where(self, stage: int) -> int:
         return self._program.stage_to_rank[stage]
@@ -118,16 +123,24 @@ class RankRunner:
                 if action.kind == ActionKind.BACKWARD:
                     self._before_weight_gradients(action)
                 self._backward(s, m, split=action.kind == ActionKind.BACKWARD_INPUT)
+                self._after_weight_gradients(action)
             case ActionKind.BACKWARD_WEIGHT:
                 self._transport.flush()
                 self._before_weight_gradients(action)
                 self._stages[s].backward_weight(m)
+                self._after_weight_gradients(action)
 
     def _before_weight_gradients(self, action: Action) -> None:
         if self._weight_hook is not None:
             self._weight_hook(
                 action.stage, action.microbatch, self._last_weight_action.get(action.stage) == action
             )
+
+    def _after_weight_gradients(self, action: Action) -> None:
+        # Sends queued before this action were posted at its start; the data-parallel peers
+        # reach this reduction at the same point of the same program.
+        if self._last_weight_action.get(action.stage) == action:
+            self._stages[action.stage].end_backward()
 
     def _forward(self, s: int, m: int) -> None:
         runtime = self._stages[s]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from d9d.pipeline._shapes import PipelineShapeError, call_stage, check_against_spec
+from d9d.pipeline._sharded_backward import ShardedSplitBackward
 from d9d.pipeline._split_backward import WeightBackwardPlan, input_backward, weight_backward
 from d9d.pipeline._tree import TreeSpec, flatten_tree, unflatten_tree
 
@@ -40,6 +41,7 @@ class StageRuntime:
         self.input_spec: TreeSpec | None = None
         self.output_spec: TreeSpec | None = None
         self._saved: dict[int, _Saved] = {}
+        self._sharded = ShardedSplitBackward(module)
 
     @property
     def is_first(self) -> bool:
@@ -106,9 +108,22 @@ class StageRuntime:
     def _input_grads(self, saved: _Saved, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         return [torch.zeros_like(x) if g is None else g for x, g in zip(saved.inputs, grads, strict=True)]
 
+    def begin_step(self, *, split_backward: bool) -> None:
+        """Before a step; ``split_backward``: the step runs this stage's backward in parts.
+
+        On FSDP modules a split backward defers gradient reduction to :meth:`end_backward`.
+        """
+        if split_backward:
+            self._sharded.begin()
+
+    def end_backward(self) -> None:
+        """After the stage's last gradient-accumulating action of the step (reduces FSDP gradients)."""
+        self._sharded.finish()
+
     def backward(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Full backward: accumulates parameter gradients and returns the input gradients."""
         saved = self._set_output_grads(microbatch, output_grads)
+        self._sharded.before_backward(weight=False)
         if saved.targets:
             torch.autograd.backward(saved.targets, saved.grads)
         grads = [x.grad for x in saved.inputs]
@@ -122,6 +137,7 @@ class StageRuntime:
         are kept (see :mod:`d9d.pipeline._split_backward`).
         """
         saved = self._set_output_grads(microbatch, output_grads)
+        self._sharded.before_backward(weight=False)
         grads, saved.plan = input_backward(saved.targets, saved.grads, saved.inputs)
         saved.targets, saved.grads = [], []
         return self._input_grads(saved, grads)
@@ -131,8 +147,10 @@ class StageRuntime:
         saved = self._saved.pop(microbatch)
         if saved.plan is None:
             raise RuntimeError(f"stage {self.stage}, microbatch {microbatch}: W runs before I")
+        self._sharded.before_backward(weight=True)
         weight_backward(saved.plan, [p for p in self.module.parameters() if p.requires_grad])
 
     def clear(self) -> None:
         """Drops everything kept for backward (after a failed or forward-only step)."""
         self._saved.clear()
+        self._sharded.abort()  # a no-op unless the step failed with FSDP reductions held back

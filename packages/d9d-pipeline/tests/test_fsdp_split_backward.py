@@ -1,0 +1,123 @@
+"""Split-backward schedules on FSDP and HSDP stages match one process on the whole batch.
+
+pipeline 2 x data_parallel_shard 2 on 4 CPU ranks (and HSDP: pipeline 2 x replicate 2 x shard 1):
+losses, reduced gradients and parameters after several SGD steps equal a single-process
+reference whose gradient is the mean over the data-parallel halves of the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from d9d.mesh.testing import run_distributed
+from d9d.pipeline import (
+    DualPipeVScheduleConfig,
+    InterleavedZeroBubbleScheduleConfig,
+    PipelineExecutor,
+    PipelineScheduleConfig,
+    ZBVScheduleConfig,
+    build_program,
+)
+
+from ._pipeline_model import Stage, build_stages, make_batch, make_loss_fn, reference
+
+NUM_LAYERS = 8
+MICROBATCHES = 4  # DualPipeV needs 2 x ranks
+STEPS = 3
+ROWS = 16  # the whole batch; each data-parallel rank trains on half
+
+
+class _ShardedStage(nn.Module):
+    """A stage whose layers and root are ``fully_shard``-ed; output shapes come from a meta copy."""
+
+    def __init__(self, stage: Stage, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self._meta = [copy.deepcopy(stage).to("meta")]  # a list: not a submodule
+        for layer in stage.layers:
+            fully_shard(layer, mesh=mesh)  # reshard_after_forward: W must gather them again
+        fully_shard(stage, mesh=mesh)
+        self.stage = stage
+
+    def forward(self, inputs: Any, shared: Any) -> Any:
+        return self.stage(inputs, shared)
+
+    def pipeline_output_meta(self, inputs: Any, shared: Any) -> Any:
+        return self._meta[0](inputs, shared)
+
+
+def _half(tree: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(2)[index] for k, v in tree.items()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _train(config: PipelineScheduleConfig, hsdp: bool) -> int:
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], mesh.get_local_rank("dp_replicate")
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+        dp_mesh, dp_rank = mesh["dp_shard"], mesh.get_local_rank("dp_shard")
+    pp_rank = mesh.get_local_rank("pp")
+    program = build_program(config, num_ranks=2, num_microbatches=MICROBATCHES)
+    stages = build_stages(program.num_stages, NUM_LAYERS)
+    ref_stages = copy.deepcopy(stages)
+    mine = {s: _ShardedStage(stages[s], dp_mesh) for s in program.stages_of(pp_rank)}
+    executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
+    optimizer = torch.optim.SGD([p for m in mine.values() for p in m.parameters()], lr=0.2)
+    ref_optimizer = torch.optim.SGD([p for s in ref_stages for p in s.parameters()], lr=0.2)
+    checked = 0
+    for step in range(STEPS):
+        inputs, shared, target = make_batch(ROWS, seed=step)
+        halves = [(_half(inputs, d), target.chunk(2)[d]) for d in range(2)]
+        optimizer.zero_grad()
+        local_inputs, local_target = halves[dp_rank]
+        losses = executor.step(local_inputs, loss_fn=make_loss_fn(local_target, MICROBATCHES), shared=shared)
+        # the reference: one process, the gradient of the mean of both halves' losses
+        ref_runs = [reference(ref_stages, x, shared, t, MICROBATCHES) for x, t in halves]
+        if executor.has_last_stage:
+            assert losses is not None
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_runs[dp_rank][0]))
+        for s, module in mine.items():
+            runs = [run[1][s].parameters() for run in ref_runs]
+            for param, *ref_params in zip(module.stage.parameters(), *runs, strict=True):
+                want = sum(p.grad for p in ref_params) / 2
+                assert param.grad is not None
+                torch.testing.assert_close(_full(param.grad), want, rtol=1e-5, atol=1e-6)
+                checked += 1
+        optimizer.step()
+        for ref, *copies in zip(ref_stages, *(run[1] for run in ref_runs), strict=True):
+            for p, *grads_from in zip(ref.parameters(), *(c.parameters() for c in copies), strict=True):
+                p.grad = sum(g.grad for g in grads_from) / 2
+        ref_optimizer.step()
+    for s, module in mine.items():
+        for param, ref_param in zip(module.stage.parameters(), ref_stages[s].parameters(), strict=True):
+            torch.testing.assert_close(_full(param.detach()), ref_param.detach(), rtol=1e-5, atol=1e-6)
+    dist.barrier()
+    return checked
+
+
+@pytest.mark.parametrize(
+    "config",
+    [InterleavedZeroBubbleScheduleConfig(stages_per_rank=1), ZBVScheduleConfig(), DualPipeVScheduleConfig()],
+    ids=["zb1p", "zbv", "dualpipev"],
+)
+def test_split_backward_on_fsdp_stages_matches_one_process(config: PipelineScheduleConfig) -> None:
+    checked = run_distributed(_train, config, False, world_size=4, timeout_s=180)
+    assert min(checked) > 0
+
+
+def test_split_backward_on_hsdp_stages_matches_one_process() -> None:
+    checked = run_distributed(_train, ZBVScheduleConfig(), True, world_size=4, timeout_s=180)
+    assert min(checked) > 0
