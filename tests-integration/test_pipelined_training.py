@@ -113,6 +113,16 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str, strategy
         ({"pipeline_parallel": 2, "data_parallel_replicate": 2}, {"name": "1f1b"}, 4, "replicate"),
         # split backward: weight gradients accumulate in separate actions
         ({"pipeline_parallel": 2, "data_parallel_replicate": 2}, {"name": "zbv"}, 4, "replicate"),
+        # split backward on FSDP stages (reduced once after each stage's last W), and on HSDP ones
+        ({"pipeline_parallel": 2, "data_parallel_shard": 2}, {"name": "zbv"}, 4, "hsdp"),
+        ({"pipeline_parallel": 2, "data_parallel_shard": 2}, {"name": "dualpipev"}, 4, "hsdp"),
+        (
+            {"pipeline_parallel": 2, "data_parallel_shard": 2},
+            {"name": "interleaved_zero_bubble", "stages_per_rank": 1},  # ZB1P
+            4,
+            "hsdp",
+        ),
+        ({"pipeline_parallel": 2, "data_parallel_replicate": 2}, {"name": "zbv"}, 4, "hsdp"),
     ],
 )
 def test_pipelined_run_matches_non_pipelined(

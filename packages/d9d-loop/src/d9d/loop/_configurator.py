@@ -23,7 +23,6 @@ from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._nonfinite_guard import NonFiniteGuard
-from d9d.loop._pipeline_checks import check_split_backward_fits
 from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
 from d9d.loop._providers import (
     BatchSource,
@@ -144,7 +143,6 @@ class TrainingConfigurator:
         config, layout = self._config, self._layout
         program = self._build_program()
         stages = self._build_stages(dist_context, program)
-        check_split_backward_fits(program, [(s.stage, s.model) for s in stages])
         models = [s.model for s in stages]
         # Collective on every rank: e.g. a fresh tied head takes the first stage's embedding.
         ready = self._model_provider.stages_ready(
