@@ -22,6 +22,19 @@ from d9d.parallel._context_parallel_sharding import (
 from d9d.parallel._deep_ep_buffer import DeepEPBuffer, DeepEPBufferFactory, DeepEPBuffers
 from d9d.parallel._deep_ep_dispatcher import DeepEPTokenDispatcher
 from d9d.parallel._expert_parallel import MoELayerLike, TokenDispatcherKind, parallelize_expert_parallel
+from d9d.parallel._float8 import (
+    DEFAULT_FLOAT8_EXCLUDE,
+    Float8GroupedMatmul,
+    Float8Recipe,
+    Float8Training,
+    GroupedExpertsLike,
+    GroupedMatmul,
+    MissingFloat8Error,
+    convert_experts_to_float8,
+    convert_to_float8,
+    float8_linear_names,
+    precompute_float8_scales,
+)
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
@@ -36,6 +49,7 @@ from d9d.parallel._vocab_parallel_cross_entropy import vocab_parallel_cross_entr
 from d9d.parallel._vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = [
+    "DEFAULT_FLOAT8_EXCLUDE",
     "AllToAllTokenDispatcher",
     "AttentionBackend",
     "AttentionLayerLike",
@@ -45,10 +59,16 @@ __all__ = [
     "DeepEPBufferFactory",
     "DeepEPBuffers",
     "DeepEPTokenDispatcher",
+    "Float8GroupedMatmul",
+    "Float8Recipe",
+    "Float8Training",
     "FullCheckpointing",
     "GradientReduction",
     "GradientSynchronizer",
+    "GroupedExpertsLike",
+    "GroupedMatmul",
     "LocalParameterSlot",
+    "MissingFloat8Error",
     "MoELayerLike",
     "SelectiveCheckpointing",
     "SequenceParallelNorm",
@@ -62,6 +82,9 @@ __all__ = [
     "context_parallel_position_ids",
     "context_parallel_shard",
     "context_parallel_unshard",
+    "convert_experts_to_float8",
+    "convert_to_float8",
+    "float8_linear_names",
     "hsdp_mesh",
     "install_local_forward",
     "parallelize_context_parallel",
@@ -70,6 +93,7 @@ __all__ = [
     "parallelize_grouped_tensor_parallel",
     "parallelize_hsdp",
     "parallelize_replicate",
+    "precompute_float8_scales",
     "synchronize_replicas",
     "vocab_parallel_cross_entropy",
 ]

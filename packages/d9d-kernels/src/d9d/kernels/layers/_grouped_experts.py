@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from d9d.kernels import grouped_mm, swiglu
 from d9d.kernels.layers._init import init_normal_
+
+
+class GroupedMatmul(Protocol):
+    """``out[rows of g] = x[rows of g] @ weight[g]`` (``grouped_mm`` fits)."""
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
+    ) -> torch.Tensor:
+        """Maps ``(M, K)`` rows grouped contiguously and ``(G, K, N)`` weights to ``(M, N)``."""
+        ...
 
 
 class GroupedSwiGLUExperts(nn.Module):
@@ -18,6 +30,9 @@ class GroupedSwiGLUExperts(nn.Module):
     Parameters (``E`` experts, ``H`` hidden, ``I`` intermediate): ``gate_proj`` and ``up_proj`` of
     shape ``(E, H, I)``, ``down_proj`` of shape ``(E, I, H)`` (input dim first, as ``grouped_mm``
     takes them; Hugging Face's ``nn.Linear`` layout is the transpose).
+
+    The three products run through ``grouped_matmul`` (``grouped_mm`` by default); replacing it
+    (an FP8 grouped GEMM, say) changes the arithmetic, never the parameters.
 
     Args:
         num_experts: Number of experts.
@@ -34,6 +49,7 @@ class GroupedSwiGLUExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.init_std = init_std
+        self.grouped_matmul: GroupedMatmul = grouped_mm
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -60,9 +76,10 @@ class GroupedSwiGLUExperts(nn.Module):
                 f"tokens_per_expert has shape {tuple(tokens_per_expert.shape)}, expected ({local_experts},) "
                 f"for the {local_experts} local experts"
             )
-        gate = grouped_mm(tokens, self.gate_proj, tokens_per_expert)
-        up = grouped_mm(tokens, self.up_proj, tokens_per_expert)
-        return grouped_mm(swiglu(gate, up), self.down_proj, tokens_per_expert)
+        matmul = self.grouped_matmul
+        gate = matmul(tokens, self.gate_proj, tokens_per_expert)
+        up = matmul(tokens, self.up_proj, tokens_per_expert)
+        return matmul(swiglu(gate, up), self.down_proj, tokens_per_expert)
 
     def extra_repr(self) -> str:
         return (
