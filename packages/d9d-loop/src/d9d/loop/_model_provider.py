@@ -115,6 +115,19 @@ class FinalizeGradientsContext(RankStagesContext[ModelT]):
 
 
 @dataclass(kw_only=True, frozen=True)
+class OptimizerSteppedContext(RankStagesContext[ModelT]):
+    """Input of ``ModelProvider.optimizer_stepped``: this rank's stages, just updated.
+
+    Attributes:
+        dist_context: The job's distributed context.
+        stages: This rank's stages and their models, in increasing stage order.
+        step: The optimizer step (0-based) that was applied.
+    """
+
+    step: int
+
+
+@dataclass(kw_only=True, frozen=True)
 class StagesReadyContext(RankStagesContext[ModelT]):
     """Input of ``ModelProvider.stages_ready``: this rank's stages, built and initialized or loaded.
 
@@ -188,6 +201,15 @@ class ModelProvider(ABC, Generic[ModelT]):
 
         For gradients that span stages, e.g. an embedding tied to the LM head under pipeline
         parallelism (sum both copies' gradients over the first and last stage). Does nothing by
+        default.
+        """
+        del context
+
+    def optimizer_stepped(self, context: OptimizerSteppedContext[ModelT]) -> None:
+        """Runs on every rank right after each applied optimizer step (not after a skipped one).
+
+        For state derived from the new weights, e.g. the float8 scales of FSDP's float8
+        all-gather (``d9d.parallel.precompute_float8_scales``, one all-reduce). Does nothing by
         default.
         """
         del context

@@ -34,7 +34,7 @@ from d9d.loop._events import (
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._finite_weights import nonfinite_parameters
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
-from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider
+from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider, OptimizerSteppedContext
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
@@ -474,6 +474,11 @@ class Trainer:
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
         if verdict is StepVerdict.APPLY:
             p.optimizer.step()
+            p.provider.optimizer_stepped(
+                OptimizerSteppedContext(
+                    dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages], step=step
+                )
+            )
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
         # Read only now, so the optimizer's kernels are queued before the host waits.
