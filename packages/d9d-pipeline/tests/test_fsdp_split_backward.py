@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from d9d.mesh.testing import run_distributed
@@ -27,6 +27,7 @@ from d9d.pipeline import (
     ZBVScheduleConfig,
     build_program,
 )
+from d9d.pipeline import _sharded_backward as sharded_backward
 
 from ._pipeline_model import Stage, build_stages, make_batch, make_loss_fn, reference
 
@@ -62,7 +63,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _train(config: PipelineScheduleConfig, hsdp: bool) -> int:
+def _sync_on_last(stages: dict[int, _ShardedStage]) -> Any:
+    """A weight-gradient hook as a gradient synchronizer's: FSDP reduces only in the last one."""
+
+    def hook(stage: int, microbatch: int, is_last: bool) -> None:
+        del microbatch
+        for module in stages[stage].modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(is_last, recurse=False)
+
+    return hook
+
+
+def _train_without_manual_finalization(config: PipelineScheduleConfig) -> int:
+    """As on a torch whose FSDP cannot finalize on request: the backward runs whole in ``I``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sharded_backward, "manual_finalization_available", lambda: False)
+        return _train(config, False, whole_backward=True)
+
+
+def _train(config: PipelineScheduleConfig, hsdp: bool, *, whole_backward: bool = False) -> int:
     if hsdp:
         mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
         dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], mesh.get_local_rank("dp_replicate")
@@ -74,7 +94,11 @@ def _train(config: PipelineScheduleConfig, hsdp: bool) -> int:
     stages = build_stages(program.num_stages, NUM_LAYERS)
     ref_stages = copy.deepcopy(stages)
     mine = {s: _ShardedStage(stages[s], dp_mesh) for s in program.stages_of(pp_rank)}
-    executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
+    if whole_backward:
+        with pytest.warns(UserWarning, match=r"lacks FSDPModule.finalize_backward"):
+            executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
+    else:
+        executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
     optimizer = torch.optim.SGD([p for m in mine.values() for p in m.parameters()], lr=0.2)
     ref_optimizer = torch.optim.SGD([p for s in ref_stages for p in s.parameters()], lr=0.2)
     checked = 0
@@ -83,7 +107,12 @@ def _train(config: PipelineScheduleConfig, hsdp: bool) -> int:
         halves = [(_half(inputs, d), target.chunk(2)[d]) for d in range(2)]
         optimizer.zero_grad()
         local_inputs, local_target = halves[dp_rank]
-        losses = executor.step(local_inputs, loss_fn=make_loss_fn(local_target, MICROBATCHES), shared=shared)
+        losses = executor.step(
+            local_inputs,
+            loss_fn=make_loss_fn(local_target, MICROBATCHES),
+            shared=shared,
+            weight_gradient_hook=_sync_on_last(mine),
+        )
         # the reference: one process, the gradient of the mean of both halves' losses
         ref_runs = [reference(ref_stages, x, shared, t, MICROBATCHES) for x, t in halves]
         if executor.has_last_stage:
@@ -120,4 +149,11 @@ def test_split_backward_on_fsdp_stages_matches_one_process(config: PipelineSched
 
 def test_split_backward_on_hsdp_stages_matches_one_process() -> None:
     checked = run_distributed(_train, ZBVScheduleConfig(), True, world_size=4, timeout_s=180)
+    assert min(checked) > 0
+
+
+def test_without_manual_finalization_the_backward_runs_whole_and_matches() -> None:
+    checked = run_distributed(
+        _train_without_manual_finalization, ZBVScheduleConfig(), world_size=4, timeout_s=180
+    )
     assert min(checked) > 0

@@ -14,7 +14,7 @@ from d9d.pipeline._executor_base import check_stage_modules, forward_only_view
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._runner import RankRunner
 from d9d.pipeline._shapes import PipelineShapeError, infer_output_spec
-from d9d.pipeline._sharded_backward import check_split_backward_support
+from d9d.pipeline._sharded_backward import warn_whole_backward, whole_backward_stages
 from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._transport import P2PTransport
 from d9d.pipeline._tree import TreeSpec, spec_of, split_microbatches
@@ -37,7 +37,8 @@ class PipelineExecutor:
     executor never zeroes them). On a stage holding FSDP (``fully_shard``) modules whose backward
     the program splits (``I`` and ``W``), FSDP's gradient reduction is held back during the step
     and runs once per parameter group after the stage's last ``W``, parameters gathered for every
-    ``W`` (see :mod:`d9d.pipeline._sharded_backward`).
+    ``W`` (see :mod:`d9d.pipeline._sharded_backward`; on a torch without
+    ``FSDPModule.finalize_backward`` such a stage runs its backward whole in ``I``, with a warning).
 
     Args:
         program: The program, the same on every rank (validated here).
@@ -47,9 +48,8 @@ class PipelineExecutor:
         device: Where receive buffers live; the device of the stages' first parameter when None.
 
     Raises:
-        ValueError: If the group size differs from the program's rank count, the stages are not
-            this rank's stages under the program, or a split-backward stage holds FSDP modules
-            and this torch lacks ``FSDPModule.finalize_backward``.
+        ValueError: If the group size differs from the program's rank count or the stages are not
+            this rank's stages under the program.
         PipelineProgramError: If the program is invalid.
     """
 
@@ -73,7 +73,8 @@ class PipelineExecutor:
         self._rank = dist.get_rank(self._group)
         check_stage_modules(program, self._rank, stages)
         validate_program(program)
-        check_split_backward_support(program, self._rank, stages)
+        self._whole_backward = frozenset(whole_backward_stages(program, self._rank, stages))
+        warn_whole_backward(sorted(self._whole_backward))
         self._program = program
         self._global = [dist.get_global_rank(self._group, r) for r in range(world)]
         if device is None:
@@ -167,7 +168,12 @@ class PipelineExecutor:
         self._exchange_shapes(microbatches[0] if microbatches else None, shared, input_error)
         transport = P2PTransport(group=self._group, global_ranks=self._global)
         runner = RankRunner(
-            program=program, rank=self._rank, stages=self._runtimes, transport=transport, device=self._device
+            program=program,
+            rank=self._rank,
+            stages=self._runtimes,
+            transport=transport,
+            device=self._device,
+            whole_backward=self._whole_backward,
         )
         runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn, weight_hook=weight_hook)
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +46,7 @@ class RankRunner:
         stages: Mapping[int, StageRuntime],
         transport: Transport,
         device: torch.device,
+        whole_backward: Set[int] = frozenset(),
     ) -> None:
         self._program = program
         self._rank = rank
@@ -53,12 +54,19 @@ class RankRunner:
         self._transport = transport
         self._device = device
         self._weight_hook: WeightGradientHook | None = None
+        # Stages whose split backward runs whole in I (FSDP on a torch without manual finalization).
+        self._whole_backward = whole_backward
         self._last_weight_action: dict[int, Action] = {}
         self._split_stages: set[int] = set()
         for action in program.actions[rank]:
-            if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            whole = action.stage in whole_backward
+            grad_kinds = (
+                ActionKind.BACKWARD,
+                ActionKind.BACKWARD_INPUT if whole else ActionKind.BACKWARD_WEIGHT,
+            )
+            if action.kind in grad_kinds:
                 self._last_weight_action[action.stage] = action
-            if action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
+            if action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT) and not whole:
                 self._split_stages.add(action.stage)
         self._microbatches: Sequence[Any] = ()
         self._shared: Any = None
@@ -120,15 +128,17 @@ class RankRunner:
                 self._forward(s, m)
             case ActionKind.BACKWARD | ActionKind.BACKWARD_INPUT:
                 self._transport.flush()
-                if action.kind == ActionKind.BACKWARD:
+                split = action.kind == ActionKind.BACKWARD_INPUT and s not in self._whole_backward
+                if not split:
                     self._before_weight_gradients(action)
-                self._backward(s, m, split=action.kind == ActionKind.BACKWARD_INPUT)
+                self._backward(s, m, split=split)
                 self._after_weight_gradients(action)
             case ActionKind.BACKWARD_WEIGHT:
                 self._transport.flush()
-                self._before_weight_gradients(action)
-                self._stages[s].backward_weight(m)
-                self._after_weight_gradients(action)
+                if s not in self._whole_backward:  # else the I before it did the whole backward
+                    self._before_weight_gradients(action)
+                    self._stages[s].backward_weight(m)
+                    self._after_weight_gradients(action)
 
     def _before_weight_gradients(self, action: Action) -> None:
         if self._weight_hook is not None:

@@ -16,10 +16,16 @@ its own, with FSDP's public controls:
 - after the stage's last backward part of the step, gradient synchronization and resharding are
   turned back on and each root finalizes once: one reduce-scatter (and, under HSDP, one
   all-reduce) per parameter group, then the parameters are resharded.
+
+Manual finalization (``FSDPModule.finalize_backward``) is newer than torch 2.11. Where torch
+lacks it, such a stage runs its backward whole in ``I`` and its ``W`` actions do nothing: FSDP
+then reduces in the stage's last ``I`` as in a schedule without split backward. The results are
+the same; that stage loses the overlap the split buys (the executor warns once).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 from torch import nn
@@ -54,28 +60,28 @@ def manual_finalization_available() -> bool:
     )
 
 
-def check_split_backward_support(
-    program: PipelineProgram, rank: int, stages: Mapping[int, nn.Module]
-) -> None:
-    """Raises if a stage runs a split backward on FSDP modules and this torch cannot defer it.
-
-    Raises:
-        ValueError: Naming the stage, when ``FSDPModule`` lacks manual backward finalization.
-    """
+def whole_backward_stages(program: PipelineProgram, rank: int, stages: Mapping[int, nn.Module]) -> list[int]:
+    """Stages of ``rank`` whose split backward runs whole in ``I`` (FSDP without manual finalization)."""
     if manual_finalization_available():
-        return
+        return []
     split = {
         a.stage
         for a in program.actions[rank]
         if a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
     }
-    for stage in sorted(split):
-        if fsdp_modules(stages[stage]):
-            raise ValueError(
-                f"stage {stage} holds FSDP (fully_shard) modules and the program splits its backward, "
-                "which needs FSDPModule.finalize_backward (manual backward finalization); this torch "
-                "lacks it: upgrade torch, or choose a schedule without split backward"
-            )
+    return [stage for stage in sorted(split) if fsdp_modules(stages[stage])]
+
+
+def warn_whole_backward(stages: list[int]) -> None:
+    """Warns that ``stages`` lose the split of their backward (torch without manual finalization)."""
+    if stages:
+        warnings.warn(
+            f"stages {stages} hold FSDP (fully_shard) modules and this torch lacks "
+            "FSDPModule.finalize_backward: their backward runs whole in the input pass (I) and their "
+            "weight passes (W) do nothing. Gradients are correct; the zero-bubble overlap is lost "
+            "there. Upgrade torch to split them",
+            stacklevel=3,
+        )
 
 
 class ShardedSplitBackward:
