@@ -36,7 +36,13 @@ from d9d.hf._families import DecoderConfig, read_decoder_config
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, ClassificationMetric, HeadConfig
 from d9d.hf._hub import SNAPSHOT_PATTERNS, resolve_snapshot
-from d9d.hf._model_config import HFModelConfig, ParamDtype, PretrainedModelConfig, ScratchModelConfig
+from d9d.hf._model_config import (
+    Float8Config,
+    HFModelConfig,
+    ParamDtype,
+    PretrainedModelConfig,
+    ScratchModelConfig,
+)
 from d9d.hf._multi_head_task import (
     MultiHeadBatch,
     MultiHeadSample,
@@ -71,6 +77,7 @@ __all__ = [
     "DecoderMultiHead",
     "DecoderSequenceClassification",
     "DecoderSpec",
+    "Float8Config",
     "HFModelConfig",
     "HFModelProvider",
     "HeadConfig",

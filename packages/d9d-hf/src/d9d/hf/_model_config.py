@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -12,10 +13,67 @@ from d9d.hf._families import DecoderConfig
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import HeadConfig, head_specs
 from d9d.kernels.layers import AttentionBackendName
+from d9d.parallel import DEFAULT_FLOAT8_EXCLUDE, Float8Recipe, Float8Training
 
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 """Dtype of the gathered parameters in forward/backward (FSDP mixed precision); gradients are
 reduced and the optimizer steps in float32."""
+
+
+class Float8Config(BaseModel):
+    """``model: {float8: {recipe: tensorwise}}``: FP8 training of linear layers through torchao.
+
+    Needs the ``float8`` extra (``pip install 'd9d-hf[float8]'``) and, for speed, an H100/H200
+    or newer GPU. The weights stay in their own dtype (the master weights); only the matmuls run
+    in float8, so checkpoints and exports are unchanged.
+
+    Attributes:
+        recipe: ``tensorwise`` (one scale per tensor, fastest) or ``rowwise`` (one per row).
+        fsdp_float8_all_gather: FSDP gathers the converted weights in float8 (tensorwise only);
+            their scales are precomputed after each optimizer step.
+        exclude: Regular expressions searched in each linear layer's name; matches stay in bf16
+            (by default the LM head and MoE routers).
+        min_features: Layers whose smaller dim is below this stay in bf16; dims that are not
+            multiples of 16 always do.
+        experts: Also run the MoE experts' grouped GEMMs in FP8 (rowwise scales, whatever
+            ``recipe`` says; the router and token permute stay as they are). Needs
+            ``param_dtype: bfloat16`` and a GPU of compute capability 9.0 or newer.
+        emulate: Emulate the FP8 matmuls in high precision (tests on machines without FP8).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: Float8Recipe = "tensorwise"
+    fsdp_float8_all_gather: bool = False
+    exclude: tuple[str, ...] = DEFAULT_FLOAT8_EXCLUDE
+    min_features: int = Field(default=128, ge=0)
+    experts: bool = False
+    emulate: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self) -> Float8Config:
+        if importlib.util.find_spec("torchao") is None:
+            raise ValueError(
+                "model.float8 needs torchao, which is not installed: pip install 'd9d-hf[float8]' "
+                "(or 'd9d[float8]'), or remove model.float8"
+            )
+        if self.recipe == "rowwise" and self.fsdp_float8_all_gather:
+            raise ValueError(
+                "model.float8.fsdp_float8_all_gather needs model.float8.recipe: tensorwise (torchao "
+                "gathers float8 weights with one scale per tensor); set it false for rowwise"
+            )
+        self.training()  # the remaining checks (exclude patterns)
+        return self
+
+    def training(self) -> Float8Training:
+        """The d9d-parallel settings of the linear layers."""
+        return Float8Training(
+            recipe=self.recipe,
+            fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+            exclude=self.exclude,
+            min_features=self.min_features,
+            emulate=self.emulate,
+        )
 
 
 class _ModelOptions(BaseModel):
@@ -29,6 +87,16 @@ class _ModelOptions(BaseModel):
     last_stage_weight: float = Field(default=0.0, ge=0.0)
     expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
     heads: tuple[HeadConfig, ...] | None = None
+    float8: Float8Config | None = None
+
+    @model_validator(mode="after")
+    def _float8_experts_in_bf16(self) -> _ModelOptions:
+        if self.float8 is not None and self.float8.experts and self.param_dtype != "bfloat16":
+            raise ValueError(
+                f"model.float8.experts needs model.param_dtype: bfloat16 (the FP8 grouped GEMM takes "
+                f"and returns bf16), got {self.param_dtype}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_way_to_name_heads(self) -> _ModelOptions:
@@ -66,6 +134,9 @@ class PretrainedModelConfig(_ModelOptions):
             norm, head and loss) in decoder layers, so that it gets fewer layers (0: an even split).
             The head's FLOPs over one layer's: ``vocab x hidden`` over a layer's parameters plus
             ``seq x heads x head_dim`` (attention); a Qwen3-0.6B head at seq 4096 weighs about 6.4.
+        float8: FP8 training of the linear layers (and optionally the MoE experts) through
+            torchao (``Float8Config``); None trains in ``param_dtype``. Converted before tensor
+            parallelism and FSDP; not with LoRA (refused when the stage is parallelized).
         expert_bias_update_rate: Auxiliary-loss-free MoE balancing: every router selects experts by
             score plus a per-expert bias (starting at 0, not exported) that moves by this rate
             after each step, up for experts that got fewer tokens than the mean and down for those

@@ -43,6 +43,7 @@ from d9d.loop import (
     LoadModelStageContext,
     LoadModelStageResult,
     ModelProvider,
+    OptimizerSteppedContext,
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
@@ -50,6 +51,7 @@ from d9d.loop import (
     StagesReadyResult,
 )
 from d9d.mesh import DistributedContext
+from d9d.parallel import precompute_float8_scales
 from d9d.pipeline import layers_of_stage
 from d9d.state_mappers import DropMapper, ParallelMapper, SafetensorsCheckpoint
 
@@ -172,11 +174,14 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         return InitializeModelStageResult(model=model, state_mapper=mapper)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
-        """Applies the decoder recipe (TP, CP, EP, FSDP/HSDP) that the mesh asks for."""
+        """Applies FP8 (``float8``) and the decoder recipe (TP, CP, EP, FSDP/HSDP) the mesh asks for."""
+        float8 = self._config.float8
         parallelize_decoder(
             context.model,
             dist_context=context.dist_context,
             param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
+            float8=None if float8 is None else float8.training(),
+            float8_experts=float8 is not None and float8.experts,
         )
         if self._config.compile:
             context.model.model.compile_layers()
@@ -221,6 +226,14 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         if not self._tied_across_stages(context.dist_context):
             return
         self._tied.sum_gradients(context.dist_context, context.stages)
+
+    def optimizer_stepped(self, context: OptimizerSteppedContext[DecoderModelBase]) -> None:
+        """With FSDP's float8 all-gather: the new weights' float8 scales, one all-reduce per stage."""
+        float8 = self._config.float8
+        if float8 is None or not float8.fsdp_float8_all_gather:
+            return
+        for _, model in context.stages:
+            precompute_float8_scales(model)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext[DecoderModelBase]

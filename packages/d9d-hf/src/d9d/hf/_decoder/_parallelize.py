@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -9,9 +12,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 from d9d.kernels.layers import MoELayer
+from d9d.loop.peft import GroupedLoRAExperts, LoRALinear
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
+    Float8Training,
     cast_parameters_for_compute,
+    convert_experts_to_float8,
+    convert_to_float8,
     hsdp_mesh,
     parallelize_context_parallel,
     parallelize_expert_parallel,
@@ -36,19 +43,40 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
     return hsdp_mesh(dense["dp_replicate", "dp_cp_shard", "cp_replicate"])
 
 
+def _apply_float8(model: DecoderModelBase, float8: Float8Training, *, experts: bool) -> None:
+    """FP8 linear layers (and grouped experts), before any parallelism wraps them."""
+    modules = cast(Iterator[tuple[str, nn.Module]], model.named_modules())
+    adapted = [name for name, m in modules if isinstance(m, LoRALinear | GroupedLoRAExperts)]
+    if adapted:
+        raise ValueError(
+            f"model.float8 with LoRA (peft) is not supported: torchao's float8 layers carry no "
+            f"adapters, so the adapted layers ({', '.join(adapted[:4])}, ...) cannot run in FP8; "
+            f"remove model.float8 or train without peft"
+        )
+    convert_to_float8(model, float8)
+    if experts:
+        for layer in model.model.decoder_layers():
+            if isinstance(layer.mlp, MoELayer):
+                convert_experts_to_float8(layer.mlp.experts)
+
+
 def parallelize_decoder(
     model: DecoderModelBase,
     *,
     dist_context: DistributedContext,
     param_dtype: torch.dtype | None = None,
+    float8: Float8Training | None = None,
+    float8_experts: bool = False,
 ) -> None:
     """Parallelizes one (meta-device) decoder stage in place, as ``dist_context.parameters`` asks.
 
     Pipeline parallelism needs nothing here: the stage was built with only its layers. The
-    order matters: tensor parallelism first (it places parameters on the tp mesh dim), then
-    context parallelism (an attention backend, no parameters), expert parallelism (the experts
-    leave FSDP's care), and FSDP/HSDP last over the data-parallel and cp-shard ranks, per
-    decoder layer and then the rest, so each layer's parameters are gathered only around it.
+    order matters: FP8 conversion first (``float8``: torchao swaps the linear layers, which
+    tensor parallelism and FSDP then shard like any other), tensor parallelism next (it places
+    parameters on the tp mesh dim), then context parallelism (an attention backend, no
+    parameters), expert parallelism (the experts leave FSDP's care), and FSDP/HSDP last over
+    the data-parallel and cp-shard ranks, per decoder layer and then the rest, so each layer's
+    parameters are gathered only around it.
     On a single data-parallel rank of a dense model there is nothing to shard: the parameters
     are cast once per forward without FSDP (``cast_parameters_for_compute``; compiled layer
     bodies read the cast copies as graph inputs), or, where forward reruns in backward
@@ -58,7 +86,17 @@ def parallelize_decoder(
         model: The stage, on the meta device.
         dist_context: The job's distributed context (its mesh domains).
         param_dtype: The compute dtype of the parameters (None: the stored dtype).
+        float8: FP8 training of the stage's linear layers (None: none).
+        float8_experts: Also run the MoE experts' grouped GEMMs in FP8 (needs ``float8``).
+
+    Raises:
+        ValueError: For ``float8`` on a stage with LoRA adapters, or ``float8_experts`` without
+            ``float8``.
     """
+    if float8 is not None:
+        _apply_float8(model, float8, experts=float8_experts)
+    elif float8_experts:
+        raise ValueError("float8_experts needs float8 settings")
     mesh = dist_context.parameters
     dense = dist_context.mesh_for(DENSE_DOMAIN)
     if mesh.tensor_parallel > 1:

@@ -1,0 +1,229 @@
+"""``model.float8``: which layers train in FP8, what is refused, numerics, FSDP, export.
+
+torch's ``_scaled_mm`` runs on CPU, so dense FP8 training runs here for real (tiny shapes); the
+FP8 grouped GEMM of MoE experts needs an H100/H200 and is checked for its wiring only.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf.qwen3 import Qwen3ModelProvider
+from d9d.kernels.layers import MoELayer
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ForwardBackwardFinished,
+    ProjectConfig,
+    TrainingConfigurator,
+)
+from d9d.mesh.testing import DistributedTestError, run_distributed
+
+float8_linear = pytest.importorskip(
+    "torchao.float8.float8_linear", reason="torchao (the float8 extra) is not installed"
+)
+
+SEQ = 16
+# every projection of the tiny checkpoints (hidden 64, heads 4x16, kv 2x16, mlp 96) is a multiple
+# of 16; min_features 32 lets them all convert
+FLOAT8 = {"recipe": "tensorwise", "min_features": 32}
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 128, (16, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> TokenSample:
+        return TokenSample(input_ids=self.ids[index], labels=self.ids[index].clone())
+
+
+def _train(
+    directory: Path,
+    float8: dict[str, Any] | None,
+    *,
+    mesh: dict[str, int] | None = None,
+    export: Path | None = None,
+    peft: dict[str, Any] | None = None,
+    steps: int = 3,
+) -> dict[str, Any]:
+    config = ProjectConfig.model_validate(
+        {
+            "mesh": mesh or {},
+            "trainer": {
+                "max_steps": steps,
+                "global_batch_size": 8,
+                "microbatch_size": 4,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+                **({} if peft is None else {"peft": peft}),
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        }
+    )
+    model_config = PretrainedModelConfig.model_validate(
+        {
+            "source": str(directory),
+            "attention_backend": "eager",
+            "param_dtype": "bfloat16",
+            **({} if float8 is None else {"float8": float8}),
+        }
+    )
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=Qwen3ModelProvider(model_config),
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    losses: list[float] = []
+    with trainer:
+        model = trainer.model_stages[0]
+        result: dict[str, Any] = {
+            "float8": sorted(
+                n for n, m in model.named_modules() if isinstance(m, float8_linear.Float8Linear)
+            ),
+            "state": {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()},
+            "matmuls": sorted(
+                {type(m.experts.grouped_matmul).__name__ for m in model.modules() if isinstance(m, MoELayer)}
+            ),
+        }
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.train()
+        result["losses"] = losses
+        if export is not None:
+            trainer.export(export)
+    return result
+
+
+def _run(*args: Any, world_size: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
+    return run_distributed(_train, *args, world_size=world_size, timeout_s=240, **kwargs)
+
+
+def _tensors(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {k: (v.shape, v.dtype) for f in directory.glob("*.safetensors") for k, v in load_file(f).items()}
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+def test_rowwise_with_float8_all_gather_is_refused_at_configure_time() -> None:
+    with pytest.raises(
+        ValidationError, match=r"model.float8.fsdp_float8_all_gather needs model.float8.recipe"
+    ):
+        PretrainedModelConfig(source="x", float8={"recipe": "rowwise", "fsdp_float8_all_gather": True})  # pyright: ignore[reportArgumentType]
+
+
+def test_float8_experts_need_bf16_compute() -> None:
+    with pytest.raises(ValidationError, match=r"model.float8.experts needs model.param_dtype: bfloat16"):
+        PretrainedModelConfig(source="x", float8={"experts": True})  # pyright: ignore[reportArgumentType]
+    PretrainedModelConfig(source="x", param_dtype="bfloat16", float8={"experts": True})  # pyright: ignore[reportArgumentType]
+
+
+def test_unknown_keys_and_bad_patterns_are_refused() -> None:
+    with pytest.raises(ValidationError, match="recipe"):
+        PretrainedModelConfig(source="x", float8={"recipe": "blockwise"})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValidationError, match="extra"):
+        PretrainedModelConfig(source="x", float8={"scaling": "rowwise"})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValidationError, match="not a regular expression"):
+        PretrainedModelConfig(source="x", float8={"exclude": ["("]})  # pyright: ignore[reportArgumentType]
+
+
+def test_missing_torchao_is_named_at_configure_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(ValidationError, match=r"model.float8 needs torchao.*d9d-hf\[float8\]"):
+        PretrainedModelConfig(source="x", float8={})  # pyright: ignore[reportArgumentType]
+
+
+# --- dense training on one process --------------------------------------------------------------
+
+
+def test_float8_converts_the_projections_trains_close_to_bf16_and_exports_unchanged(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
+    directory = checkpoints["dense"]
+    bf16 = _run(directory, None, export=tmp_path / "bf16")[0]
+    fp8 = _run(directory, FLOAT8, export=tmp_path / "fp8")[0]
+    assert fp8["float8"] == sorted(f"model.layers.{i}.{p}" for i in range(3) for p in PROJECTIONS + MLP)
+    assert bf16["float8"] == []
+    assert fp8["state"] == bf16["state"]  # same names, shapes and (master) dtypes
+    assert _relative(fp8["losses"], bf16["losses"]) < 0.05
+    # the export: the same tensors under transformers' names, in the master dtype; transformers loads it
+    assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
+    loaded = helpers.hf_model(tmp_path / "fp8")
+    assert loaded(torch.randint(0, 128, (1, 8))).logits.isfinite().all()
+
+
+def test_exclude_keeps_chosen_layers_in_bf16(checkpoints: dict[str, Path]) -> None:
+    result = _run(checkpoints["dense"], {**FLOAT8, "exclude": [r"\.self_attn\."]}, steps=1)[0]
+    assert result["float8"] == sorted(f"model.layers.{i}.{p}" for i in range(3) for p in MLP)
+
+
+def test_default_min_features_leave_tiny_layers_in_bf16(checkpoints: dict[str, Path]) -> None:
+    # every layer of the tiny checkpoint is below the default 128 features
+    assert _run(checkpoints["dense"], {}, steps=1)[0]["float8"] == []
+
+
+def test_float8_with_lora_is_refused(checkpoints: dict[str, Path]) -> None:
+    peft = {"kind": "lora", "target": r"q_proj|v_proj", "r": 4, "alpha": 8}
+    with pytest.raises(DistributedTestError, match=r"model.float8 with LoRA \(peft\) is not supported"):
+        _run(checkpoints["dense"], FLOAT8, peft=peft, steps=1)
+
+
+# --- distributed --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh", [{"data_parallel_shard": 2}, {}])
+def test_float8_all_gather_trains_close_to_bf16_and_exports_plain_tensors(
+    checkpoints: dict[str, Path], tmp_path: Path, mesh: dict[str, int]
+) -> None:
+    # two FSDP ranks gather the weights in float8; one rank has nothing to gather (plain weights)
+    directory = checkpoints["dense"]
+    bf16 = _run(directory, None, export=tmp_path / "bf16")[0]
+    gathered = {**FLOAT8, "fsdp_float8_all_gather": True}
+    world = 2 if mesh else 1
+    for result in _run(directory, gathered, mesh=mesh, world_size=world, export=tmp_path / "fp8"):
+        assert len(result["float8"]) == 21
+        assert _relative(result["losses"], bf16["losses"]) < 0.05
+    assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
+
+
+def test_tensor_parallel_with_float8_trains_close_to_bf16(checkpoints: dict[str, Path]) -> None:
+    directory = checkpoints["dense"]
+    bf16 = _run(directory, None)[0]
+    for result in _run(directory, {**FLOAT8, "recipe": "rowwise"}, mesh={"tensor_parallel": 2}, world_size=2):
+        assert len(result["float8"]) == 21
+        assert _relative(result["losses"], bf16["losses"]) < 0.05
+
+
+# --- MoE experts --------------------------------------------------------------------------------
+
+
+def test_float8_experts_install_the_fp8_grouped_gemm_and_refuse_cpu(checkpoints: dict[str, Path]) -> None:
+    directory = checkpoints["moe"]
+    plain = _run(directory, FLOAT8, steps=1)[0]
+    assert plain["matmuls"] == ["function"]  # d9d-kernels' grouped_mm
+    with pytest.raises(DistributedTestError, match=r"compute capability 9.0 or newer .* got cpu"):
+        _run(directory, {**FLOAT8, "experts": True}, steps=1)
