@@ -109,6 +109,41 @@ def test_linear_cross_entropy(device: str, dtype: torch.dtype, reduction: str) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "upstream",
+    [
+        "sum",  # every target token's loss gets the same upstream gradient: all gradients exact
+        "per_token",  # a different gradient per token: the hidden gradient stays exact
+    ],
+)
+def test_linear_cross_entropy_uniform_upstream_gradient(
+    device: str, dtype: torch.dtype, upstream: str
+) -> None:
+    n, hidden, vocab, chunk = (37, 16, 1000, 8) if device == "cpu" else (4096, 2560, 151936, 1024)
+    h = _randn(n, hidden, device=device)
+    w = _randn(vocab, hidden, device=device) * (1.0 / hidden**0.5)
+    labels = torch.randint(0, vocab, (n,), device=device, generator=_gen(device))
+    labels[::7] = -100
+    count = (labels != -100).sum()
+
+    def op(h: torch.Tensor, w: torch.Tensor, backend: object) -> torch.Tensor:
+        losses = linear_cross_entropy(
+            h,
+            w,
+            labels,
+            reduction="none",
+            uniform_upstream_gradient=True,
+            chunk_size=chunk,
+            backend=backend,  # pyright: ignore[reportArgumentType]
+        )
+        return losses.sum() / count if upstream == "sum" else losses
+
+    differentiable = [0, 1] if upstream == "sum" else [0]
+    assert_matches_reference(op, [h, w], differentiable, dtype, fp32_tolerance=2e-5, bf16_slack=3.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_permute_unpermute(device: str, dtype: torch.dtype) -> None:
     tokens, hidden, experts, top_k = (11, 20, 5, 3) if device == "cpu" else (8192, 2048, 64, 8)
     h = _randn(tokens, hidden, device=device)

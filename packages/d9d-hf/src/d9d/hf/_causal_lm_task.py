@@ -103,7 +103,7 @@ class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, Caus
         document_ids = batch.document_ids
         if self._cp_mesh is None and document_ids is None:
             # One document per row: the model numbers the positions itself.
-            inputs = DecoderInputs(input_ids=batch.input_ids, labels=local_targets)
+            inputs = DecoderInputs(input_ids=batch.input_ids, labels=local_targets, summed_losses=True)
         elif document_ids is None:
             # A cut row's positions jump between the rank's two chunks: pass them, and say the row
             # is one document (no document mask: context parallelism's unmasked flash path).
@@ -113,6 +113,7 @@ class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, Caus
                 labels=local_targets,
                 position_ids=shard(position_ids),
                 one_document_per_row=True,
+                summed_losses=True,
             )
         else:
             document_ids, position_ids = resolve_positions(batch.input_ids, document_ids, None)
@@ -121,6 +122,7 @@ class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, Caus
                 labels=local_targets,
                 document_ids=None if document_ids is None else shard(document_ids),
                 position_ids=shard(position_ids),
+                summed_losses=True,
             )
         return BuildForwardInputsResult(
             input=inputs,
@@ -130,7 +132,11 @@ class CausalLMTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, Caus
         )
 
     def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, CausalLMState]) -> ComputeLossResult:
-        """The mean loss over this microbatch's target tokens, weighted by their count."""
+        """The mean loss over this microbatch's target tokens, weighted by their count.
+
+        One weight for every target token: the inputs say ``summed_losses``, so the head computes its
+        gradients in the forward.
+        """
         # The count stays on the device (no host sync per microbatch); the loop reads it back once.
         count = (ctx.state.targets != IGNORE_INDEX).sum()
         loss = ctx.pipeline_results.sum() / count.clamp(min=1)

@@ -134,8 +134,12 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
             if isinstance(head, ClassificationHeadConfig) and head.name not in batch.class_labels:
                 raise ValueError(f"the batch has no class_labels for head {head.name!r}")
         return BuildForwardInputsResult(
+            # the language-model head's loss is a mean over its targets: one weight per target token
             input=DecoderInputs(
-                input_ids=batch.input_ids, labels=targets, attention_mask=batch.attention_mask
+                input_ids=batch.input_ids,
+                labels=targets,
+                attention_mask=batch.attention_mask,
+                summed_losses=True,
             ),
             shared=None,
             state=MultiHeadState(targets=targets, class_labels=dict(batch.class_labels)),

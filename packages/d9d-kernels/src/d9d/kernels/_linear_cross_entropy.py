@@ -19,6 +19,7 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: CrossEntropyReduction = "mean",
+    uniform_upstream_gradient: bool = False,
     chunk_size: int | None = None,
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> torch.Tensor:
@@ -29,7 +30,10 @@ def linear_cross_entropy(
     the gradients of ``hidden`` and ``weight``, so at most one chunk of logits lives at a time. With
     "mean" / "sum" the gradients are computed during the forward (the upstream gradient is a scalar
     that scales them in the backward, in place: do not backward through one result twice); with
-    "none" the backward recomputes the chunk logits. Logits have the inputs' dtype (as in eager
+    "none" the backward recomputes the chunk logits, unless ``uniform_upstream_gradient`` says that
+    the caller reduces the per-token losses with one weight (a sum or a mean over targets, in any
+    later expression): then the forward computes the gradients as for "sum" and the backward scales
+    them, which saves a third of the head's matmuls. Logits have the inputs' dtype (as in eager
     ``hidden @ weight.T``); the softmax is computed in fp32.
 
     Args:
@@ -39,6 +43,11 @@ def linear_cross_entropy(
         ignore_index: Label value that is excluded from the loss.
         reduction: "none" for per-token losses (N,) fp32 with 0 at ignored tokens, "sum", or "mean"
             over non-ignored tokens (0 when all are ignored).
+        uniform_upstream_gradient: With "none": the gradient that reaches the per-token losses
+            is the same at every target token (each hidden row's gradient stays exact for any
+            upstream gradient; the weight's is scaled by the mean over target tokens, exact only
+            under this promise). Leave it False when tokens are weighted differently (e.g.
+            per-token advantages). Ignored by the plain PyTorch path, which is always exact.
         chunk_size: Tokens per chunk on the Triton path; by default as many as keep one chunk's
             logits near 256 MiB.
         backend: Which implementation runs (Triton on CUDA by default).
@@ -68,5 +77,6 @@ def linear_cross_entropy(
     if use_triton(backend, "linear_cross_entropy", hidden, weight):
         from d9d.kernels._triton.linear_cross_entropy_op import linear_cross_entropy_triton
 
-        return linear_cross_entropy_triton(hidden, weight, labels, ignore_index, reduction, chunk_size or 0)
+        mode = "none_uniform" if reduction == "none" and uniform_upstream_gradient else reduction
+        return linear_cross_entropy_triton(hidden, weight, labels, ignore_index, mode, chunk_size or 0)
     return linear_cross_entropy_reference(hidden, weight, labels, ignore_index, reduction)

@@ -9,7 +9,7 @@ from torch import nn
 
 from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
 from d9d.hf._decoder._family import DecoderFamily
-from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, handoff_labels
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, LanguageModelHead
 from d9d.pipeline import PipelineStageInfo
@@ -93,10 +93,10 @@ class DecoderCausalLM(DecoderModelBase):
         handoff = self.run_backbone(inputs)
         if self.lm_head is None:
             return handoff
-        labels = handoff.get("labels")
+        labels, summed = handoff_labels(handoff)
         if labels is None:
             raise ValueError("the causal-LM forward computes the loss and needs DecoderInputs.labels")
-        losses = self.lm_head(handoff["hidden_states"], labels)
+        losses = self.lm_head(handoff["hidden_states"], labels, uniform_upstream_gradient=summed)
         rows = handoff.get(LOAD_BALANCING_KEY)
         if rows is None or not rows.requires_grad:
             return losses
@@ -120,7 +120,11 @@ class DecoderCausalLM(DecoderModelBase):
         """
         self.require_whole_model("loss")
         inputs = DecoderInputs(
-            input_ids=input_ids, labels=labels, document_ids=document_ids, position_ids=position_ids
+            input_ids=input_ids,
+            labels=labels,
+            document_ids=document_ids,
+            position_ids=position_ids,
+            summed_losses=True,
         )
         losses = self(inputs)
         if not isinstance(losses, torch.Tensor):

@@ -12,10 +12,23 @@ StageHandoff = dict[str, torch.Tensor]
 """What a non-last pipeline stage returns and the next one takes.
 
 Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``,
-``labels`` and ``attention_mask`` when the batch had them; ``load_balancing_loss`` ``(batch,)``
+``labels`` (``summed_loss_labels`` with ``DecoderInputs.summed_losses``) and ``attention_mask``
+when the batch had them; ``load_balancing_loss`` ``(batch,)``
 on MoE models with ``router_aux_loss_coef``. A plain dict of tensors, so any
 pipeline transport and microbatch split can carry it.
 """
+
+
+SUMMED_LABELS_KEY = "summed_loss_labels"
+"""The hand-off key of the labels when ``DecoderInputs.summed_losses`` (the flag travels as the key)."""
+
+
+def handoff_labels(handoff: StageHandoff) -> tuple[torch.Tensor | None, bool]:
+    """The hand-off's causal-LM labels and whether the caller sums their losses with one weight."""
+    summed = handoff.get(SUMMED_LABELS_KEY)
+    if summed is not None:
+        return summed, True
+    return handoff.get("labels"), False
 
 
 @dataclass(kw_only=True)
@@ -37,6 +50,11 @@ class DecoderInputs:
             without ``document_ids`` (a context-parallel rank's part of a row: its positions
             jump between its two chunks); no document ids are derived, so attention needs no
             document mask.
+        summed_losses: The caller reduces the per-token losses with one weight for every target
+            token (a sum, or a mean over the targets, as ``CausalLMTask`` does): the language-model
+            head then computes its gradients in the forward instead of recomputing the logits in
+            the backward. Leave False when tokens weigh differently (e.g. GRPO's advantages):
+            the head's weight gradient would be wrong.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +63,7 @@ class DecoderInputs:
     position_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     one_document_per_row: bool = False
+    summed_losses: bool = False
 
     def handoff(self, hidden_states: torch.Tensor) -> StageHandoff:
         """The hand-off dict of this batch with ``hidden_states``, positions resolved."""
@@ -58,7 +77,7 @@ class DecoderInputs:
         if document_ids is not None:
             out["document_ids"] = document_ids
         if self.labels is not None:
-            out["labels"] = self.labels
+            out[SUMMED_LABELS_KEY if self.summed_losses else "labels"] = self.labels
         if self.attention_mask is not None:
             out["attention_mask"] = self.attention_mask
         return out

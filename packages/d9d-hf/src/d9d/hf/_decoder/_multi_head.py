@@ -17,7 +17,7 @@ from d9d.hf._decoder._head_specs import (
     LanguageModelHeadSpec,
     check_head_specs,
 )
-from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, handoff_labels
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, ClassificationHead, LanguageModelHead
 from d9d.pipeline import PipelineStageInfo
@@ -134,10 +134,10 @@ class DecoderMultiHead(DecoderModelBase):
         hidden = handoff["hidden_states"]
         match head:
             case LanguageModelHeadSpec():
-                labels = handoff.get("labels")
+                labels, summed = handoff_labels(handoff)
                 if labels is None or self.lm_head is None:
                     raise ValueError(f"the causal_lm head {head.name!r} needs DecoderInputs.labels")
-                return self.lm_head(hidden, labels)
+                return self.lm_head(hidden, labels, uniform_upstream_gradient=summed)
             case ClassificationHeadSpec():
                 classify = self.heads[head.name]
                 if not isinstance(classify, ClassificationHead):
@@ -166,7 +166,8 @@ class DecoderMultiHead(DecoderModelBase):
             first = self.head_specs[0]
             targets = None
             if isinstance(first, LanguageModelHeadSpec):
-                targets = handoff["labels"] != -100
+                labels, _ = handoff_labels(handoff)
+                targets = None if labels is None else labels != -100
             outputs[first.name] = attach_to_target_losses(outputs[first.name], rows.sum(), targets)
         return outputs
 

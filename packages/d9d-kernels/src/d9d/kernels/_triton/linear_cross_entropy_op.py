@@ -4,10 +4,13 @@ from typing import Any
 
 import torch
 
+UNIFORM_NONE = "none_uniform"
+"""Internal reduction: per-token losses whose gradients the forward computes (one upstream weight)."""
+
 
 def _reduce(loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     match reduction:
-        case "none":
+        case "none" | "none_uniform":
             return loss
         case "sum":
             return loss.sum()
@@ -30,7 +33,8 @@ def _forward_impl(
     from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_forward
 
     count = (labels != ignore_index).sum().clamp(min=1).float()
-    # Gradients computed here are those of the reduced loss; "none" computes them in the backward.
+    # Gradients computed here are those of the reduced loss ("none_uniform": of the sum); "none"
+    # computes them in the backward.
     grad_scale = (1.0 / count if reduction == "mean" else torch.ones_like(count)).reshape(1)
     loss, lse, hidden_grad, weight_grad = linear_cross_entropy_forward(
         hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, grad_scale,
@@ -67,7 +71,7 @@ def _forward_fake(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = hidden.shape[0]
-    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    loss = hidden.new_empty((n,) if reduction in ("none", UNIFORM_NONE) else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     hidden_grad = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty((0,))
     weight_grad = torch.empty_like(weight) if need_weight_grad else weight.new_empty((0,))
@@ -120,6 +124,30 @@ def _scale_in_place(
         weight_grad.mul_(scale)
 
 
+def _scale_uniform_in_place(
+    hidden_grad: torch.Tensor,
+    weight_grad: torch.Tensor,
+    grad_loss: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    need_h: bool,
+    need_w: bool,
+) -> None:
+    """Scales gradients of the summed per-token losses by per-token upstream gradients ``grad_loss``.
+
+    A token's hidden gradient depends on that token alone: scaling its row is exact for any
+    upstream gradient. The weight gradient is a sum over tokens: scaling it by the mean upstream
+    gradient over target tokens is exact when that gradient is the same at every target token.
+    """
+    grad = grad_loss.reshape(-1).to(torch.float32)
+    if need_h:
+        hidden_grad.mul_(grad.unsqueeze(1).to(hidden_grad.dtype))
+    if need_w:
+        targets = labels != ignore_index
+        mean = (grad * targets).sum() / targets.sum().clamp(min=1)
+        weight_grad.mul_(mean.to(weight_grad.dtype))
+
+
 def _input_gradients(
     hidden_grad: torch.Tensor, weight_grad: torch.Tensor, need_h: bool, need_w: bool
 ) -> tuple[torch.Tensor | None, ...]:
@@ -146,6 +174,9 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ..
         hidden_grad, weight_grad = _backward_op(
             hidden, weight, labels, lse, grad_loss, ctx.ignore_index, need_h, need_w, ctx.chunk_size
         )
+    elif ctx.reduction == UNIFORM_NONE:
+        need_h, need_w = ctx.need_hidden_grad, ctx.need_weight_grad
+        _scale_uniform_in_place(hidden_grad, weight_grad, grad_loss, labels, ctx.ignore_index, need_h, need_w)
     else:
         # The forward computed the gradients of the reduced loss; scale them by the upstream scalar
         # in place (the saved tensors are ours alone; a second backward fails the version check).
@@ -193,6 +224,10 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             hidden_grad, weight_grad = linear_cross_entropy_backward(
                 hidden, weight, labels, lse, grad_loss, ignore_index, need_h, need_w, chunk_size
             )
+        elif reduction == UNIFORM_NONE:
+            hidden_grad, weight_grad = ctx.grads
+            ctx.grads = None  # hand the only references to autograd
+            _scale_uniform_in_place(hidden_grad, weight_grad, grad_loss, labels, ignore_index, need_h, need_w)
         else:
             hidden_grad, weight_grad = ctx.grads
             ctx.grads = None  # hand the only references to autograd

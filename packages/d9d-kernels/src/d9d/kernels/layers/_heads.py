@@ -40,12 +40,18 @@ class LanguageModelHead(nn.Module):
         """Truncated-normal weight."""
         init_normal_(self.weight, self.init_std)
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor, *, uniform_upstream_gradient: bool = False
+    ) -> torch.Tensor:
         """Per-token cross-entropy losses.
 
         Args:
             hidden_states: ``(..., hidden_size)``.
             labels: Integer targets with the leading shape of ``hidden_states`` (already shifted).
+            uniform_upstream_gradient: The caller reduces the losses with one weight for every
+                target token (a sum, or a mean over targets): the gradients are then computed in
+                the forward and no logits are recomputed in the backward (see
+                ``linear_cross_entropy``). Leave False when tokens are weighted differently.
 
         Returns:
             fp32 losses with the shape of ``labels``; 0 where ``labels == ignore_index``.
@@ -61,6 +67,7 @@ class LanguageModelHead(nn.Module):
             labels.reshape(-1).to(torch.int64),
             ignore_index=self.ignore_index,
             reduction="none",
+            uniform_upstream_gradient=uniform_upstream_gradient,
         )
         return losses.reshape(labels.shape)
 
