@@ -1,8 +1,8 @@
 """Split-backward schedules on FSDP and HSDP stages match one process on the whole batch.
 
-pipeline 2 x data_parallel_shard 2 on 4 CPU ranks (and HSDP: pipeline 2 x replicate 2 x shard 1):
-losses, reduced gradients and parameters after several SGD steps equal a single-process
-reference whose gradient is the mean over the data-parallel halves of the batch.
+pipeline 2 x data_parallel_shard 2 on 4 CPU ranks (and HSDP: pipeline 2 x replicate 2 x shard 2
+on 8): losses, reduced gradients and parameters after several SGD steps equal a single-process
+reference whose gradient is the mean over the data-parallel parts of the batch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ._pipeline_model import Stage, build_stages, make_batch, make_loss_fn, refe
 NUM_LAYERS = 8
 MICROBATCHES = 4  # DualPipeV needs 2 x ranks
 STEPS = 3
-ROWS = 16  # the whole batch; each data-parallel rank trains on half
+ROWS_PER_RANK = 8  # each data-parallel rank trains on its part of the batch
 
 
 class _ShardedStage(nn.Module):
@@ -55,8 +55,8 @@ class _ShardedStage(nn.Module):
         return self._meta[0](inputs, shared)
 
 
-def _half(tree: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
-    return {k: v.chunk(2)[index] for k, v in tree.items()}
+def _part(tree: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(parts)[index] for k, v in tree.items()}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,12 +84,13 @@ def _train_without_manual_finalization(config: PipelineScheduleConfig) -> int:
 
 def _train(config: PipelineScheduleConfig, hsdp: bool, *, whole_backward: bool = False) -> int:
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-        dp_mesh, dp_rank = mesh["dp_replicate", "dp_shard"], mesh.get_local_rank("dp_replicate")
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        dp_rank = mesh.get_local_rank("dp_replicate") * 2 + mesh.get_local_rank("dp_shard")
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
         dp_mesh, dp_rank = mesh["dp_shard"], mesh.get_local_rank("dp_shard")
-    pp_rank = mesh.get_local_rank("pp")
+    pp_rank, dp = mesh.get_local_rank("pp"), dp_mesh.size()
     program = build_program(config, num_ranks=2, num_microbatches=MICROBATCHES)
     stages = build_stages(program.num_stages, NUM_LAYERS)
     ref_stages = copy.deepcopy(stages)
@@ -99,40 +100,40 @@ def _train(config: PipelineScheduleConfig, hsdp: bool, *, whole_backward: bool =
             executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
     else:
         executor = PipelineExecutor(program, mine, group=mesh.get_group("pp"))
-    optimizer = torch.optim.SGD([p for m in mine.values() for p in m.parameters()], lr=0.2)
-    ref_optimizer = torch.optim.SGD([p for s in ref_stages for p in s.parameters()], lr=0.2)
+    optimizer = torch.optim.SGD([p for m in mine.values() for p in m.parameters()], lr=0.01)
+    ref_optimizer = torch.optim.SGD([p for s in ref_stages for p in s.parameters()], lr=0.01)
     checked = 0
     for step in range(STEPS):
-        inputs, shared, target = make_batch(ROWS, seed=step)
-        halves = [(_half(inputs, d), target.chunk(2)[d]) for d in range(2)]
+        inputs, shared, target = make_batch(ROWS_PER_RANK * dp, seed=step)
+        parts = [(_part(inputs, d, dp), target.chunk(dp)[d]) for d in range(dp)]
         optimizer.zero_grad()
-        local_inputs, local_target = halves[dp_rank]
+        local_inputs, local_target = parts[dp_rank]
         losses = executor.step(
             local_inputs,
             loss_fn=make_loss_fn(local_target, MICROBATCHES),
             shared=shared,
             weight_gradient_hook=_sync_on_last(mine),
         )
-        # the reference: one process, the gradient of the mean of both halves' losses
-        ref_runs = [reference(ref_stages, x, shared, t, MICROBATCHES) for x, t in halves]
+        # the reference: one process, the gradient of the mean of the parts' losses
+        ref_runs = [reference(ref_stages, x, shared, t, MICROBATCHES) for x, t in parts]
         if executor.has_last_stage:
             assert losses is not None
             torch.testing.assert_close(torch.stack(losses), torch.stack(ref_runs[dp_rank][0]))
         for s, module in mine.items():
             runs = [run[1][s].parameters() for run in ref_runs]
             for param, *ref_params in zip(module.stage.parameters(), *runs, strict=True):
-                want = sum(p.grad for p in ref_params) / 2
+                want = sum(p.grad for p in ref_params) / dp
                 assert param.grad is not None
-                torch.testing.assert_close(_full(param.grad), want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(_full(param.grad), want, rtol=1e-4, atol=1e-5)
                 checked += 1
         optimizer.step()
         for ref, *copies in zip(ref_stages, *(run[1] for run in ref_runs), strict=True):
             for p, *grads_from in zip(ref.parameters(), *(c.parameters() for c in copies), strict=True):
-                p.grad = sum(g.grad for g in grads_from) / 2
+                p.grad = sum(g.grad for g in grads_from) / dp
         ref_optimizer.step()
     for s, module in mine.items():
         for param, ref_param in zip(module.stage.parameters(), ref_stages[s].parameters(), strict=True):
-            torch.testing.assert_close(_full(param.detach()), ref_param.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(_full(param.detach()), ref_param.detach(), rtol=1e-4, atol=1e-5)
     dist.barrier()
     return checked
 
@@ -148,7 +149,7 @@ def test_split_backward_on_fsdp_stages_matches_one_process(config: PipelineSched
 
 
 def test_split_backward_on_hsdp_stages_matches_one_process() -> None:
-    checked = run_distributed(_train, ZBVScheduleConfig(), True, world_size=4, timeout_s=180)
+    checked = run_distributed(_train, ZBVScheduleConfig(), True, world_size=8, timeout_s=180)
     assert min(checked) > 0
 
 
