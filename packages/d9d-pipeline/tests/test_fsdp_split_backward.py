@@ -28,6 +28,7 @@ from d9d.pipeline import (
     build_program,
 )
 from d9d.pipeline import _sharded_backward as sharded_backward
+from d9d.pipeline._stage_runtime import StageRuntime
 
 from ._pipeline_model import Stage, build_stages, make_batch, make_loss_fn, reference
 
@@ -158,3 +159,45 @@ def test_without_manual_finalization_the_backward_runs_whole_and_matches() -> No
         _train_without_manual_finalization, ZBVScheduleConfig(), world_size=4, timeout_s=180
     )
     assert min(checked) > 0
+
+
+def _abort_then_step() -> None:
+    """A step that fails after I and W leaves nothing behind: the next step's gradients are exact."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    runtime = StageRuntime(stage=0, num_stages=1, module=model)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 2, 4, generator=gen)  # [data-parallel rank, rows, features]
+    rank = dist.get_rank()
+
+    def loss_fn(outputs: torch.Tensor, microbatch: int) -> torch.Tensor:
+        del microbatch
+        return outputs.square().mean()
+
+    runtime.begin_step(split_backward=True)
+    runtime.forward(0, x[rank], None, loss_fn=loss_fn, training=True)
+    runtime.backward_input(0, None)
+    runtime.backward_weight(0)
+    runtime.clear()  # the step failed before its reduction
+    model.zero_grad()
+    runtime.begin_step(split_backward=True)
+    runtime.forward(0, x[rank], None, loss_fn=loss_fn, training=True)
+    runtime.backward_input(0, None)
+    runtime.backward_weight(0)
+    runtime.end_backward()
+    (sum(loss_fn(ref(x[r]), 0) for r in range(2)) / 2).backward()
+    for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+        assert param.grad is not None and ref_param.grad is not None
+        torch.testing.assert_close(_full(param.grad), ref_param.grad)
+
+
+@pytest.mark.skipif(
+    not sharded_backward.manual_finalization_available(), reason="torch without FSDP manual finalization"
+)
+def test_a_failed_step_leaves_no_held_back_gradients() -> None:
+    run_distributed(_abort_then_step, world_size=2, timeout_s=120)
