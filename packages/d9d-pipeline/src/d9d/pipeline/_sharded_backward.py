@@ -98,11 +98,6 @@ class ShardedSplitBackward:
         self._roots = list(roots.values())
         self._holding = False
 
-    @property
-    def has_fsdp(self) -> bool:
-        """Whether the stage holds any FSDP module."""
-        return bool(self._modules)
-
     def begin(self) -> None:
         """Before the step's first action: the step's backward parts will not reduce."""
         if not self._modules:
@@ -124,9 +119,11 @@ class ShardedSplitBackward:
             # Set on every part: a gradient synchronizer may have turned it on for the "last" one.
             module.set_requires_gradient_sync(False, recurse=False)
             module.set_reshard_after_backward(False, recurse=False)
-        if weight:
-            for module in self._modules:
-                module.unshard()
+        if weight:  # all gathers in flight at once; each a no-op where still gathered
+            handles = [module.unshard(async_op=True) for module in self._modules]
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
 
     def finish(self) -> None:
         """After the stage's last backward part of the step: reduce once and reshard."""
