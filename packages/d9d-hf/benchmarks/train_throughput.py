@@ -9,6 +9,7 @@ same run.
     python train_throughput.py --model dense                 # every implementation, one GPU
     python train_throughput.py --model llama1b               # Llama-3.2-1B shape, against llama3
     python train_throughput.py --quick --device cpu          # a tiny smoke run on a CPU
+    python train_throughput.py --model dense4b --float8 tensorwise   # d9d bf16 and FP8 vs torchtitan FP8
 
 d9d on several GPUs (``--batch`` is samples per data-parallel replica and step, so the global
 batch is ``batch x data_parallel_shard``; the ranks that ``--pp`` and ``--cp`` leave over shard data):
@@ -39,6 +40,18 @@ TrainingConfigurator -> Trainer with d9d-hf's provider, FSDP mixed precision bf1
 master weights). torchtitan's llama3 model has no tied embedding: its Llama row unties the head
 (the same FLOPs; 0.26 B more parameters to hold) while d9d and transformers tie it as the
 checkpoint does.
+
+FP8 (``--float8 tensorwise|rowwise``, torchao; H100/H200): the d9d, d9d_compile, titan and
+titan_amp rows train their linear layers in FP8 and are named ``<row>_fp8``; a bf16 ``d9d`` row
+runs beside them as the baseline (unless ``--only`` says otherwise), and the ratios are taken
+against the FP8 torchtitan rows. d9d sets its model config's ``float8`` section (the LM head and
+the routers stay bf16, layers below 128 features too). torchtitan gets its own float8 converter
+(``torchtitan.components.quantization.float8.Float8LinearConverter``, built from a default
+``JobConfig`` with ``quantize.linear.float8.recipe_name`` and ``filter_fqns=["output",
+"router.gate"]``: the same layers as d9d), applied before its blocks are compiled, as its trainer
+does. On the MoE shape ``--float8`` also runs the experts' grouped GEMMs in FP8 rowwise (d9d:
+``float8.experts``; torchtitan: its ``Float8GroupedMMConverter`` on ``experts``);
+``--no-float8-experts`` keeps them in bf16. The MFU column stays against the bf16 peak.
 """
 
 from __future__ import annotations
@@ -61,6 +74,9 @@ import torch
 IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "titan_amp", "d9d", "d9d_compile")
 PEERS = ("titan", "titan_amp")
 """The torchtitan rows that the table gives ratios against."""
+FLOAT8_IMPLEMENTATIONS = ("titan", "titan_amp", "d9d", "d9d_compile")
+"""The rows ``--float8`` trains in FP8."""
+FLOAT8_SUFFIX = "_fp8"
 
 DENSE_0_6B: dict[str, Any] = {
     "model_type": "qwen3",
@@ -316,6 +332,32 @@ def _titan_qwen3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
         return Qwen3Model(model_args)
 
 
+def _titan_float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:
+    """torchtitan's own float8 converters, as its trainer applies them before compiling.
+
+    Linear layers: ``Float8LinearConverter`` with ``recipe_name`` and the LM head (``output``) and
+    router gates filtered out (d9d's defaults). MoE experts: ``Float8GroupedMMConverter`` on
+    ``experts`` (FP8 rowwise grouped GEMM; sets torchtitan's token-group alignment to 16).
+    """
+    from torchtitan.components.quantization.float8 import Float8GroupedMMConverter, Float8LinearConverter
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed import ParallelDims
+
+    job = JobConfig()
+    job.quantize.linear.float8.recipe_name = args.float8
+    job.quantize.linear.float8.filter_fqns = ["output", "router.gate"]
+    job.quantize.linear.float8.emulate = device.type != "cuda"  # its check for FP8 hardware
+    job.model.converters = ["quantize.linear.float8"]
+    experts = args.float8_experts and any(name.endswith(".experts") for name, _ in model.named_modules())
+    if experts:
+        job.model.converters.append("quantize.grouped_mm.float8")
+        job.quantize.grouped_mm.float8.fqns = ["experts"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    Float8LinearConverter(job, dims).convert(model)
+    if experts:
+        Float8GroupedMMConverter(job, dims).convert(model)
+
+
 def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, amp: bool) -> float:
     """torchtitan's model and loss; ``amp``: float32 parameters under bf16 autocast, else all bf16."""
     from torchtitan.components.loss import cross_entropy_loss
@@ -323,6 +365,8 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
     model: Any = (
         _titan_llama3(shape, args.seq) if shape["model_type"] == "llama" else _titan_qwen3(shape, args.seq)
     )
+    if args.float8 is not None:
+        _titan_float8(model, args, device)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
@@ -346,7 +390,9 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
         return loss.detach()
 
     tokens_per_s, loss = _timed_plain_loop(step, args, device)
-    return _report(args, "titan_amp" if amp else "titan", tokens_per_s, loss, device)
+    name = _row_name(args, "titan_amp" if amp else "titan")
+    extra = {"seq": args.seq, "float8_linear_layers": _float8_layers(model)}
+    return _report(args, name, tokens_per_s, loss, device, extra=extra)
 
 
 class _RandomTokens:
@@ -577,6 +623,28 @@ def _head_weight(shape: dict[str, Any], seq: int) -> float:
     return head / layer
 
 
+def _float8_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s linear layers torchao converted (0 without torchao)."""
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def _row_name(args: argparse.Namespace, implementation: str) -> str:
+    """The table's name of a row: ``<implementation>_fp8`` under ``--float8``."""
+    return implementation + (FLOAT8_SUFFIX if args.float8 is not None else "")
+
+
+def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
+    """The model config's ``float8`` section for ``--float8`` (experts on the MoE shape)."""
+    section: dict[str, Any] = {"recipe": args.float8}
+    if args.device != "cuda":
+        section["emulate"] = True
+    if args.quick:
+        section["min_features"] = 16  # the tiny shape's layers convert too
+    if shape["model_type"] == "qwen3_moe" and args.float8_experts:
+        section["experts"] = True
+    return section
+
+
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     from d9d.hf import HFModelProvider, ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.loop import (
@@ -591,7 +659,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     layout = parallel_layout(args, world)
-    name = "d9d_compile" if compiled else "d9d"
+    name = _row_name(args, "d9d_compile" if compiled else "d9d")
     profiled = 2 if args.profile or args.busy else 0
     total_steps = args.warmup + args.steps + profiled
     trainer: dict[str, Any] = {
@@ -627,6 +695,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
             "compile": compiled,
             "last_stage_weight": _head_weight(shape, args.seq) if args.pp > 1 else 0.0,
             "attention_backend": args.attention_backend,
+            **({} if args.float8 is None else {"float8": _d9d_float8(args, shape)}),
         }
     )
     times: list[float] = []
@@ -686,6 +755,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure() as trainer_:
         trainer_.events.subscribe(StepFinished, on_step)
+        float8_layers = sum(_float8_layers(stage) for stage in trainer_.model_stages)
         trainer_.train()
         _sync(device)
         idle: list[float] | None = None
@@ -711,6 +781,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         "tokens_per_s_per_gpu": tokens_per_s / world,
         "device_idle_per_rank": idle,
         "pipeline": pipeline,
+        "float8_linear_layers": float8_layers,
     }
     if rank == 0:
         fields, lines = compare(
@@ -768,6 +839,8 @@ def run_one(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = model_shape(args.model, args.quick)
+    if args.float8 is not None and args.impl not in FLOAT8_IMPLEMENTATIONS:
+        raise ValueError(f"--float8 applies to {', '.join(FLOAT8_IMPLEMENTATIONS)}, not {args.impl}")
     if not args.impl.startswith("d9d") and (args.pp > 1 or args.cp > 1 or args.microbatches > 1):
         raise ValueError(
             f"--pp, --cp and --microbatches are options of the d9d implementations, not {args.impl}"
@@ -796,6 +869,22 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """(implementation, in FP8) of every row of a round, in order.
+
+    Without ``--float8``: ``--only`` or every implementation, in bf16. With it: a bf16 ``d9d``
+    baseline first, then each FP8-capable implementation of ``--only`` (default: all of them) in
+    FP8; others named in ``--only`` run as they are.
+    """
+    if args.float8 is None:
+        return [(name, False) for name in args.only or IMPLEMENTATIONS]
+    names = list(args.only or FLOAT8_IMPLEMENTATIONS)
+    runs = [(name, name in FLOAT8_IMPLEMENTATIONS) for name in names]
+    if "d9d" in names and args.bf16_baseline:
+        runs.insert(0, ("d9d", False))
+    return runs
+
+
 def run_all(args: argparse.Namespace) -> None:
     """Runs every implementation in its own process, ``--repeats`` rounds in turn; prints the table.
 
@@ -807,23 +896,27 @@ def run_all(args: argparse.Namespace) -> None:
     peak = measure_peak_tflops(device)
     shape = model_shape(args.model, args.quick)
     flops = flops_per_token(shape, args.seq)
-    names = list(args.only or IMPLEMENTATIONS)
+    runs = _planned_runs(args)
+    names = [_row_name(args, impl) if fp8 else impl for impl, fp8 in runs]
     rounds: list[dict[str, dict[str, Any]]] = []
     scratch = Path(f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
     for round_index in range(args.repeats):
         records: dict[str, dict[str, Any]] = {}
-        for name in names:
+        for (impl, fp8), name in zip(runs, names, strict=True):
             scratch.unlink(missing_ok=True)
-            command = [sys.executable, __file__, "--impl", name, "--json", str(scratch)]
+            command = [sys.executable, __file__, "--impl", impl, "--json", str(scratch)]
             command += [
                 f"--{k}={v}"
                 for k, v in vars(args).items()
                 if k in ("model", "device", "seq", "batch", "steps", "warmup")
             ]
-            if args.attention_backend is not None and name.startswith("d9d"):
+            if args.attention_backend is not None and impl.startswith("d9d"):
                 command.append(f"--attention-backend={args.attention_backend}")
             command += ["--quick"] if args.quick else []
-            profiled = args.profile and name == "d9d" and round_index == 0
+            if fp8:
+                command += [f"--float8={args.float8}"]
+                command += [] if args.float8_experts else ["--no-float8-experts"]
+            profiled = args.profile and impl == "d9d" and round_index == 0
             command += ["--profile"] if profiled else []
             started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
@@ -848,7 +941,7 @@ def run_all(args: argparse.Namespace) -> None:
         f"{args.device}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP/token; "
         f"{args.repeats} round(s): median (min-max)"
     )
-    peers = [peer for peer in PEERS if peer in names]
+    peers = [_row_name(args, peer) for peer in PEERS if _row_name(args, peer) in names]
     header = "| implementation | k tok/s | MFU % | peak GiB |"
     header += "".join(f" tok/s vs {peer} | memory vs {peer} |" for peer in peers)
     print(header)
@@ -928,6 +1021,25 @@ def main() -> None:
     )
     parser.add_argument(
         "--reference-json", help="d9d: a file of one-process results to compare with (see the usage above)"
+    )
+    parser.add_argument(
+        "--float8",
+        choices=["tensorwise", "rowwise"],
+        default=None,
+        help="train the d9d and torchtitan rows' linear layers in FP8 with this torchao recipe (rows "
+        "named <row>_fp8; see above)",
+    )
+    parser.add_argument(
+        "--float8-experts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --float8 on the MoE shape: the experts' grouped GEMMs in FP8 rowwise too",
+    )
+    parser.add_argument(
+        "--bf16-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --float8 and --impl all: also run d9d in bf16 first",
     )
     args = parser.parse_args()
     if args.impl == "all":
