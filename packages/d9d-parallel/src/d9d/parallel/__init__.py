@@ -30,10 +30,12 @@ from d9d.parallel._float8 import (
     GroupedExpertsLike,
     GroupedMatmul,
     MissingFloat8Error,
+    PaddedGroupedKernel,
     convert_experts_to_float8,
     convert_to_float8,
     float8_linear_names,
     precompute_float8_scales,
+    torchao_fp8_rowwise_grouped_mm,
 )
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
@@ -70,6 +72,7 @@ __all__ = [
     "LocalParameterSlot",
     "MissingFloat8Error",
     "MoELayerLike",
+    "PaddedGroupedKernel",
     "SelectiveCheckpointing",
     "SequenceParallelNorm",
     "TokenDispatcher",
@@ -95,5 +98,6 @@ __all__ = [
     "parallelize_replicate",
     "precompute_float8_scales",
     "synchronize_replicas",
+    "torchao_fp8_rowwise_grouped_mm",
     "vocab_parallel_cross_entropy",
 ]

@@ -240,49 +240,76 @@ def _padded_rows(tokens_per_group: torch.Tensor, rows: int) -> tuple[torch.Tenso
     return destination, padded_ends.to(torch.int32)
 
 
+class PaddedGroupedKernel(Protocol):
+    """A grouped GEMM on rows padded to 16 per group: ``(P, K)`` rows, ``(G, K, N)`` weights in
+    column-major layout, int32 end offsets of the padded groups (``(G,)``); returns ``(P, N)``."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, /) -> torch.Tensor:
+        """The product of each padded group with its expert's weight."""
+        ...
+
+
+def torchao_fp8_rowwise_grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, /
+) -> torch.Tensor:
+    """torchao's FP8 rowwise grouped GEMM (``_to_fp8_rowwise_then_scaled_grouped_mm``).
+
+    Raises:
+        RuntimeError: Off CUDA, or on a GPU older than compute capability 9.0.
+    """
+    if not x.is_cuda:
+        raise RuntimeError(
+            f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
+            f"(torch._scaled_grouped_mm), got {x.device.type}; turn float8 experts off here"
+        )
+    capability = torch.cuda.get_device_capability(x.device)
+    if capability < (9, 0):
+        raise RuntimeError(
+            f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
+            f"(torch._scaled_grouped_mm), got sm{capability[0]}{capability[1]}; turn float8 experts off"
+        )
+    moe = _import_torchao("torchao.prototype.moe_training")
+    output: torch.Tensor = moe._to_fp8_rowwise_then_scaled_grouped_mm(
+        x, weight, group_ends, x.dtype, torch.float8_e4m3fn, False
+    )
+    return output
+
+
 class Float8GroupedMatmul:
-    """FP8 rowwise grouped GEMM for MoE experts, through torchao's ``moe_training``.
+    """FP8 rowwise grouped GEMM for MoE experts (``GroupedMatmul``), through torchao.
 
     Tokens are cast to float8 with one scale per row, each expert's weight with one scale per
     output column, and the product runs in ``torch._scaled_grouped_mm`` (Hopper and newer GPUs);
-    backward does the same for both gradients. Groups are padded to multiples of 16 rows on the
-    device (the kernel's alignment) and the padding is dropped again; the weight is handed over
-    in the column-major layout the kernel needs (one bf16 copy per call).
+    backward does the same for both gradients. The FP8 kernel needs every group to be a multiple
+    of 16 rows and the weight column-major: groups are padded on the device (no host sync) and
+    the padding dropped again, and the weight is handed over as a column-major copy.
+
+    Args:
+        kernel: The grouped GEMM on padded groups (torchao's FP8 rowwise one by default).
     """
+
+    def __init__(self, kernel: PaddedGroupedKernel = torchao_fp8_rowwise_grouped_mm) -> None:
+        self._kernel = kernel
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
     ) -> torch.Tensor:
-        """``x`` ``(M, K)`` bf16 rows grouped contiguously, ``weight`` ``(G, K, N)``: ``(M, N)``.
+        """``x`` ``(M, K)`` rows grouped contiguously, ``weight`` ``(G, K, N)``: ``(M, N)``.
 
         Raises:
-            RuntimeError: Off CUDA, or on a GPU older than compute capability 9.0.
+            RuntimeError: From the default kernel off a Hopper-or-newer GPU.
             ValueError: If ``K`` or ``N`` is not a multiple of 16.
         """
-        if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
-            where = (
-                x.device.type
-                if not x.is_cuda
-                else f"sm{''.join(map(str, torch.cuda.get_device_capability(x.device)))}"
-            )
-            raise RuntimeError(
-                f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
-                f"(torch._scaled_grouped_mm), got {where}; turn float8 experts off here"
-            )
         if x.shape[1] % _FP8_ALIGNMENT or weight.shape[2] % _FP8_ALIGNMENT:
             raise ValueError(
                 f"float8 experts need both weight dims to be multiples of 16, got {tuple(weight.shape)}"
             )
-        moe = _import_torchao("torchao.prototype.moe_training")
         rows = x.shape[0]
         destination, padded_ends = _padded_rows(tokens_per_group, rows)
         padded = x.new_zeros(rows + _FP8_ALIGNMENT * weight.shape[0], x.shape[1])
         padded = padded.index_copy(0, destination, x)
         column_major = weight.transpose(-2, -1).contiguous().transpose(-2, -1)
-        output: torch.Tensor = moe._to_fp8_rowwise_then_scaled_grouped_mm(
-            padded, column_major, padded_ends, x.dtype, torch.float8_e4m3fn, False
-        )
-        return output.index_select(0, destination)
+        return self._kernel(padded, column_major, padded_ends).index_select(0, destination)
 
 
 def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
