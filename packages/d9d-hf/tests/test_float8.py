@@ -210,12 +210,29 @@ def test_float8_all_gather_trains_close_to_bf16_and_exports_plain_tensors(
     assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
 
 
-def test_tensor_parallel_with_float8_trains_close_to_bf16(checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize(
+    ("mesh", "float8", "layers"),
+    [
+        ({"tensor_parallel": 2}, {**FLOAT8, "recipe": "rowwise"}, 21),
+        ({"tensor_parallel": 2, "data_parallel_shard": 2}, {**FLOAT8, "fsdp_float8_all_gather": True}, 21),
+        ({"pipeline_parallel": 2}, FLOAT8, None),  # each stage converts its own layers
+    ],
+)
+def test_tensor_and_pipeline_parallel_with_float8_train_close_to_bf16(
+    checkpoints: dict[str, Path], mesh: dict[str, int], float8: dict[str, Any], layers: int | None
+) -> None:
     directory = checkpoints["dense"]
     bf16 = _run(directory, None)[0]
-    for result in _run(directory, {**FLOAT8, "recipe": "rowwise"}, mesh={"tensor_parallel": 2}, world_size=2):
-        assert len(result["float8"]) == 21
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    results = _run(directory, float8, mesh=mesh, world_size=world)
+    for result in results:
+        if layers is not None:
+            assert len(result["float8"]) == layers
         assert _relative(result["losses"], bf16["losses"]) < 0.05
+    if layers is None:  # the two stages' layers together: all 21 projections
+        assert sum(len(r["float8"]) for r in results) == 21
 
 
 # --- MoE experts --------------------------------------------------------------------------------
