@@ -59,6 +59,7 @@ def _train(
     export: Path | None = None,
     peft: dict[str, Any] | None = None,
     steps: int = 3,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -81,6 +82,7 @@ def _train(
             "attention_backend": "eager",
             "param_dtype": "bfloat16",
             **({} if float8 is None else {"float8": float8}),
+            **(options or {}),
         }
     )
     trainer = TrainingConfigurator(
@@ -174,6 +176,15 @@ def test_float8_converts_the_projections_trains_close_to_bf16_and_exports_unchan
     assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
     loaded = helpers.hf_model(tmp_path / "fp8")
     assert loaded(torch.randint(0, 128, (1, 8))).logits.isfinite().all()
+
+
+def test_float8_with_activation_checkpointing_trains_close_to_bf16(checkpoints: dict[str, Path]) -> None:
+    # the recomputed forward in backward runs the converted layers again
+    directory = checkpoints["dense"]
+    bf16 = _run(directory, None)[0]
+    result = _run(directory, FLOAT8, options={"activation_checkpointing": True})[0]
+    assert len(result["float8"]) == 21
+    assert _relative(result["losses"], bf16["losses"]) < 0.05
 
 
 def test_exclude_keeps_chosen_layers_in_bf16(checkpoints: dict[str, Path]) -> None:
