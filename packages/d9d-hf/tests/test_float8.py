@@ -60,6 +60,7 @@ def _train(
     peft: dict[str, Any] | None = None,
     steps: int = 3,
     options: dict[str, Any] | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -71,6 +72,11 @@ def _train(
                 "logging": {"progress_bar": False},
                 "device": "cpu",
                 **({} if peft is None else {"peft": peft}),
+                **(
+                    {}
+                    if checkpoint_dir is None
+                    else {"checkpoint": {"directory": str(checkpoint_dir), "every_steps": 1}}
+                ),
             },
             "data": {"shuffle": False},
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
@@ -219,6 +225,20 @@ def test_float8_all_gather_trains_close_to_bf16_and_exports_plain_tensors(
         assert len(result["float8"]) == 21
         assert _relative(result["losses"], bf16["losses"]) < 0.05
     assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
+
+
+def test_float8_all_gather_resumes_from_a_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    # DCP saves and loads the float8-gathered (torchao-wrapped) sharded weights; the resumed last
+    # step equals the uninterrupted run's
+    directory = checkpoints["dense"]
+    gathered = {**FLOAT8, "fsdp_float8_all_gather": True}
+    mesh = {"data_parallel_shard": 2}
+    uninterrupted = _run(directory, gathered, mesh=mesh, world_size=2)
+    _run(directory, gathered, mesh=mesh, world_size=2, steps=2, checkpoint_dir=tmp_path / "ckpt")
+    resumed = _run(directory, gathered, mesh=mesh, world_size=2, checkpoint_dir=tmp_path / "ckpt")
+    for full, rest in zip(uninterrupted, resumed, strict=True):
+        assert len(rest["losses"]) == 1  # only the last step ran again
+        torch.testing.assert_close(rest["losses"], full["losses"][-1:], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
