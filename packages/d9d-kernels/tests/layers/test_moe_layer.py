@@ -1,7 +1,9 @@
-"""MoE layer: balancing loss and expert bias, router variants, shared expert, the dispatcher slot."""
+"""MoE layer: balancing loss and expert bias, router variants, shared expert, the dispatcher and
+grouped-GEMM slots."""
 
 import torch
 
+from d9d.kernels import grouped_mm
 from d9d.kernels.layers import LocalTokenDispatcher, MoELayer, TokenDispatcher, load_balancing_loss
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 32, 24, 6, 2
@@ -93,6 +95,26 @@ def test_dispatcher_slot_accepts_any_conforming_object() -> None:
     layer.dispatcher = dispatcher
     torch.testing.assert_close(layer(hidden), expected)
     assert dispatcher.calls == 1
+
+
+def test_grouped_matmul_slot_runs_every_expert_product() -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(HIDDEN, EXPERTS, TOP_K, INTERMEDIATE)
+    assert layer.experts.grouped_matmul is grouped_mm
+    hidden = torch.randn(6, HIDDEN)
+    expected = layer(hidden)
+    seen: list[torch.Tensor] = []
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /) -> torch.Tensor:
+        seen.append(weight)
+        return grouped_mm(x, weight, tokens_per_group)
+
+    layer.experts.grouped_matmul = recording
+    torch.testing.assert_close(layer(hidden), expected)
+    weights = (layer.experts.gate_proj, layer.experts.up_proj, layer.experts.down_proj)
+    assert len(seen) == 3
+    assert all(w is p for w, p in zip(seen, weights, strict=True))
+    assert "grouped_matmul" not in dict(layer.named_parameters())
 
 
 def test_local_dispatch_groups_tokens_by_expert() -> None:
