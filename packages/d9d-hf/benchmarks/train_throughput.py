@@ -9,7 +9,7 @@ same run.
     python train_throughput.py --model dense                 # every implementation, one GPU
     python train_throughput.py --model llama1b               # Llama-3.2-1B shape, against llama3
     python train_throughput.py --quick --device cpu          # a tiny smoke run on a CPU
-    python train_throughput.py --model dense4b --float8 tensorwise   # d9d bf16 and FP8 vs torchtitan FP8
+    python train_throughput.py --model dense8b --float8 tensorwise   # d9d bf16 and FP8 vs torchtitan FP8
 
 d9d on several GPUs (``--batch`` is samples per data-parallel replica and step, so the global
 batch is ``batch x data_parallel_shard``; the ranks that ``--pp`` and ``--cp`` leave over shard data):
@@ -123,6 +123,19 @@ DENSE_4B_12_LAYERS: dict[str, Any] = {
     "head_dim": 128,
     "intermediate_size": 9728,
 }
+# Qwen3-8B's widths (untied head) cut to 8 of its 36 layers: the larger dense shape of the FP8
+# comparison (its 4096 x 12288 matmuls are where FP8 pays most), sized for one H200 at seq 4096 x
+# batch 4 without recompute (d9d's float32 master weights and AdamW state: about 45 GiB).
+DENSE_8B_8_LAYERS: dict[str, Any] = {
+    **DENSE_0_6B,
+    "hidden_size": 4096,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
 # Llama-3.2-1B's config.json (16 layers, tied head, llama3 RoPE scaling).
 LLAMA_3_2_1B: dict[str, Any] = {
     "model_type": "llama",
@@ -148,6 +161,7 @@ LLAMA_3_2_1B: dict[str, Any] = {
 SHAPES: dict[str, dict[str, Any]] = {
     "dense": DENSE_0_6B,
     "dense4b": DENSE_4B_12_LAYERS,
+    "dense8b": DENSE_8B_8_LAYERS,
     "moe": MOE_30B_A3B_6_LAYERS,
     "llama1b": LLAMA_3_2_1B,
 }
@@ -327,6 +341,7 @@ def _titan_qwen3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
         hidden_dim=shape["intermediate_size"],
         vocab_size=shape["vocab_size"],
         max_seq_len=seq,
+        enable_weight_tying=shape["tie_word_embeddings"],
     )
     with torch.device("meta"):
         return Qwen3Model(model_args)
@@ -984,8 +999,8 @@ def main() -> None:
         "--model",
         choices=list(SHAPES),
         default="dense",
-        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; moe: Qwen3-30B-A3B widths, "
-        "6 layers; llama1b: Llama-3.2-1B",
+        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; dense8b: Qwen3-8B widths, 8 "
+        "layers; moe: Qwen3-30B-A3B widths, 6 layers; llama1b: Llama-3.2-1B",
     )
     parser.add_argument(
         "--repeats",
