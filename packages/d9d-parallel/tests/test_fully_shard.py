@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from d9d.mesh import DENSE_DOMAIN, DistributedContext, MeshParameters
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
+from d9d.parallel import hsdp_mesh, parallelize_fsdp, parallelize_hsdp, prefetch_fsdp_units
 
 
 def _per_rank_rows(world: int):
@@ -125,3 +125,38 @@ def _mixed_precision() -> None:
 
 def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards() -> None:
     run_distributed(_mixed_precision, world_size=2, timeout_s=120)
+
+
+def _fsdp_with_prefetch(harness, forward: int, backward: int) -> None:
+    world = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_shard",))
+    gathers: list[int] = []
+
+    def parallelize(model: nn.Module) -> None:
+        units = [layer for layer in model if isinstance(layer, nn.Linear)]
+        for unit in units:
+            parallelize_fsdp(unit, mesh=mesh)
+        parallelize_fsdp(model, mesh=mesh)
+        assert prefetch_fsdp_units([*units, nn.ReLU()], forward=forward, backward=backward) == units
+        for index, unit in enumerate(units):
+            unit.register_forward_pre_hook(lambda *_, i=index: gathers.append(i))
+
+    harness.ReferenceCheck(
+        build=lambda: harness.mlp((8, 16, 16, 16, 6)),  # four units
+        parallelize=parallelize,
+        make_batch=harness.regression_batch,
+        loss_fn=harness.mse,
+        shard_batch=_per_rank_rows(world),
+        microbatches=2,
+    ).run()
+    assert gathers  # the units ran (prefetching changes when gathers start, not the results)
+
+
+@pytest.mark.parametrize(("forward", "backward"), [(1, 1), (2, 3)])
+def test_fsdp_with_explicit_prefetch_matches_single_process(harness, forward: int, backward: int) -> None:
+    run_distributed(_fsdp_with_prefetch, harness, forward, backward, world_size=2, timeout_s=180)
+
+
+def test_prefetch_counts_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="forward=-1"):
+        prefetch_fsdp_units([], forward=-1)

@@ -37,6 +37,7 @@ from d9d.parallel._float8 import (
     precompute_float8_scales,
     torchao_fp8_rowwise_grouped_mm,
 )
+from d9d.parallel._fsdp_prefetch import prefetch_fsdp_units
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import clip_grad_norm
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
@@ -95,6 +96,7 @@ __all__ = [
     "parallelize_fsdp",
     "parallelize_grouped_tensor_parallel",
     "parallelize_hsdp",
+    "prefetch_fsdp_units",
     "parallelize_replicate",
     "precompute_float8_scales",
     "synchronize_replicas",
