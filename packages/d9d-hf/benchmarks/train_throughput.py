@@ -42,9 +42,9 @@ master weights). torchtitan's llama3 model has no tied embedding: its Llama row 
 checkpoint does.
 
 FP8 (``--float8 tensorwise|rowwise``, torchao; H100/H200): the d9d, d9d_compile, titan and
-titan_amp rows train their linear layers in FP8 and are named ``<row>_fp8``; a bf16 ``d9d`` row
-runs beside them as the baseline (unless ``--only`` says otherwise), and the ratios are taken
-against the FP8 torchtitan rows. d9d sets its model config's ``float8`` section (the LM head and
+titan_amp rows train their linear layers in FP8 and are named ``<row>_fp8``; the first d9d row
+of ``--only`` also runs in bf16 as the baseline (``--no-bf16-baseline``: not), and the ratios
+are taken against the FP8 torchtitan rows. d9d sets its model config's ``float8`` section (the LM head and
 the routers stay bf16, layers below 128 features too). torchtitan gets its own float8 converter
 (``torchtitan.components.quantization.float8.Float8LinearConverter``, built from a default
 ``JobConfig`` with ``quantize.linear.float8.recipe_name`` and ``filter_fqns=["output",
@@ -887,16 +887,17 @@ def _spread(values: list[float]) -> str:
 def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool]]:
     """(implementation, in FP8) of every row of a round, in order.
 
-    Without ``--float8``: ``--only`` or every implementation, in bf16. With it: a bf16 ``d9d``
-    baseline first, then each FP8-capable implementation of ``--only`` (default: all of them) in
-    FP8; others named in ``--only`` run as they are.
+    Without ``--float8``: ``--only`` or every implementation, in bf16. With it: the first d9d
+    implementation in bf16 as the baseline, then each FP8-capable implementation of ``--only``
+    (default: all of them) in FP8; others named in ``--only`` run as they are.
     """
     if args.float8 is None:
         return [(name, False) for name in args.only or IMPLEMENTATIONS]
     names = list(args.only or FLOAT8_IMPLEMENTATIONS)
     runs = [(name, name in FLOAT8_IMPLEMENTATIONS) for name in names]
-    if "d9d" in names and args.bf16_baseline:
-        runs.insert(0, ("d9d", False))
+    d9d_rows = [name for name in names if name.startswith("d9d")]
+    if d9d_rows and args.bf16_baseline:
+        runs.insert(0, (d9d_rows[0], False))  # the first d9d row, in bf16
     return runs
 
 
