@@ -254,9 +254,10 @@ def _timed_plain_loop(step: Any, args: argparse.Namespace, device: torch.device)
     return args.batch * args.seq * args.steps / elapsed, float(loss)
 
 
-def _tokens(args: argparse.Namespace, vocab: int, device: torch.device) -> torch.Tensor:
+def _tokens(args: argparse.Namespace, vocab: int, device: torch.device, extra: int = 0) -> torch.Tensor:
+    """``(batch, seq + extra)`` random token ids, the same in every process."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+    return torch.randint(0, vocab, (args.batch, args.seq + extra), generator=generator).to(device)
 
 
 def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
@@ -392,7 +393,9 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    tokens = _tokens(args, shape["vocab_size"], device)
+    # seq + 1 tokens give inputs and shifted labels of seq tokens each (FP8 matmuls need the
+    # token count, batch x seq, divisible by 16)
+    tokens = _tokens(args, shape["vocab_size"], device, extra=1)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> torch.Tensor:
