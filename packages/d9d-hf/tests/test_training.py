@@ -390,6 +390,32 @@ def test_one_rank_in_bf16_trains_as_two_sharded_ranks(shape: dict[str, Any]) -> 
         torch.testing.assert_close(result["grad_norms"], single["grad_norms"], atol=2e-3, rtol=2e-3)
 
 
+def test_fsdp_prefetch_and_kept_last_layer_train_as_one_process() -> None:
+    # Explicit prefetch and an unresharded last layer move all-gathers, not results; a bf16
+    # reduction rounds the summed gradients (close to float32's, not equal).
+    def config(**fsdp: Any) -> ScratchModelConfig:
+        return ScratchModelConfig.model_validate(
+            {"config": {**TINY_SCRATCH, "num_hidden_layers": 4}, "attention_backend": "eager", "fsdp": fsdp}
+        )
+
+    single = run_distributed(_train, config(), {"data_parallel_shard": 1}, world_size=1, timeout_s=120)[0]
+    tuned = config(forward_prefetch=2, backward_prefetch=3, keep_last_layer_gathered=True)
+    for result in run_distributed(_train, tuned, {"data_parallel_shard": 2}, world_size=2, timeout_s=180):
+        torch.testing.assert_close(result["losses"], single["losses"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(result["grad_norms"], single["grad_norms"], atol=2e-5, rtol=2e-5)
+    rounded = config(reduce_dtype="bfloat16")
+    for result in run_distributed(_train, rounded, {"data_parallel_shard": 2}, world_size=2, timeout_s=180):
+        torch.testing.assert_close(result["losses"], single["losses"], atol=2e-2, rtol=2e-2)
+        assert result["grad_norms"] != single["grad_norms"]  # the reduction did run in bf16
+
+
+def test_fsdp_options_are_validated_at_load() -> None:
+    with pytest.raises(ValueError, match=r"fsdp\.forward_prefetch"):
+        ScratchModelConfig.model_validate({"config": TINY_SCRATCH, "fsdp": {"forward_prefetch": -1}})
+    with pytest.raises(ValueError, match=r"fsdp\.reduce_dtype"):
+        ScratchModelConfig.model_validate({"config": TINY_SCRATCH, "fsdp": {"reduce_dtype": "float16"}})
+
+
 def test_pipeline_gives_the_last_stage_fewer_layers_for_its_head(tmp_path: Path) -> None:
     # 4 layers, the head weighs 2: stage 0 takes layers 0-2, stage 1 layer 3 and the head.
     config = ScratchModelConfig.model_validate(

@@ -38,6 +38,7 @@ from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, Cl
 from d9d.hf._hub import SNAPSHOT_PATTERNS, resolve_snapshot
 from d9d.hf._model_config import (
     Float8Config,
+    FsdpConfig,
     HFModelConfig,
     ParamDtype,
     PretrainedModelConfig,
@@ -78,6 +79,7 @@ __all__ = [
     "DecoderSequenceClassification",
     "DecoderSpec",
     "Float8Config",
+    "FsdpConfig",
     "HFModelConfig",
     "HFModelProvider",
     "HeadConfig",

@@ -6,9 +6,10 @@ import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from d9d.hf._decoder import check_head_specs
+from d9d.hf._decoder import FsdpSettings, check_head_specs
 from d9d.hf._families import DecoderConfig
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import HeadConfig, head_specs
@@ -76,6 +77,42 @@ class Float8Config(BaseModel):
         )
 
 
+class FsdpConfig(BaseModel):
+    """``model: {fsdp: {...}}``: how FSDP shards the stage where it shards (2+ data-parallel ranks).
+
+    Every option leaves the gradients the same up to the reduction dtype; they trade memory and
+    precision for communication that overlaps compute on host-bound ranks. Measure each one.
+
+    Attributes:
+        reduce_dtype: Dtype of the gradient reduce-scatter (and HSDP all-reduce): ``float32``
+            (default, exact sums of bf16 gradients) or ``bfloat16`` (half the bytes on the wire,
+            sums rounded to bf16). Applies with ``param_dtype`` set or not.
+        forward_prefetch: Each decoder layer's forward also starts the all-gathers of this many
+            following layers (0: FSDP's implicit prefetch only, the next layer when the host
+            reaches it). Holds up to ``1 + forward_prefetch`` gathered layers at a time.
+        backward_prefetch: The same in backward, for the layers before it (0: implicit).
+        keep_last_layer_gathered: The stage's last decoder layer keeps its gathered parameters
+            from forward to backward (it runs backward first): one all-gather less per step,
+            its full parameters held in between.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    forward_prefetch: int = Field(default=0, ge=0)
+    backward_prefetch: int = Field(default=0, ge=0)
+    keep_last_layer_gathered: bool = False
+
+    def settings(self) -> FsdpSettings:
+        """The recipe's settings."""
+        return FsdpSettings(
+            reduce_dtype=torch.bfloat16 if self.reduce_dtype == "bfloat16" else torch.float32,
+            forward_prefetch=self.forward_prefetch,
+            backward_prefetch=self.backward_prefetch,
+            keep_last_layer_gathered=self.keep_last_layer_gathered,
+        )
+
+
 class _ModelOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -88,6 +125,7 @@ class _ModelOptions(BaseModel):
     expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
     heads: tuple[HeadConfig, ...] | None = None
     float8: Float8Config | None = None
+    fsdp: FsdpConfig = FsdpConfig()
 
     @model_validator(mode="after")
     def _float8_experts_in_bf16(self) -> _ModelOptions:
@@ -137,6 +175,8 @@ class PretrainedModelConfig(_ModelOptions):
         float8: FP8 training of the linear layers (and optionally the MoE experts) through
             torchao (``Float8Config``); None trains in ``param_dtype``. Converted before tensor
             parallelism and FSDP; not with LoRA (refused when the stage is parallelized).
+        fsdp: FSDP's reduction dtype, explicit prefetch and resharding (``FsdpConfig``), where
+            the stage is sharded over more than one data-parallel rank.
         expert_bias_update_rate: Auxiliary-loss-free MoE balancing: every router selects experts by
             score plus a per-expert bias (starting at 0, not exported) that moves by this rate
             after each step, up for experts that got fewer tokens than the mean and down for those

@@ -174,7 +174,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         return InitializeModelStageResult(model=model, state_mapper=mapper)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
-        """Applies FP8 (``float8``) and the decoder recipe (TP, CP, EP, FSDP/HSDP) the mesh asks for."""
+        """Applies FP8 (``float8``) and the decoder recipe (TP, CP, EP, FSDP/HSDP per ``fsdp``)."""
         float8 = self._config.float8
         parallelize_decoder(
             context.model,
@@ -182,6 +182,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
             float8=None if float8 is None else float8.training(),
             float8_experts=float8 is not None and float8.experts,
+            fsdp=self._config.fsdp.settings(),
         )
         if self._config.compile:
             context.model.model.compile_layers()

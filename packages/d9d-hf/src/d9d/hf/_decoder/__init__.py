@@ -33,7 +33,7 @@ from d9d.hf._decoder._multi_head_checkpoint import (
     multi_head_export_mapper,
     multi_head_load_mapper,
 )
-from d9d.hf._decoder._parallelize import parallelize_decoder
+from d9d.hf._decoder._parallelize import FsdpSettings, parallelize_decoder
 from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
 from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._decoder._stage import StageLayout, stage_layout
@@ -42,6 +42,7 @@ from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_ma
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 
 __all__ = [
+    "FsdpSettings",
     "CONFIG_FILE",
     "ClassificationHeadSpec",
     "DecoderBackbone",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -23,7 +24,25 @@ from d9d.parallel import (
     parallelize_context_parallel,
     parallelize_expert_parallel,
     parallelize_hsdp,
+    prefetch_fsdp_units,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpSettings:
+    """How FSDP shards a stage over 2+ data-parallel ranks (d9d-hf's ``model.fsdp``).
+
+    Attributes:
+        reduce_dtype: Dtype of the gradient reduction (float32 by default).
+        forward_prefetch: Following layers whose all-gathers each layer's forward starts.
+        backward_prefetch: Preceding layers whose all-gathers each layer's backward starts.
+        keep_last_layer_gathered: The last layer is not resharded between forward and backward.
+    """
+
+    reduce_dtype: torch.dtype = torch.float32
+    forward_prefetch: int = 0
+    backward_prefetch: int = 0
+    keep_last_layer_gathered: bool = False
 
 
 def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
@@ -67,6 +86,7 @@ def parallelize_decoder(
     param_dtype: torch.dtype | None = None,
     float8: Float8Training | None = None,
     float8_experts: bool = False,
+    fsdp: FsdpSettings | None = None,
 ) -> None:
     """Parallelizes one (meta-device) decoder stage in place, as ``dist_context.parameters`` asks.
 
@@ -88,6 +108,8 @@ def parallelize_decoder(
         param_dtype: The compute dtype of the parameters (None: the stored dtype).
         float8: FP8 training of the stage's linear layers (None: none).
         float8_experts: Also run the MoE experts' grouped GEMMs in FP8 (needs ``float8``).
+        fsdp: Reduction dtype, prefetch and resharding where the stage is sharded over 2+
+            data-parallel ranks (None: float32 reductions, FSDP's implicit prefetch).
 
     Raises:
         ValueError: For ``float8`` on a stage with LoRA adapters, or ``float8_experts`` without
@@ -114,13 +136,17 @@ def parallelize_decoder(
                 parallelize_expert_parallel(layer.mlp, mesh=ep_mesh)
                 experts += list(layer.mlp.parameters())
     dp_mesh = _data_parallel_mesh(dense)
-    reduce_dtype = None if param_dtype is None else torch.float32
+    fsdp = FsdpSettings() if fsdp is None else fsdp
+    sharded = dp_mesh.size() > 1
+    if sharded and fsdp.reduce_dtype != torch.float32:
+        reduce_dtype: torch.dtype | None = fsdp.reduce_dtype
+    else:
+        reduce_dtype = None if param_dtype is None else torch.float32
     # One data-parallel rank shards nothing: per-layer units would only add a gather, a cast and a
     # reduce per layer and step (host time the GPU waits on; with experts, copies of every expert
     # weight and gradient: 55 ms of a 266 ms step at Qwen3-30B-A3B widths on an H200). The cast
     # keeps each compute copy from forward to backward (the experts' bf16 weights: half their
     # float32 size).
-    sharded = dp_mesh.size() > 1
     # A forward that reruns in backward must see the cast parameters as parameters. Compiled layer
     # bodies need not: the stage's hooks run outside them and the copies enter as graph inputs.
     reruns = model.model.activation_checkpointing
@@ -131,14 +157,18 @@ def parallelize_decoder(
     # every expert's gathered weights at once.
     per_layer = sharded or model.spec.has_experts
     if per_layer:
-        for layer in layers:
+        for index, layer in enumerate(layers):
+            last = index == len(layers) - 1
             parallelize_hsdp(
                 layer,
                 mesh=dp_mesh,
+                reshard_after_forward=not (sharded and last and fsdp.keep_last_layer_gathered),
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
                 ignored_params=experts,
             )
+        if sharded:
+            prefetch_fsdp_units(list(layers), forward=fsdp.forward_prefetch, backward=fsdp.backward_prefetch)
     parallelize_hsdp(
         model,
         mesh=dp_mesh,
