@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,18 +56,7 @@ class ProjectConfig(BaseModel):
                 or does not validate.
         """
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ConfigFileError(f"cannot read config {path}: {e.strerror or e}") from e
-        try:
-            raw: Any = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigFileError(f"config {path} is not valid YAML: {e}") from e
-        if raw is None:
-            raise ConfigFileError(f"config {path} is empty")
-        if not isinstance(raw, dict):
-            raise ConfigFileError(f"config {path} must be a mapping of sections, not {type(raw).__name__}")
+        raw = read_config_mapping(path)
         try:
             return cls.model_validate(raw)
         except ValueError as e:
@@ -76,3 +65,25 @@ class ProjectConfig(BaseModel):
 
 class ConfigFileError(ValueError):
     """A config file could not be loaded; the message names the file."""
+
+
+def read_config_mapping(path: Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping, not yet validated.
+
+    Raises:
+        ConfigFileError: Naming the file, if it is missing, unreadable, empty, not YAML or not
+            a mapping.
+    """
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigFileError(f"cannot read config {path}: {e.strerror or e}") from e
+    try:
+        raw: Any = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigFileError(f"config {path} is not valid YAML: {e}") from e
+    if raw is None:
+        raise ConfigFileError(f"config {path} is empty")
+    if not isinstance(raw, dict):
+        raise ConfigFileError(f"config {path} must be a mapping of sections, not {type(raw).__name__}")
+    return cast(dict[str, Any], raw)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import yaml
+from d9d.loop._config_project import ConfigFileError, read_config_mapping
 
 
 class CommandError(Exception):
@@ -13,21 +13,12 @@ class CommandError(Exception):
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """A YAML file's top-level mapping.
+    """A YAML config file's top-level mapping (``read_config_mapping``, as a ``CommandError``).
 
     Raises:
         CommandError: If the file is missing, unreadable, empty, not YAML or not a mapping.
     """
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise CommandError(f"cannot read {path}: {e.strerror or e}") from e
-    try:
-        raw: Any = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise CommandError(f"{path} is not valid YAML: {e}") from e
-    if raw is None:
-        raise CommandError(f"{path} is empty")
-    if not isinstance(raw, dict):
-        raise CommandError(f"{path} must be a mapping of sections, not {type(raw).__name__}")
-    return cast(dict[str, Any], raw)
+        return read_config_mapping(path)
+    except ConfigFileError as e:
+        raise CommandError(str(e)) from e
