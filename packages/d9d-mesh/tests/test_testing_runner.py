@@ -1,12 +1,15 @@
+import multiprocessing
 import os
+import pickle
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from d9d.mesh.testing import DistributedTestError, run_distributed
+from d9d.mesh.testing import DistributedTestError, _runner, run_distributed
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -74,3 +77,44 @@ def test_module_arguments_travel_by_name_to_the_clean_zygote() -> None:
     y = torch.ones(2, requires_grad=True)
     (y * 3).sum().backward()
     assert run_distributed(_backward_with_module, sys.modules[__name__], world_size=2) == [6.0, 6.0]
+
+
+def _rank_of_world() -> int:
+    return dist.get_rank()
+
+
+def test_a_rank_that_cannot_join_the_group_says_so(tmp_path) -> None:
+    # rank 0 of a world of 2 whose rank 1 never comes: init_process_group fails, fn never runs
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    args = (0, 2, str(tmp_path / "store"), _rank_of_world, (), {}, timedelta(seconds=1), send)
+    process = ctx.Process(target=_runner._worker, args=args, daemon=True)
+    process.start()
+    send.close()
+    assert recv.poll(60)
+    outcome = pickle.loads(recv.recv_bytes())
+    process.join(timeout=10)
+    assert not outcome.ok and not outcome.joined
+    assert "init_process_group" in outcome.traceback
+
+
+def test_a_world_whose_rendezvous_failed_starts_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    worlds: list[object] = []
+    real_world = _runner._run_world
+
+    def first_rendezvous_fails(request: object) -> list[object]:
+        worlds.append(request)
+        if len(worlds) == 1:
+            return [
+                _runner._RankOutcome(rank=0, ok=False, joined=False, traceback="connectFullMesh failed"),
+                _runner._RankOutcome(rank=1, ok=False, traceback="did not finish"),
+            ]
+        return real_world(request)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_runner, "_run_world", first_rendezvous_fails)
+    request = _runner._Request(
+        fn=_rank_of_world, args=(), kwargs={}, world_size=2, timeout_s=60.0, collective_timeout_s=30.0
+    )
+    outcomes = _runner._run_forked(request)
+    assert len(worlds) == 2
+    assert [o.value for o in outcomes] == [0, 1]

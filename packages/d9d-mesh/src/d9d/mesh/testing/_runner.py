@@ -35,6 +35,7 @@ class _RankOutcome:
     ok: bool
     value: Any = None
     traceback: str = ""
+    joined: bool = True  # False: init_process_group itself failed, ``fn`` never ran
 
 
 def _worker(
@@ -59,14 +60,18 @@ def _worker(
         )
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=collective_timeout
-        )
         try:
-            value = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        outcome = _RankOutcome(rank=rank, ok=True, value=value)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=collective_timeout
+            )
+        except RuntimeError:
+            outcome = _RankOutcome(rank=rank, ok=False, joined=False, traceback=traceback.format_exc())
+        else:
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                dist.destroy_process_group()
+            outcome = _RankOutcome(rank=rank, ok=True, value=value)
     except BaseException:
         outcome = _RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc())
     # Plain pickle copies tensors into the message; torch's multiprocessing pickler would share
@@ -182,6 +187,16 @@ def handle_zygote_request(payload: bytes) -> bytes:
 
 
 def _run_forked(request: _Request) -> list[_RankOutcome]:
+    outcomes = _run_world(request)
+    if any(not outcome.joined for outcome in outcomes):
+        # gloo's TCP rendezvous between forked ranks fails now and then on a busy host
+        # ("connectFullMesh failed ... Connection closed by peer"); ``fn`` has not run on that
+        # rank, so the world starts once more, with a fresh store.
+        outcomes = _run_world(request)
+    return outcomes
+
+
+def _run_world(request: _Request) -> list[_RankOutcome]:
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="d9d-dist-") as tmp:
         store_path = os.path.join(tmp, "store")
