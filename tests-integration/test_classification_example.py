@@ -9,29 +9,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from script_in_process import run_script_in_process
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "classification"
 
 
-def test_script_without_arguments_prints_usage() -> None:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py")], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 2
-    assert "usage: train.py CONFIG.yaml" in result.stderr
+# Both end before any work: run in this process (see script_in_process), not a fresh interpreter.
+def test_script_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stderr = run_script_in_process(EXAMPLE / "train.py", capsys=capsys)
+    assert code == 2
+    assert "usage: train.py CONFIG.yaml" in stderr
 
 
-def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+def test_a_missing_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.yaml"
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), str(missing)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert str(missing) in result.stderr
+    code, stderr = run_script_in_process(EXAMPLE / "train.py", str(missing), capsys=capsys)
+    assert code == 2
+    assert str(missing) in stderr
 
 
 def _run(config: str, tmp_path: Path, *, timeout: int) -> subprocess.CompletedProcess[str]:
@@ -76,12 +72,17 @@ def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path)
     assert (tmp_path / "runs" / "export" / "config.json").is_file()
 
 
-def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: Path) -> None:
+def test_an_export_dir_holding_other_files_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = (EXAMPLE / "config.yaml").read_text().replace("runs/classification", str(tmp_path / "runs"))
     export = tmp_path / "runs" / "export"
     export.mkdir(parents=True)
     (export / "notes.txt").write_text("mine")
-    result = _run(config, tmp_path, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    # Refused before any work (no process group either): in this process, see script_in_process.
+    code, stderr = run_script_in_process(EXAMPLE / "train.py", str(path), capsys=capsys)
+    assert code == 2, stderr[-2000:]
+    assert "not a d9d export" in stderr and "replace_export_dir" in stderr
     assert (export / "notes.txt").read_text() == "mine"
