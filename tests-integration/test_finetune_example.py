@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from script_in_process import run_script_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "finetune-qwen3" / "train.py"
@@ -39,16 +40,24 @@ def _losses(stdout: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
-def test_script_without_arguments_prints_usage() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 2
-    assert "usage: train.py CONFIG.yaml" in result.stderr
+def test_script_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    # Ends before any work: run in this process (see script_in_process), not a fresh interpreter.
+    code, stderr = run_script_in_process(SCRIPT, capsys=capsys)
+    assert code == 2
+    assert "usage: train.py CONFIG.yaml" in stderr
 
 
-def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(tmp_path: Path) -> None:
-    result = _run(_shipped_config(tmp_path), tmp_path)
+@pytest.fixture(scope="module")
+def shipped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The shipped config, 30 steps, once per module: its directory (toy set, tiny checkpoint, export)."""
+    directory = tmp_path_factory.mktemp("shipped")
+    return directory, _run(_shipped_config(directory), directory)
+
+
+def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
+    shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    tmp_path, result = shipped_run
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = _losses(result.stdout)
     assert after < 0.5 * before
@@ -114,21 +123,29 @@ def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path) -> None:
     assert not (tmp_path / "runs" / "export").exists()
 
 
-def test_an_export_dir_holding_other_files_is_refused_before_training(tmp_path: Path) -> None:
+def test_an_export_dir_holding_other_files_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     export = tmp_path / "runs" / "export"
     export.mkdir(parents=True)
     (export / "notes.txt").write_text("mine")
-    result = _run(_shipped_config(tmp_path), tmp_path)
-    assert result.returncode == 2
-    assert "not a d9d export" in result.stderr and "replace_export_dir" in result.stderr
+    path = tmp_path / "config.yaml"
+    path.write_text(_shipped_config(tmp_path))
+    # Refused before any work (no process group either): in this process, see script_in_process.
+    code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
+    assert code == 2
+    assert "not a d9d export" in stderr and "replace_export_dir" in stderr
     assert (export / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "runs" / "tiny-qwen3").exists()  # refused before any work
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_llama_or_qwen2_source_trains_by_config_alone(tmp_path: Path, family: str) -> None:
+def test_a_llama_or_qwen2_source_trains_by_config_alone(
+    tmp_path: Path, family: str, shipped_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
     # The same script and config with model.source at another family's checkpoint: config.json's
-    # model_type picks the family; nothing else changes.
+    # model_type picks the family; nothing else changes. The toy set and its tokenizer come from
+    # the shipped run (toy_data: true wrote them there).
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
@@ -137,11 +154,9 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(tmp_path: Path, family: 
         Qwen2ForCausalLM,
     )
 
-    toy = _run(
-        _shipped_config(tmp_path, steps=1).replace("warmup: {steps: 3}", "warmup: {steps: 0}"), tmp_path
-    )
+    shipped, toy = shipped_run
     assert toy.returncode == 0, toy.stderr[-3000:]  # the toy set and a tokenizer for it
-    tiny = tmp_path / "runs" / "tiny-qwen3"
+    tiny = shipped / "runs" / "tiny-qwen3"
     shape: dict[str, Any] = json.loads((tiny / "config.json").read_text())
     fields: dict[str, Any] = {
         key: shape[key] for key in ("vocab_size", "max_position_embeddings", "pad_token_id", "eos_token_id")
@@ -164,6 +179,9 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(tmp_path: Path, family: 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (source / name).write_bytes((tiny / name).read_bytes())
     config = _shipped_config(tmp_path, steps=20).replace("toy_data: true", "toy_data: false")
+    toy_pairs = f"source: {shipped}/runs/toy_pairs.jsonl"
+    config = config.replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", toy_pairs)
+    assert toy_pairs in config
     config = config.replace("replace_export_dir: false", "replace_export_dir: true")
     result = _run(f"model: {{source: {source}}}\n{config}", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
