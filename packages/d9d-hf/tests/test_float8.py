@@ -134,6 +134,14 @@ def _relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.fixture(scope="module")
+def bf16(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The dense checkpoint trained in plain bf16 on one process (3 steps), once for every FP8 test;
+    ``export`` is the directory of its export."""
+    export = tmp_path_factory.mktemp("bf16") / "export"
+    return {**_run(checkpoints["dense"], None, export=export)[0], "export": export}
+
+
 # --- configuration ----------------------------------------------------------------------------
 
 
@@ -169,25 +177,25 @@ def test_missing_torchao_is_named_at_configure_time(monkeypatch: pytest.MonkeyPa
 
 
 def test_float8_converts_the_projections_trains_close_to_bf16_and_exports_unchanged(
-    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any, bf16: dict[str, Any]
 ) -> None:
     directory = checkpoints["dense"]
-    bf16 = _run(directory, None, export=tmp_path / "bf16")[0]
     fp8 = _run(directory, FLOAT8, export=tmp_path / "fp8")[0]
     assert fp8["float8"] == sorted(f"model.layers.{i}.{p}" for i in range(3) for p in PROJECTIONS + MLP)
     assert bf16["float8"] == []
     assert fp8["state"] == bf16["state"]  # same names, shapes and (master) dtypes
     assert _relative(fp8["losses"], bf16["losses"]) < 0.05
     # the export: the same tensors under transformers' names, in the master dtype; transformers loads it
-    assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
+    assert _tensors(tmp_path / "fp8") == _tensors(bf16["export"])
     loaded = helpers.hf_model(tmp_path / "fp8")
     assert loaded(torch.randint(0, 128, (1, 8))).logits.isfinite().all()
 
 
-def test_float8_with_activation_checkpointing_trains_close_to_bf16(checkpoints: dict[str, Path]) -> None:
+def test_float8_with_activation_checkpointing_trains_close_to_bf16(
+    checkpoints: dict[str, Path], bf16: dict[str, Any]
+) -> None:
     # the recomputed forward in backward runs the converted layers again
     directory = checkpoints["dense"]
-    bf16 = _run(directory, None)[0]
     result = _run(directory, FLOAT8, options={"activation_checkpointing": True})[0]
     assert len(result["float8"]) == 21
     assert _relative(result["losses"], bf16["losses"]) < 0.05
@@ -214,17 +222,16 @@ def test_float8_with_lora_is_refused(checkpoints: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("mesh", [{"data_parallel_shard": 2}, {}])
 def test_float8_all_gather_trains_close_to_bf16_and_exports_plain_tensors(
-    checkpoints: dict[str, Path], tmp_path: Path, mesh: dict[str, int]
+    checkpoints: dict[str, Path], tmp_path: Path, mesh: dict[str, int], bf16: dict[str, Any]
 ) -> None:
     # two FSDP ranks gather the weights in float8; one rank has nothing to gather (plain weights)
     directory = checkpoints["dense"]
-    bf16 = _run(directory, None, export=tmp_path / "bf16")[0]
     gathered = {**FLOAT8, "fsdp_float8_all_gather": True}
     world = 2 if mesh else 1
     for result in _run(directory, gathered, mesh=mesh, world_size=world, export=tmp_path / "fp8"):
         assert len(result["float8"]) == 21
         assert _relative(result["losses"], bf16["losses"]) < 0.05
-    assert _tensors(tmp_path / "fp8") == _tensors(tmp_path / "bf16")
+    assert _tensors(tmp_path / "fp8") == _tensors(bf16["export"])
 
 
 def test_float8_all_gather_resumes_from_a_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -250,10 +257,13 @@ def test_float8_all_gather_resumes_from_a_checkpoint(checkpoints: dict[str, Path
     ],
 )
 def test_tensor_and_pipeline_parallel_with_float8_train_close_to_bf16(
-    checkpoints: dict[str, Path], mesh: dict[str, int], float8: dict[str, Any], layers: int | None
+    checkpoints: dict[str, Path],
+    mesh: dict[str, int],
+    float8: dict[str, Any],
+    layers: int | None,
+    bf16: dict[str, Any],
 ) -> None:
     directory = checkpoints["dense"]
-    bf16 = _run(directory, None)[0]
     world = 1
     for degree in mesh.values():
         world *= degree
