@@ -33,14 +33,24 @@ def _run(
     )
 
 
+_REFERENCES: dict[int, dict[str, Any]] = {}
+
+
+def _reference(directory: Path, mesh: dict[str, int], world_size: int) -> dict[str, Any]:
+    """The uninterrupted run (checkpointing every step), once per world size for both kill points."""
+    if world_size not in _REFERENCES:
+        _REFERENCES[world_size] = run_distributed(
+            _run, _config(directory, mesh), None, None, world_size=world_size, timeout_s=240
+        )[0]
+    return _REFERENCES[world_size]
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 @pytest.mark.parametrize("during_save", [False, True], ids=["between-steps", "during-save"])
 def test_killed_run_resumes_bit_identically(tmp_path: Path, world_size: int, during_save: bool) -> None:
     mesh = {} if world_size == 1 else {"data_parallel_replicate": 2, "data_parallel_shard": 2}
     kill_step = random.randrange(2, STEPS - 2)
-    reference = run_distributed(
-        _run, _config(tmp_path / "ref", mesh), None, None, world_size=world_size, timeout_s=240
-    )[0]
+    reference = _reference(tmp_path / "ref", mesh, world_size)
 
     interrupted = _config(tmp_path / "run", mesh)
     with pytest.raises(DistributedTestError, match="exited with code -9"):
