@@ -3,27 +3,22 @@
 A block preceded by ``<!-- runnable -->`` is executed; the runnable blocks of one guide run in
 order as one script (later blocks may use names from earlier ones), in a Python process of its own
 on CPU, from an empty working directory: forked from a plain interpreter that has only imported
-torch (see guide_runner.py), so each guide does not pay that import again. A block that cannot run
+torch (see script_runner.py), so each guide does not pay that import again. A block that cannot run
 here (it needs GPUs, torchrun or a download) is preceded by ``<!-- illustrative: <why> -->``
 instead, so no block is skipped silently.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import select
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from script_runner import run_script, start_runner, stop_runner
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-RUNNER = Path(__file__).resolve().parent / "guide_runner.py"
 GUIDES = [
     "installation.md",
     "writing-a-model.md",
@@ -62,38 +57,10 @@ def test_blocks_are_found_with_their_markers() -> None:
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
-    """guide_runner.py in a plain interpreter, started once for every guide."""
-    # As a reader runs a guide: without the d9d pytest plugin's zygote variable, run_distributed
-    # forks ranks from the script itself.
-    env = {k: v for k, v in os.environ.items() if k != "D9D_TESTING_ZYGOTE"}
-    process = subprocess.Popen(
-        [sys.executable, str(RUNNER)],
-        cwd=tmp_path_factory.mktemp("runner"),
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a guide that hangs: its whole process group is ended
-    )
+    """script_runner.py in a plain interpreter, started once for every guide."""
+    process = start_runner(tmp_path_factory.mktemp("runner"))
     yield process
-    assert process.stdin is not None
-    process.stdin.close()
-    process.wait(timeout=60)
-
-
-def _run_guide(runner: subprocess.Popen[str], script: Path, timeout_s: float) -> tuple[int, str, str]:
-    assert runner.stdin is not None and runner.stdout is not None
-    stdout, stderr = script.with_suffix(".out"), script.with_suffix(".err")
-    request = {"script": str(script), "stdout": str(stdout), "stderr": str(stderr)}
-    runner.stdin.write(json.dumps(request) + "\n")
-    runner.stdin.flush()
-    ready, _, _ = select.select([runner.stdout], [], [], timeout_s)
-    if not ready:
-        os.killpg(runner.pid, signal.SIGKILL)
-        raise AssertionError(f"{script} did not finish within {timeout_s:.0f} s")
-    line = runner.stdout.readline()
-    assert line, f"the guide runner ended (status {runner.poll()})"
-    return json.loads(line)["returncode"], stdout.read_text(), stderr.read_text()
+    stop_runner(process)
 
 
 @pytest.mark.parametrize("guide", GUIDES)
@@ -102,5 +69,6 @@ def test_guide_code_runs(guide: str, tmp_path: Path, runner: subprocess.Popen[st
     assert blocks, f"{guide} has no runnable block"
     script = tmp_path / "guide.py"
     script.write_text("\n\n".join(blocks))
-    returncode, stdout, stderr = _run_guide(runner, script, timeout_s=240)
-    assert returncode == 0, f"{guide}:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    # As a reader runs the guide: a plain Python process from an empty directory (see script_runner).
+    result = run_script(runner, script, cwd=tmp_path, timeout_s=240)
+    assert result.returncode == 0, f"{guide}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
