@@ -5,25 +5,46 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from script_in_process import run_script_in_process
+from script_runner import run_script, start_runner, stop_runner
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "finetune-qwen3" / "train.py"
 CAPITALS = {"france": "paris", "italy": "rome", "spain": "madrid", "peru": "lima", "kenya": "nairobi"}
 
 
-def _run(config: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+# What train.py and its toy_setup import at their top: imported once in the runner, before it
+# forks each run (see script_runner), instead of once per run.
+SCRIPT_IMPORTS = (
+    "pydantic",
+    "tokenizers",
+    "d9d.hf",
+    "d9d.hf.qwen3",
+    "d9d.hf.data",
+    "d9d.loop",
+    "d9d.loop.data",
+    "d9d.mesh",
+)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
+    process = start_runner(tmp_path_factory.mktemp("runner"))
+    yield process
+    stop_runner(process)
+
+
+def _run(config: str, tmp_path: Path, runner: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    """``python train.py CONFIG`` in a process of its own (forked by the script runner)."""
     path = tmp_path / "config.yaml"
     path.write_text(config)
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=300, check=False
-    )
+    return run_script(runner, SCRIPT, str(path), cwd=tmp_path, timeout_s=300, preload=SCRIPT_IMPORTS)
 
 
 def _shipped_config(tmp_path: Path, *, steps: int = 30) -> str:
@@ -48,10 +69,12 @@ def test_script_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str
 
 
 @pytest.fixture(scope="module")
-def shipped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def shipped_run(
+    tmp_path_factory: pytest.TempPathFactory, runner: subprocess.Popen[str]
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """The shipped config, 30 steps, once per module: its directory (toy set, tiny checkpoint, export)."""
     directory = tmp_path_factory.mktemp("shipped")
-    return directory, _run(_shipped_config(directory), directory)
+    return directory, _run(_shipped_config(directory), directory, runner)
 
 
 def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
@@ -72,7 +95,9 @@ def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
     assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
 
 
-def test_a_users_chat_jsonl_file_trains_from_config_alone(tmp_path: Path) -> None:
+def test_a_users_chat_jsonl_file_trains_from_config_alone(
+    tmp_path: Path, runner: subprocess.Popen[str]
+) -> None:
     chats = tmp_path / "chats.jsonl"
     lines = [
         {
@@ -91,24 +116,24 @@ def test_a_users_chat_jsonl_file_trains_from_config_alone(tmp_path: Path) -> Non
     config = config.replace("format: prompt_completion", "format: chat").replace(
         "toy_data: true", "toy_data: false"
     )
-    result = _run(config, tmp_path)
+    result = _run(config, tmp_path, runner)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "60 samples used, 0 truncated, 0 dropped as too long, 0 skipped" in result.stdout
     before, after = _losses(result.stdout)
     assert after < 0.5 * before
 
 
-def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path) -> None:
+def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path, runner: subprocess.Popen[str]) -> None:
     config = _shipped_config(tmp_path, steps=12).replace("eval_fraction: 0.2", "eval_fraction: 0.0")
     config = config.replace("packing: true ", "streaming: true\n  packing: true ")
     assert "streaming: true" in config
-    result = _run(config, tmp_path)
+    result = _run(config, tmp_path, runner)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out loss before: n/a (no held-out split" in result.stdout
     assert (tmp_path / "runs" / "export" / "config.json").is_file()
 
 
-def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path) -> None:
+def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path, runner: subprocess.Popen[str]) -> None:
     chats = tmp_path / "chats.jsonl"
     chats.write_text(
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{oops\n'
@@ -117,7 +142,7 @@ def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path) -> None:
     config = config.replace("format: prompt_completion", "format: chat").replace(
         "toy_data: true", "toy_data: false"
     )
-    result = _run(config, tmp_path)
+    result = _run(config, tmp_path, runner)
     assert result.returncode == 2
     assert f"{chats}:2: not valid JSON" in result.stderr
     assert not (tmp_path / "runs" / "export").exists()
@@ -141,7 +166,10 @@ def test_an_export_dir_holding_other_files_is_refused_before_training(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_llama_or_qwen2_source_trains_by_config_alone(
-    tmp_path: Path, family: str, shipped_run: tuple[Path, subprocess.CompletedProcess[str]]
+    tmp_path: Path,
+    family: str,
+    shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
+    runner: subprocess.Popen[str],
 ) -> None:
     # The same script and config with model.source at another family's checkpoint: config.json's
     # model_type picks the family; nothing else changes. The toy set and its tokenizer come from
@@ -183,7 +211,7 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(
     config = config.replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", toy_pairs)
     assert toy_pairs in config
     config = config.replace("replace_export_dir: false", "replace_export_dir: true")
-    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path)
+    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, runner)
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = _losses(result.stdout)
     assert after < before
