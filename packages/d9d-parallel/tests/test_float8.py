@@ -1,9 +1,8 @@
-"""FP8 training through torchao: which layers convert, what is refused, numerics, FSDP."""
+"""FP8 linear layers through torchao: which layers convert, what is refused, numerics, FSDP."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 import sys
 
 import pytest
@@ -15,10 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import (
-    Float8GroupedMatmul,
     Float8Training,
     MissingFloat8Error,
-    convert_experts_to_float8,
     convert_to_float8,
     float8_linear_names,
     parallelize_fsdp,
@@ -158,64 +155,6 @@ def test_forward_and_backward_are_close_to_bf16(recipe: str) -> None:
         assert p.grad is not None and q.grad is not None
         assert relative(p.grad, q.grad) < 0.2, name
     assert relative(out, torch.randn_like(ref)) > 1  # the bound means something
-
-
-class _Experts(nn.Module):
-    def __init__(self, k: int = 32, n: int = 48) -> None:
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.randn(4, k, n))
-        self.grouped_matmul = _plain_grouped_mm
-
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return self.grouped_matmul(tokens, self.gate_proj, tokens_per_expert)
-
-
-def _plain_grouped_mm(
-    x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
-) -> torch.Tensor:
-    groups = torch.split(x, tokens_per_group.tolist())
-    return torch.cat([g @ w for g, w in zip(groups, weight, strict=True)])
-
-
-def test_float8_experts_install_the_fp8_grouped_gemm_and_refuse_cpu() -> None:
-    experts = _Experts()
-    convert_experts_to_float8(experts)
-    assert isinstance(experts.grouped_matmul, Float8GroupedMatmul)
-    tokens = torch.randn(10, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"compute capability 9.0 or newer .* got cpu"):
-        experts(tokens, torch.tensor([3, 0, 5, 2]))
-
-
-def _padded_loop_kernel(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, /) -> torch.Tensor:
-    """A high-precision stand-in for the FP8 kernel that checks what the FP8 kernel requires."""
-    assert weight.stride()[1:] == (1, weight.shape[1]), "weight must be column-major per expert"
-    assert group_ends.dtype == torch.int32
-    ends = [0, *group_ends.tolist()]
-    assert all(e % 16 == 0 for e in ends), ends
-    out = x.new_zeros(x.shape[0], weight.shape[2])
-    pieces = [x[a:b] @ weight[g] for g, (a, b) in enumerate(itertools.pairwise(ends))]
-    return out.index_copy(0, torch.arange(ends[-1]), torch.cat(pieces))
-
-
-def test_float8_grouped_matmul_pads_groups_and_passes_gradients() -> None:
-    # the padding, layout and unpadding around the kernel, checked with a plain kernel in fp32
-    torch.manual_seed(0)
-    sizes = torch.tensor([3, 0, 21, 2])
-    x = torch.randn(int(sizes.sum()), 32, requires_grad=True)
-    weight = torch.randn(4, 32, 48, requires_grad=True)
-    out = Float8GroupedMatmul(_padded_loop_kernel)(x, weight, sizes)
-    expected = _plain_grouped_mm(x, weight, sizes)
-    torch.testing.assert_close(out, expected)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (x, weight), grad)
-    want = torch.autograd.grad(expected, (x, weight), grad)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
-
-
-def test_float8_experts_refuse_unaligned_weights() -> None:
-    with pytest.raises(ValueError, match=r"'gate_proj' of shape \(4, 32, 40\)"):
-        convert_experts_to_float8(_Experts(n=40))
 
 
 def _fsdp_float8(recipe: str) -> None:

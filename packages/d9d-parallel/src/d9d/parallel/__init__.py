@@ -24,18 +24,19 @@ from d9d.parallel._deep_ep_dispatcher import DeepEPTokenDispatcher
 from d9d.parallel._expert_parallel import MoELayerLike, TokenDispatcherKind, parallelize_expert_parallel
 from d9d.parallel._float8 import (
     DEFAULT_FLOAT8_EXCLUDE,
-    Float8GroupedMatmul,
     Float8Recipe,
     Float8Training,
-    GroupedExpertsLike,
-    GroupedMatmul,
     MissingFloat8Error,
-    PaddedGroupedKernel,
-    convert_experts_to_float8,
     convert_to_float8,
     float8_linear_names,
     precompute_float8_scales,
-    torchao_fp8_rowwise_grouped_mm,
+)
+from d9d.parallel._float8_experts import (
+    Float8GroupedMatmul,
+    GroupedExpertsLike,
+    GroupedMatmul,
+    convert_experts_to_float8,
+    quantize_rowwise,
 )
 from d9d.parallel._fsdp_prefetch import prefetch_fsdp_units
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
@@ -73,7 +74,6 @@ __all__ = [
     "LocalParameterSlot",
     "MissingFloat8Error",
     "MoELayerLike",
-    "PaddedGroupedKernel",
     "SelectiveCheckpointing",
     "SequenceParallelNorm",
     "TokenDispatcher",
@@ -99,7 +99,7 @@ __all__ = [
     "prefetch_fsdp_units",
     "parallelize_replicate",
     "precompute_float8_scales",
+    "quantize_rowwise",
     "synchronize_replicas",
-    "torchao_fp8_rowwise_grouped_mm",
     "vocab_parallel_cross_entropy",
 ]

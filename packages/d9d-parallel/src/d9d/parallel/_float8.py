@@ -1,4 +1,4 @@
-"""FP8 training through torchao: linear layers (``Float8Linear``) and grouped MoE experts.
+"""FP8 training of linear layers through torchao (``Float8Linear``); MoE experts: ``_float8_experts``.
 
 torchao is an optional dependency (``pip install 'd9d-parallel[float8]'``), imported only when a
 function here runs. Converted layers keep their parameters under the same names and in the same
@@ -14,9 +14,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, cast
 
-import torch
 from torch import nn
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
@@ -194,141 +193,3 @@ def precompute_float8_scales(module: nn.Module) -> None:
     linear = _float8_linear_type()
     if any(isinstance(m, linear) for m in module.modules()):
         float8.precompute_float8_dynamic_scale_for_fsdp(module)
-
-
-class GroupedMatmul(Protocol):
-    """``out[rows of g] = x[rows of g] @ weight[g]`` (d9d-kernels' ``grouped_mm`` fits)."""
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
-    ) -> torch.Tensor:
-        """Maps ``(M, K)`` rows grouped contiguously and ``(G, K, N)`` weights to ``(M, N)``."""
-        ...
-
-
-class GroupedExpertsLike(Protocol):
-    """What ``convert_experts_to_float8`` needs of grouped experts (d9d-kernels'
-    ``GroupedSwiGLUExperts`` fits): 3-d ``(E, K, N)`` weights run through a replaceable
-    ``grouped_matmul``."""
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The module's parameters by name."""
-        ...
-
-    @property
-    def grouped_matmul(self) -> GroupedMatmul:
-        """The grouped GEMM the experts run their weights through; replaced here."""
-        ...
-
-    @grouped_matmul.setter
-    def grouped_matmul(self, grouped_matmul: GroupedMatmul) -> None: ...
-
-
-def _padded_rows(tokens_per_group: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row goes when every group is padded to a multiple of 16 rows, and the padded
-    groups' end offsets (int32); all on the device, without a host sync."""
-    counts = tokens_per_group
-    padded_counts = (counts + _FP8_ALIGNMENT - 1) // _FP8_ALIGNMENT * _FP8_ALIGNMENT
-    padded_ends = torch.cumsum(padded_counts, dim=0)
-    starts = torch.cumsum(counts, dim=0) - counts
-    groups = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=counts.device), counts, output_size=rows
-    )
-    destination = (
-        torch.arange(rows, device=counts.device) - starts[groups] + (padded_ends - padded_counts)[groups]
-    )
-    return destination, padded_ends.to(torch.int32)
-
-
-class PaddedGroupedKernel(Protocol):
-    """A grouped GEMM on rows padded to 16 per group: ``(P, K)`` rows, ``(G, K, N)`` weights in
-    column-major layout, int32 end offsets of the padded groups (``(G,)``); returns ``(P, N)``."""
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, /) -> torch.Tensor:
-        """The product of each padded group with its expert's weight."""
-        ...
-
-
-def torchao_fp8_rowwise_grouped_mm(
-    x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, /
-) -> torch.Tensor:
-    """torchao's FP8 rowwise grouped GEMM (``_to_fp8_rowwise_then_scaled_grouped_mm``).
-
-    Raises:
-        RuntimeError: Off CUDA, or on a GPU older than compute capability 9.0.
-    """
-    if not x.is_cuda:
-        raise RuntimeError(
-            f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
-            f"(torch._scaled_grouped_mm), got {x.device.type}; turn float8 experts off here"
-        )
-    capability = torch.cuda.get_device_capability(x.device)
-    if capability < (9, 0):
-        raise RuntimeError(
-            f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
-            f"(torch._scaled_grouped_mm), got sm{capability[0]}{capability[1]}; turn float8 experts off"
-        )
-    moe = _import_torchao("torchao.prototype.moe_training")
-    output: torch.Tensor = moe._to_fp8_rowwise_then_scaled_grouped_mm(
-        x, weight, group_ends, x.dtype, torch.float8_e4m3fn, False
-    )
-    return output
-
-
-class Float8GroupedMatmul:
-    """FP8 rowwise grouped GEMM for MoE experts (``GroupedMatmul``), through torchao.
-
-    Tokens are cast to float8 with one scale per row, each expert's weight with one scale per
-    output column, and the product runs in ``torch._scaled_grouped_mm`` (Hopper and newer GPUs);
-    backward does the same for both gradients. The FP8 kernel needs every group to be a multiple
-    of 16 rows and the weight column-major: groups are padded on the device (no host sync) and
-    the padding dropped again, and the weight is handed over as a column-major copy.
-
-    Args:
-        kernel: The grouped GEMM on padded groups (torchao's FP8 rowwise one by default).
-    """
-
-    def __init__(self, kernel: PaddedGroupedKernel = torchao_fp8_rowwise_grouped_mm) -> None:
-        self._kernel = kernel
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
-    ) -> torch.Tensor:
-        """``x`` ``(M, K)`` rows grouped contiguously, ``weight`` ``(G, K, N)``: ``(M, N)``.
-
-        Raises:
-            RuntimeError: From the default kernel off a Hopper-or-newer GPU.
-            ValueError: If ``K`` or ``N`` is not a multiple of 16.
-        """
-        if x.shape[1] % _FP8_ALIGNMENT or weight.shape[2] % _FP8_ALIGNMENT:
-            raise ValueError(
-                f"float8 experts need both weight dims to be multiples of 16, got {tuple(weight.shape)}"
-            )
-        rows = x.shape[0]
-        destination, padded_ends = _padded_rows(tokens_per_group, rows)
-        padded = x.new_zeros(rows + _FP8_ALIGNMENT * weight.shape[0], x.shape[1])
-        padded = padded.index_copy(0, destination, x)
-        column_major = weight.transpose(-2, -1).contiguous().transpose(-2, -1)
-        return self._kernel(padded, column_major, padded_ends).index_select(0, destination)
-
-
-def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
-    """Runs ``experts``' grouped GEMMs in FP8 rowwise (``Float8GroupedMatmul``), in place.
-
-    The weights stay what they are (names, dtype, sharding); the router and the token permute
-    are untouched. Forward then needs a Hopper or newer GPU and bf16 compute.
-
-    Raises:
-        MissingFloat8Error: If torchao is not installed.
-        ValueError: If a 3-d weight has a dim that is not a multiple of 16.
-    """
-    _import_torchao("torchao.prototype.moe_training")
-    for name, parameter in experts.named_parameters():
-        if parameter.dim() == 3 and (
-            parameter.shape[1] % _FP8_ALIGNMENT or parameter.shape[2] % _FP8_ALIGNMENT
-        ):
-            raise ValueError(
-                f"float8 experts: weight {name!r} of shape {tuple(parameter.shape)} has a dim that is "
-                "not a multiple of 16"
-            )
-    experts.grouped_matmul = Float8GroupedMatmul()

@@ -1,0 +1,242 @@
+"""FP8 grouped GEMMs for MoE experts: forward and input gradient in float8, weight gradient in bf16.
+
+Tokens are cast to float8 (e4m3) with one scale per row, each expert's weight with one scale per
+output column, and the product runs in PyTorch's rowwise-scaled grouped GEMM (Hopper and newer).
+The input gradient does the same with the weight scaled per input row. The weight gradient stays a
+bf16 grouped GEMM: its operands would need scales per column *within each expert's group of
+tokens*, a pass over every routed row that costs more than FP8 saves at MoE widths (measured in
+``benchmarks/float8_experts.py``). Scales are powers of two, so scaling is exact.
+"""
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_FP8_ALIGNMENT = 16  # float8 GEMMs need the K and N dims of every operand to be multiples of 16
+_FLOAT8 = torch.float8_e4m3fn
+_FLOAT8_MAX = torch.finfo(_FLOAT8).max
+
+
+class GroupedMatmul(Protocol):
+    """``out[rows of g] = x[rows of g] @ weight[g]`` (d9d-kernels' ``grouped_mm`` fits)."""
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
+    ) -> torch.Tensor:
+        """Maps ``(M, K)`` rows grouped contiguously and ``(G, K, N)`` weights to ``(M, N)``."""
+        ...
+
+
+class GroupedExpertsLike(Protocol):
+    """What ``convert_experts_to_float8`` needs of grouped experts (d9d-kernels'
+    ``GroupedSwiGLUExperts`` fits): 3-d ``(E, K, N)`` weights run through a replaceable
+    ``grouped_matmul``."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's parameters by name."""
+        ...
+
+    @property
+    def grouped_matmul(self) -> GroupedMatmul:
+        """The grouped GEMM the experts run their weights through; replaced here."""
+        ...
+
+    @grouped_matmul.setter
+    def grouped_matmul(self, grouped_matmul: GroupedMatmul) -> None: ...
+
+
+def _require_sm90(x: torch.Tensor) -> None:
+    capability = torch.cuda.get_device_capability(x.device)
+    if capability < (9, 0):
+        raise RuntimeError(
+            f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
+            f"(_scaled_grouped_mm), got sm{capability[0]}{capability[1]}; turn float8 experts off"
+        )
+
+
+def quantize_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in float8 e4m3 with one power-of-two scale per slice along ``dim``.
+
+    Returns:
+        The float8 data (same shape and strides as ``t`` would get from an elementwise op) and the
+        dequantizing scales (float32, ``dim`` kept with size 1): ``t ~= data * scale``.
+    """
+    amax = t.abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(_FLOAT8_MAX / amax)))
+    data = (t.float() * scale).clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(_FLOAT8)
+    return data, scale.reciprocal()
+
+
+# On CUDA the quantizations run compiled (one fused kernel each instead of five eager passes);
+# the custom ops below stay opaque to an outer torch.compile, which traced them wrongly otherwise
+# (torch 2.11: an autograd.Function holding them lost its input gradients under compile).
+_quantize_rowwise_compiled = torch.compile(quantize_rowwise, dynamic=True)
+
+
+def _quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_rowwise_compiled(t, dim) if t.is_cuda else quantize_rowwise(t, dim)
+
+
+def _scaled_grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_ends: torch.Tensor,
+) -> torch.Tensor:
+    """bf16 ``(M, N)`` from float8 ``x`` ``(M, K)`` row-major and ``weight`` ``(G, K, N)``
+    column-major per group, with dequantizing scales ``(M, 1)`` and ``(G, 1, N)``.
+
+    On CUDA PyTorch's rowwise-scaled grouped GEMM with fast accumulation; elsewhere the
+    reference: the dequantized operands multiplied per group in float32.
+    """
+    if weight.stride()[1:] != (1, weight.shape[1]):
+        raise ValueError("float8 grouped GEMM: the weight must be column-major per group")
+    if x.is_cuda:
+        _require_sm90(x)
+        output: torch.Tensor = torch._scaled_grouped_mm(  # pyright: ignore[reportPrivateUsage]
+            x,
+            weight,
+            x_scale.squeeze(1),
+            weight_scale.squeeze(1),
+            offs=group_ends,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+        return output
+    ends: list[int] = [0, *cast(list[int], group_ends.tolist())]
+    pieces = [
+        (x[start:end].float() * x_scale[start:end]) @ (weight[group].float() * weight_scale[group])
+        for group, (start, end) in enumerate(itertools.pairwise(ends))
+    ]
+    return torch.cat(pieces).to(torch.bfloat16)
+
+
+def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """``(G, K, N)``: ``x[rows of g].T @ grad[rows of g]`` in bf16 (PyTorch's grouped GEMM on CUDA)."""
+    if x.is_cuda:
+        grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # pyright: ignore[reportPrivateUsage]
+        output: torch.Tensor = grouped_mm(x.t(), grad, offs=group_ends)
+        return output
+    ends: list[int] = [0, *cast(list[int], group_ends.tolist())]
+    pieces = [x[start:end].float().T @ grad[start:end].float() for start, end in itertools.pairwise(ends)]
+    return torch.stack(pieces).to(grad.dtype)
+
+
+@torch.library.custom_op("d9d_parallel::float8_grouped_mm", mutates_args=())
+def _float8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    x_data, x_scale = _quantize(x, dim=1)
+    # one scale per (expert, output column); each expert's (K, N) goes to the kernel column-major
+    w_data, w_scale = _quantize(weight.transpose(1, 2), dim=2)
+    w_data, w_scale = w_data.contiguous().transpose(1, 2), w_scale.transpose(1, 2)
+    return _scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype)
+
+
+@_float8_grouped_mm.register_fake
+def _float8_grouped_mm_fake(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[2]))
+
+
+@torch.library.custom_op("d9d_parallel::float8_grouped_mm_backward", mutates_args=())
+def _float8_grouped_mm_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    need_x: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = grad.contiguous()
+    grad_x = grad_weight = x.new_empty((0,))
+    if need_x:
+        g_data, g_scale = _quantize(grad, dim=1)
+        # weight.T per expert is (N, K): the row-major (K, N) storage is its column-major form
+        w_data, w_scale = _quantize(weight, dim=2)
+        grad_x = _scaled_grouped_mm(
+            g_data, w_data.transpose(1, 2), g_scale, w_scale.transpose(1, 2), group_ends
+        )
+        grad_x = grad_x.to(x.dtype)
+    if need_weight:
+        grad_weight = _grouped_weight_grad(x.to(grad.dtype), grad, group_ends).to(weight.dtype)
+    return grad_x, grad_weight
+
+
+@_float8_grouped_mm_backward.register_fake
+def _float8_grouped_mm_backward_fake(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    need_x: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty((0,))
+    grad_weight = (
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty((0,))
+    )
+    return grad_x, grad_weight
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, weight, group_ends = inputs
+    ctx.save_for_backward(x, weight, group_ends)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    x, weight, group_ends = ctx.saved_tensors
+    need_x, need_weight = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
+    grad_x, grad_weight = _float8_grouped_mm_backward(grad, x, weight, group_ends, need_x, need_weight)
+    return (grad_x if need_x else None, grad_weight if need_weight else None, None)
+
+
+_float8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+class Float8GroupedMatmul:
+    """FP8 rowwise grouped GEMM for MoE experts (a ``GroupedMatmul``).
+
+    The forward product and the input gradient run in float8 with one power-of-two scale per
+    token row and per weight column (per weight row for the input gradient); the weight
+    gradient runs in bf16. Group sizes need no padding and cause no host sync on CUDA. Off CUDA
+    a reference runs (the same quantization, the products in float32), for tests.
+    """
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
+    ) -> torch.Tensor:
+        """``x`` ``(M, K)`` rows grouped contiguously, ``weight`` ``(G, K, N)``: ``(M, N)``.
+
+        Raises:
+            RuntimeError: On a CUDA GPU older than compute capability 9.0.
+            ValueError: If ``K`` or ``N`` is not a multiple of 16.
+        """
+        if x.shape[1] % _FP8_ALIGNMENT or weight.shape[2] % _FP8_ALIGNMENT:
+            raise ValueError(
+                f"float8 experts need both weight dims to be multiples of 16, got {tuple(weight.shape)}"
+            )
+        group_ends = torch.cumsum(tokens_per_group, dim=0, dtype=torch.int32)
+        return _float8_grouped_mm(x, weight, group_ends)
+
+
+def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
+    """Runs ``experts``' grouped GEMMs in FP8 rowwise (``Float8GroupedMatmul``), in place.
+
+    The weights stay what they are (names, dtype, sharding); the router and the token permute
+    are untouched. Forward then needs a Hopper or newer GPU and bf16 compute.
+
+    Raises:
+        ValueError: If a 3-d weight has a dim that is not a multiple of 16.
+    """
+    for name, parameter in experts.named_parameters():
+        if parameter.dim() == 3 and (
+            parameter.shape[1] % _FP8_ALIGNMENT or parameter.shape[2] % _FP8_ALIGNMENT
+        ):
+            raise ValueError(
+                f"float8 experts: weight {name!r} of shape {tuple(parameter.shape)} has a dim that is "
+                "not a multiple of 16"
+            )
+    experts.grouped_matmul = Float8GroupedMatmul()
