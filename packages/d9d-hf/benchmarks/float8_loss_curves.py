@@ -389,7 +389,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (then cosine to 0.1x)")
     parser.add_argument("--seed", type=int, default=0, help="initialization, data and sample order")
-    parser.add_argument("--active-vocab", type=int, default=8192, help="tokens the Markov chain visits")
+    parser.add_argument("--active-vocab", type=int, default=512, help="tokens the Markov chain visits")
     parser.add_argument("--successors", type=int, default=4, help="likely next tokens of each token")
     parser.add_argument("--noise", type=float, default=0.05, help="probability of a uniform jump")
     parser.add_argument(
