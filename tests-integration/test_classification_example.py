@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from script_in_process import run_script_in_process
+from script_runner import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "classification"
@@ -30,19 +30,18 @@ def test_a_missing_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFi
     assert str(missing) in stderr
 
 
-def _run(config: str, tmp_path: Path, *, timeout: int) -> subprocess.CompletedProcess[str]:
+def _run(
+    config: str, tmp_path: Path, runner: subprocess.Popen[str], *, timeout: int
+) -> subprocess.CompletedProcess[str]:
+    """``python train.py CONFIG`` in a process of its own (forked by the script runner)."""
     path = tmp_path / "config.yaml"
     path.write_text(config)
-    return subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_script(runner, EXAMPLE / "train.py", str(path), cwd=tmp_path, timeout_s=timeout)
 
 
-def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path) -> None:
+def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     config = (EXAMPLE / "config.yaml").read_text()
     config = config.replace("runs/classification", str(tmp_path / "runs"))
     for old, new in [
@@ -55,7 +54,7 @@ def test_a_short_run_reports_auroc_and_f1_and_writes_predictions(tmp_path: Path)
     ]:
         assert old in config, old
         config = config.replace(old, new)
-    result = _run(config, tmp_path, timeout=240)
+    result = _run(config, tmp_path, torch_runner, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     pattern = r"eval after (\d+) steps: eval/loss=([\d.]+) eval/auroc=([\d.]+) eval/f1=([\d.]+)"
     reports = [(int(s), float(auroc), float(f1)) for s, _, auroc, f1 in re.findall(pattern, result.stdout)]

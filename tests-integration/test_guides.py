@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from script_runner import run_script, start_runner, stop_runner
+from script_runner import run_script
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 GUIDES = [
@@ -55,20 +54,12 @@ def test_blocks_are_found_with_their_markers() -> None:
         runnable_blocks("```python\nz = 3\n```\n")
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
-    """script_runner.py in a plain interpreter, started once for every guide."""
-    process = start_runner(tmp_path_factory.mktemp("runner"))
-    yield process
-    stop_runner(process)
-
-
 @pytest.mark.parametrize("guide", GUIDES)
-def test_guide_code_runs(guide: str, tmp_path: Path, runner: subprocess.Popen[str]) -> None:
+def test_guide_code_runs(guide: str, tmp_path: Path, torch_runner: subprocess.Popen[str]) -> None:
     blocks = runnable_blocks((DOCS / guide).read_text())
     assert blocks, f"{guide} has no runnable block"
     script = tmp_path / "guide.py"
     script.write_text("\n\n".join(blocks))
     # As a reader runs the guide: a plain Python process from an empty directory (see script_runner).
-    result = run_script(runner, script, cwd=tmp_path, timeout_s=240)
+    result = run_script(torch_runner, script, cwd=tmp_path, timeout_s=240)
     assert result.returncode == 0, f"{guide}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"

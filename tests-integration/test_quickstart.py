@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from quickstart_job import QUICKSTART, quickstart_config, run_quickstart
+from script_runner import run_script
 
 from d9d.mesh.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_script_converges_below_twice_the_noise_floor(tmp_path: Path) -> None:
+def test_quickstart_script_converges_below_twice_the_noise_floor(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     config = (REPO / "examples" / "quickstart" / "config.yaml").read_text()
     metrics = tmp_path / "metrics.jsonl"
     config = config.replace(
@@ -26,9 +29,8 @@ def test_quickstart_script_converges_below_twice_the_noise_floor(tmp_path: Path)
     )
     path = tmp_path / "config.yaml"
     path.write_text(config)
-    result = subprocess.run(
-        [sys.executable, str(QUICKSTART), str(path)], capture_output=True, text=True, timeout=120, check=False
-    )
+    # `python train.py CONFIG` in a process of its own (forked by the script runner, see script_runner)
+    result = run_script(torch_runner, QUICKSTART, str(path), cwd=tmp_path, timeout_s=120)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["step"] == 299

@@ -5,30 +5,27 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from script_runner import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "rl-grpo"
 
 
-def test_grpo_example_reward_and_accuracy_rise(tmp_path: Path) -> None:
+def test_grpo_example_reward_and_accuracy_rise(tmp_path: Path, torch_runner: subprocess.Popen[str]) -> None:
     report = tmp_path / "rewards.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE / "train.py"),
-            str(EXAMPLE / "config.yaml"),
-            "--steps",
-            "30",
-            "--report",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    # `python train.py ...` in a process of its own (forked by the script runner, see script_runner)
+    result = run_script(
+        torch_runner,
+        EXAMPLE / "train.py",
+        str(EXAMPLE / "config.yaml"),
+        "--steps",
+        "30",
+        "--report",
+        str(report),
         cwd=tmp_path,  # the config's runs/rl-grpo/checkpoints lands here
+        timeout_s=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "30/30" in result.stderr, result.stderr[-3000:]  # the progress bar reached the last step
