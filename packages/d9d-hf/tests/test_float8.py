@@ -1,7 +1,7 @@
 """``model.float8``: which layers train in FP8, what is refused, numerics, FSDP, export.
 
 torch's ``_scaled_mm`` runs on CPU, so dense FP8 training runs here for real (tiny shapes); the
-FP8 grouped GEMM of MoE experts needs an H100/H200 and is checked for its wiring only.
+FP8 grouped GEMM of MoE experts runs its CPU reference (the same quantization, float32 products).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from d9d.loop import (
     TrainingConfigurator,
 )
 from d9d.mesh.testing import DistributedTestError, run_distributed
+from d9d.parallel import Float8BaseLinear
 
 float8_linear = pytest.importorskip(
     "torchao.float8.float8_linear", reason="torchao (the float8 extra) is not installed"
@@ -110,6 +111,11 @@ def _train(
                 n for n, m in model.named_modules() if isinstance(m, float8_linear.Float8Linear)
             ),
             "state": {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()},
+            "float8_base": sorted(
+                n
+                for n, m in model.named_modules()
+                if isinstance(getattr(m, "base_linear", None), Float8BaseLinear)
+            ),
             "matmuls": sorted(
                 {type(m.experts.grouped_matmul).__name__ for m in model.modules() if isinstance(m, MoELayer)}
             ),
@@ -211,10 +217,29 @@ def test_default_min_features_leave_tiny_layers_in_bf16(checkpoints: dict[str, P
     assert _run(checkpoints["dense"], {}, steps=1)[0]["float8"] == []
 
 
-def test_float8_with_lora_is_refused(checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize("mesh", [{}, {"data_parallel_shard": 2}, {"tensor_parallel": 2}])
+def test_float8_with_lora_runs_the_frozen_base_in_fp8(
+    checkpoints: dict[str, Path], mesh: dict[str, int]
+) -> None:
+    # the adapted projections keep their LoRA layer (adapters in bf16) with an FP8 base product;
+    # the other projections become torchao's float8 layers
     peft = {"kind": "lora", "target": r"q_proj|v_proj", "r": 4, "alpha": 8}
-    with pytest.raises(DistributedTestError, match=r"model.float8 with LoRA \(peft\) is not supported"):
-        _run(checkpoints["dense"], FLOAT8, peft=peft, steps=1)
+    world = 2 if mesh else 1
+    adapted = sorted(f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("q_proj", "v_proj"))
+    plain = _run(checkpoints["dense"], None, peft=peft, mesh=mesh, world_size=world)
+    fp8_runs = _run(checkpoints["dense"], FLOAT8, peft=peft, mesh=mesh, world_size=world)
+    for fp8, bf16 in zip(fp8_runs, plain, strict=True):
+        assert fp8["float8_base"] == adapted
+        assert len(fp8["float8"]) == 21 - 6
+        assert fp8["state"] == bf16["state"]
+        assert _relative(fp8["losses"], bf16["losses"]) < 0.05
+        assert fp8["losses"] != bf16["losses"]
+
+
+def test_float8_experts_with_lora_on_the_experts_is_refused(checkpoints: dict[str, Path]) -> None:
+    peft = {"kind": "lora", "target": r"experts", "r": 4, "alpha": 8}
+    with pytest.raises(DistributedTestError, match=r"model.float8.experts with LoRA on the experts"):
+        _run(checkpoints["moe"], {**FLOAT8, "experts": True}, peft=peft, steps=1)
 
 
 # --- distributed --------------------------------------------------------------------------------

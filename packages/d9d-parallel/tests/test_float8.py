@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import (
+    Float8BaseLinear,
     Float8Training,
     MissingFloat8Error,
     convert_to_float8,
@@ -59,6 +60,12 @@ class _Model(nn.Module):
 
 
 _CONFIG = Float8Training(min_features=32)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
 _EXPECTED = [f"layers.{i}.{name}" for i in (0, 1) for name in ("q_proj", "up_proj", "down_proj")]
 
 
@@ -121,6 +128,45 @@ def test_a_linear_subclass_is_refused_unless_excluded() -> None:
     assert "layers.0.q_proj" not in names and type(model.layers[0].q_proj) is _Adapted
 
 
+class _SlotAdapted(nn.Linear):
+    """A LoRA-like layer: the base product through a ``base_linear`` slot, plus a low-rank update."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n, bias=True)
+        self.base_linear = nn.functional.linear
+        self.lora_A = nn.Parameter(torch.randn(4, n) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(n, 4) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_linear(x, self.weight, self.bias) + x @ self.lora_A.T @ self.lora_B.T
+
+
+def test_an_adapted_layer_keeps_its_class_and_runs_its_base_in_float8() -> None:
+    torch.manual_seed(0)
+    reference = _Model()
+    reference.layers[0].q_proj = _SlotAdapted(64)
+    reference = reference.to(torch.bfloat16)
+    for name, parameter in reference.named_parameters():
+        parameter.requires_grad_("lora_" in name or not name.startswith("layers.0.q_proj"))
+    model = copy.deepcopy(reference)
+    names = convert_to_float8(model, _CONFIG)
+    adapted = model.layers[0].q_proj
+    assert "layers.0.q_proj" in names and type(adapted) is _SlotAdapted
+    assert isinstance(adapted.base_linear, Float8BaseLinear)
+    assert model.state_dict().keys() == reference.state_dict().keys()  # nothing registered on the layer
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16)
+    out, ref = model(x), reference(x)
+    out.float().square().mean().backward()
+    ref.float().square().mean().backward()
+    assert _relative(out, ref) < 0.1
+    assert adapted.weight.grad is None  # the frozen base gets no gradient
+    for name in ("lora_A", "lora_B"):
+        got, want = getattr(adapted, name).grad, getattr(reference.layers[0].q_proj, name).grad
+        assert got is not None and want is not None and _relative(got, want) < 0.2, name
+    with pytest.raises(ValueError, match="already runs its base product in float8"):
+        convert_to_float8(model, _CONFIG)
+
+
 def test_converting_twice_is_refused() -> None:
     model = _Model()
     convert_to_float8(model, _CONFIG)
@@ -147,14 +193,11 @@ def test_forward_and_backward_are_close_to_bf16(recipe: str) -> None:
     out.float().square().mean().backward()
     ref.float().square().mean().backward()
 
-    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.float() - b.float()).norm() / b.float().norm())
-
-    assert relative(out, ref) < 0.1
+    assert _relative(out, ref) < 0.1
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
-        assert relative(p.grad, q.grad) < 0.2, name
-    assert relative(out, torch.randn_like(ref)) > 1  # the bound means something
+        assert _relative(p.grad, q.grad) < 0.2, name
+    assert _relative(out, torch.randn_like(ref)) > 1  # the bound means something
 
 
 def _fsdp_float8(recipe: str) -> None:

@@ -24,6 +24,7 @@ from d9d.parallel._deep_ep_dispatcher import DeepEPTokenDispatcher
 from d9d.parallel._expert_parallel import MoELayerLike, TokenDispatcherKind, parallelize_expert_parallel
 from d9d.parallel._float8 import (
     DEFAULT_FLOAT8_EXCLUDE,
+    Float8BaseLinear,
     Float8Recipe,
     Float8Training,
     MissingFloat8Error,
@@ -63,6 +64,7 @@ __all__ = [
     "DeepEPBufferFactory",
     "DeepEPBuffers",
     "DeepEPTokenDispatcher",
+    "Float8BaseLinear",
     "Float8GroupedMatmul",
     "Float8Recipe",
     "Float8Training",

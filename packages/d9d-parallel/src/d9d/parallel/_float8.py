@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
+import torch
 from torch import nn
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
@@ -98,17 +99,28 @@ def _float8_linear_type() -> type[nn.Module]:
     return linear
 
 
+class _AdaptedLinear(Protocol):
+    base_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _has_base_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass that runs its base product through a ``base_linear`` slot
+    (d9d-loop's ``LoRALinear``): FP8 replaces the slot and keeps the subclass."""
+    return callable(getattr(module, "base_linear", None))
+
+
 def float8_linear_names(module: nn.Module, config: Float8Training) -> list[str]:
     """The qualified names of the ``nn.Linear`` layers ``convert_to_float8`` would convert.
 
-    A layer converts when it is exactly an ``nn.Linear`` (not a subclass), no ``exclude``
-    pattern matches its name, both its dims are multiples of 16 and its smaller dim is at least
-    ``min_features``.
+    A layer converts when it is an ``nn.Linear`` (a subclass only if it has a ``base_linear``
+    slot, as LoRA layers do), no ``exclude`` pattern matches its name, both its dims are
+    multiples of 16 and its smaller dim is at least ``min_features``.
 
     Raises:
         ValueError: If a layer that passes the name and size rules is a subclass of
-            ``nn.Linear`` (a LoRA layer, say): torchao would replace it by a plain float8 linear
-            and drop what the subclass adds. Exclude it by name, or leave it out of FP8.
+            ``nn.Linear`` without a ``base_linear`` slot: torchao would replace it by a plain
+            float8 linear and drop what the subclass adds. Exclude it by name, or leave it out
+            of FP8.
     """
     patterns = [re.compile(p) for p in config.exclude]
     chosen: list[str] = []
@@ -120,16 +132,46 @@ def float8_linear_names(module: nn.Module, config: Float8Training) -> list[str]:
             continue
         if min(out_features, in_features) < config.min_features:
             continue
-        if type(child) is not nn.Linear:
+        if type(child) is not nn.Linear and not _has_base_linear(child):
             if type(child).__name__ == "Float8Linear":
                 raise ValueError(f"convert_to_float8: layer {name!r} is already a Float8Linear")
             raise ValueError(
                 f"convert_to_float8: layer {name!r} is a {type(child).__name__}, a subclass of "
-                "nn.Linear; torchao's float8 conversion would drop what it adds (e.g. LoRA "
-                "adapters). Add its name to exclude, or train it without float8"
+                "nn.Linear without a base_linear slot; torchao's float8 conversion would drop what "
+                "it adds. Add its name to exclude, or train it without float8"
             )
+        if isinstance(getattr(child, "base_linear", None), Float8BaseLinear):
+            raise ValueError(f"convert_to_float8: layer {name!r} already runs its base product in float8")
         chosen.append(name)
     return chosen
+
+
+class Float8BaseLinear:
+    """The base product of an adapted linear layer (``base_linear`` slot) in FP8 through torchao.
+
+    Runs torchao's ``Float8Linear`` forward with the layer's current ``weight`` and ``bias``
+    (``torch.func.functional_call`` on a meta-device template), so FSDP's gathered or TP's
+    sharded parameters are the ones multiplied, and nothing is registered on the layer. FSDP
+    gathers such weights in bf16 (``fsdp_float8_all_gather`` applies to plain layers only).
+
+    Args:
+        layer: The adapted layer (its sizes and whether it has a bias).
+        config: Recipe; ``fsdp_float8_all_gather`` is ignored here.
+    """
+
+    def __init__(self, layer: nn.Linear, config: Float8Training) -> None:
+        torchao_config = dataclasses.replace(_torchao_config(config), enable_fsdp_float8_all_gather=False)
+        bias = cast(nn.Parameter | None, layer.bias)  # None where the layer has no bias
+        with torch.device("meta"):
+            plain = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None)
+        float8_linear: Any = _float8_linear_type()
+        self._template: nn.Module = float8_linear.from_float(plain, config=torchao_config)
+
+    def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(input, weight, bias)`` with the product in float8."""
+        parameters = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        output = torch.func.functional_call(self._template, parameters, (input,))
+        return cast(torch.Tensor, output)
 
 
 def _torchao_config(config: Float8Training) -> Any:
@@ -144,6 +186,10 @@ def _torchao_config(config: Float8Training) -> Any:
 
 def convert_to_float8(module: nn.Module, config: Float8Training) -> list[str]:
     """Swaps the chosen ``nn.Linear`` layers of ``module`` for torchao's ``Float8Linear``, in place.
+
+    Subclasses with a ``base_linear`` slot (LoRA layers) stay what they are: their slot gets a
+    ``Float8BaseLinear``, so the frozen base product runs in float8 and the adapters in the
+    compute dtype.
 
     Call it on the meta-device model before tensor parallelism, activation checkpointing's
     rerun, ``torch.compile`` and FSDP (torchao's order): each converted layer keeps its
@@ -170,7 +216,11 @@ def convert_to_float8(module: nn.Module, config: Float8Training) -> list[str]:
     names = float8_linear_names(module, config)
     if "" in names:
         raise ValueError("convert_to_float8: call it on a module that holds the linear layers, not on one")
-    chosen = frozenset(names)
+    adapted = {name for name in names if type(module.get_submodule(name)) is not nn.Linear}
+    for name in adapted:
+        layer = cast(nn.Linear, module.get_submodule(name))
+        cast(_AdaptedLinear, layer).base_linear = Float8BaseLinear(layer, config)
+    chosen = frozenset(names) - adapted
 
     def module_filter(_child: nn.Module, name: str) -> bool:
         return name in chosen

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from d9d.hf._decoder._model_base import DecoderModelBase
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 from d9d.kernels.layers import MoELayer
-from d9d.loop.peft import GroupedLoRAExperts, LoRALinear
+from d9d.loop.peft import GroupedLoRAExperts
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
     Float8Training,
@@ -63,14 +63,15 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
 
 
 def _apply_float8(model: DecoderModelBase, float8: Float8Training, *, experts: bool) -> None:
-    """FP8 linear layers (and grouped experts), before any parallelism wraps them."""
+    """FP8 linear layers (and grouped experts), before any parallelism wraps them. LoRA layers
+    keep their adapters in the compute dtype and run their frozen base product in FP8."""
     modules = cast(Iterator[tuple[str, nn.Module]], model.named_modules())
-    adapted = [name for name, m in modules if isinstance(m, LoRALinear | GroupedLoRAExperts)]
-    if adapted:
+    adapted_experts = [name for name, m in modules if isinstance(m, GroupedLoRAExperts)]
+    if experts and adapted_experts:
         raise ValueError(
-            f"model.float8 with LoRA (peft) is not supported: torchao's float8 layers carry no "
-            f"adapters, so the adapted layers ({', '.join(adapted[:4])}, ...) cannot run in FP8; "
-            f"remove model.float8 or train without peft"
+            f"model.float8.experts with LoRA on the experts (peft) is not supported: the FP8 grouped "
+            f"GEMM has no adapter path ({', '.join(adapted_experts[:4])}, ...); set "
+            f"model.float8.experts: false or leave the experts out of peft.target"
         )
     convert_to_float8(model, float8)
     if experts:
@@ -112,8 +113,8 @@ def parallelize_decoder(
             data-parallel ranks (None: float32 reductions, FSDP's implicit prefetch).
 
     Raises:
-        ValueError: For ``float8`` on a stage with LoRA adapters, or ``float8_experts`` without
-            ``float8``.
+        ValueError: For ``float8_experts`` on a stage whose experts carry LoRA adapters, or
+            ``float8_experts`` without ``float8``.
     """
     if float8 is not None:
         _apply_float8(model, float8, experts=float8_experts)

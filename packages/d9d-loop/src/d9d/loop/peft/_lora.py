@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+LinearProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``(input, weight, bias) -> output`` as ``torch.nn.functional.linear`` computes it."""
+
 
 class LoRALinear(nn.Linear):
     """``nn.Linear`` plus ``scale * B @ A``; the base ``weight`` and ``bias`` keep their names.
@@ -17,6 +20,10 @@ class LoRALinear(nn.Linear):
     Being an ``nn.Linear`` (same ``weight``, ``bias``), the layer loads base checkpoints under
     the base names, and is sharded by FSDP like its base layer (``lora_A`` and ``lora_B`` are
     ordinary parameters of the same module).
+
+    The base product runs through ``base_linear`` (``F.linear`` by default); replacing it (an FP8
+    matmul, say: d9d-parallel's ``convert_to_float8`` does) changes the arithmetic of the frozen
+    base, never the parameters or the adapters, which stay in the compute dtype.
     """
 
     def __init__(
@@ -42,6 +49,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.empty(out_features, r, device=device, dtype=dtype))
         # a float, not an nn.Dropout child: RowwiseParallel partitions every submodule as a linear
         self.lora_dropout = dropout
+        self.base_linear: LinearProduct = F.linear
         self.reset_lora_parameters()
 
     def reset_parameters(self) -> None:
@@ -60,7 +68,7 @@ class LoRALinear(nn.Linear):
         update = F.linear(
             F.linear(F.dropout(input, self.lora_dropout, self.training), self.lora_A), self.lora_B
         )
-        return super().forward(input) + self.scale * update
+        return self.base_linear(input, self.weight, self.bias) + self.scale * update
 
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A``, the update the adapters add to ``weight``."""
