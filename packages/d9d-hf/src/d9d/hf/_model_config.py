@@ -174,7 +174,8 @@ class PretrainedModelConfig(_ModelOptions):
             ``seq x heads x head_dim`` (attention); a Qwen3-0.6B head at seq 4096 weighs about 6.4.
         float8: FP8 training of the linear layers (and optionally the MoE experts) through
             torchao (``Float8Config``); None trains in ``param_dtype``. Converted before tensor
-            parallelism and FSDP; not with LoRA (refused when the stage is parallelized).
+            parallelism and FSDP; LoRA layers run their frozen base in FP8 and their adapters in
+            bf16 (LoRA on FP8 experts is refused when the stage is parallelized).
         fsdp: FSDP's reduction dtype, explicit prefetch and resharding (``FsdpConfig``), where
             the stage is sharded over more than one data-parallel rank.
         expert_bias_update_rate: Auxiliary-loss-free MoE balancing: every router selects experts by
