@@ -95,7 +95,7 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
     for name, values in times.items():
         median = statistics.median(values)
         spread = f"({min(values):.2f}-{max(values):.2f})"
-        print(f"{name:20s} {median:8.2f} ms  {flops / median / 1e12:7.1f} TFLOP/s  {spread}")
+        print(f"{name:20s} {median:8.2f} ms  {flops / (median * 1e-3) / 1e12:7.1f} TFLOP/s  {spread}")
     for mode in ("eager", "compile"):
         for name in matmuls:
             if name == "bf16":
