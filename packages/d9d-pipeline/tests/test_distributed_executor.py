@@ -226,3 +226,100 @@ def _two_pipelines() -> float:
 
 def test_pipeline_group_inside_a_larger_world() -> None:
     assert max(run_distributed(_two_pipelines, world_size=4, timeout_s=120)) < 1e-6
+
+
+def _count_exchanges(executor: PipelineExecutor) -> list[int]:
+    """Wraps the executor's full shape exchange to count its runs (the count is the list's length)."""
+    calls: list[int] = []
+    exchange = executor._exchange_shapes
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        exchange(*args)
+
+    executor._exchange_shapes = counted  # type: ignore[method-assign]
+    return calls
+
+
+def _shapes_exchanged_only_on_change() -> list[int]:
+    """ZBV on 2 ranks: the full exchange runs on the first step and when a batch or shared spec changes."""
+    rank = dist.get_rank()
+    program = build_program(ZBVScheduleConfig(), num_ranks=2, num_microbatches=4)
+    stages = build_stages(program.num_stages, NUM_LAYERS)
+    mine = {s: stages[s] for s in program.stages_of(rank)}
+    executor = PipelineExecutor(program, mine)
+    calls = _count_exchanges(executor)
+    counts = []
+    # (batch rows, shape of shared["scale"]): rank 0 alone sees a batch change, every rank a shared one
+    for seed, (rows, scale_shape) in enumerate([(16, ()), (16, ()), (8, ()), (8, ()), (8, (1,)), (16, ())]):
+        inputs, shared, target = make_batch(rows, seed=seed)
+        shared = {"scale": shared["scale"].reshape(scale_shape)}
+        for module in mine.values():
+            module.zero_grad(set_to_none=True)
+        ref_losses, ref_stages, ref_outputs = reference(stages, inputs, shared, target, 4)
+        losses = executor.step(inputs, loss_fn=make_loss_fn(target, 4), shared=shared)
+        if executor.has_last_stage:
+            assert losses is not None
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-7)
+        for s in mine:
+            for param, ref_param in zip(stages[s].parameters(), ref_stages[s].parameters(), strict=True):
+                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
+        outputs = executor.forward(inputs, shared=shared)  # same shapes: no exchange
+        if executor.has_last_stage:
+            assert outputs is not None
+            for got, want in zip(outputs, ref_outputs, strict=True):
+                torch.testing.assert_close(got["y"], want["y"])
+        counts.append(len(calls))
+    return counts
+
+
+def test_shapes_are_exchanged_only_when_they_change() -> None:
+    expected = [1, 1, 2, 2, 3, 4]
+    assert run_distributed(_shapes_exchanged_only_on_change, world_size=2, timeout_s=120) == [expected] * 2
+
+
+class _TwoDimOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 2:
+            raise ValueError(f"expected 2-D inputs, got {x.ndim}-D")
+        return self.lin(x)
+
+
+def _shape_error_after_a_good_step() -> tuple[list[str], list[int]]:
+    """A good step, a step whose shapes fail at stage 0 or stage 1, then good steps again."""
+    rank = dist.get_rank()
+    program = build_1f1b_program(num_ranks=2, num_microbatches=2)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(4, 4), _TwoDimOnly()]
+    executor = PipelineExecutor(program, {rank: layers[rank]})
+    calls = _count_exchanges(executor)
+    errors: list[str] = []
+    counts: list[int] = []
+    for shape in [(4, 4), (4, 3, 4), (4, 4), (4, 5), (4, 4), (4, 4)]:
+        x = torch.randn(*shape)
+        try:
+            losses = executor.step(x, loss_fn=lambda out, m: out.sum())
+        except PipelineShapeError as e:
+            errors.append(str(e))
+        else:
+            if executor.has_last_stage:
+                assert losses is not None
+                torch.testing.assert_close(sum(losses), layers[1](layers[0](x)).sum().detach())
+        counts.append(len(calls))
+    return errors, counts
+
+
+def test_shape_error_after_a_good_step_fails_on_every_rank() -> None:
+    results = run_distributed(_shape_error_after_a_good_step, world_size=2, timeout_s=120)
+    for errors, counts in results:
+        assert len(errors) == 2
+        assert errors[0].startswith("stage 1: the trial forward on meta tensors failed")
+        assert "expected 2-D inputs, got 3-D" in errors[0]
+        assert errors[1].startswith("stage 0: the trial forward on meta tensors failed")
+        # every failed exchange is followed by a full one; the last step reuses the shapes
+        assert counts == [1, 2, 3, 4, 5, 5]
+    assert results[0] == results[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,22 @@ from d9d.pipeline._tree import TreeSpec, spec_of, split_microbatches
 from d9d.pipeline._validator import validate_program
 
 
+@dataclass(frozen=True)
+class _SeenShapes:
+    """What one rank compares between steps to decide whether the shapes must be exchanged again."""
+
+    first: TreeSpec | None  # the first microbatch's spec, on the rank of stage 0
+    shared: TreeSpec | None
+
+
+def _same(a: _SeenShapes, b: _SeenShapes) -> bool:
+    """``a == b``, False where comparing the trees' constant leaves fails (e.g. arrays)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 class PipelineExecutor:
     """Runs a :class:`PipelineProgram` on this rank's stages, talking to the other pipeline ranks.
 
@@ -29,7 +46,11 @@ class PipelineExecutor:
     same time. Before the first point-to-point op of a step, the ranks pass their stages' output
     shapes down the pipeline (found by a meta-device trial forward, or by the stage's
     ``pipeline_output_meta``; cached per input shape), so shapes may change between steps, and a
-    stage whose outputs do not fit the next stage fails on every rank with the same error.
+    stage whose outputs do not fit the next stage fails on every rank with the same error. That
+    exchange runs only when something a rank sees has changed since the last successful one (the
+    first microbatch's structure, shapes and dtypes on the rank of stage 0, the ``shared`` tree's
+    on every rank, or a batch that does not split); otherwise the step starts with one all-reduce
+    of a flag on which the ranks agree to skip it.
 
     Stages are called as ``module(inputs)``, or ``module(inputs, shared)`` when ``shared`` is given.
     Stage inputs and outputs are pytrees (tensors, dicts, lists, tuples); gradients travel back for
@@ -85,7 +106,12 @@ class PipelineExecutor:
             s: StageRuntime(stage=s, num_stages=program.num_stages, module=m) for s, m in stages.items()
         }
         self._spec_cache: dict[int, list[tuple[TreeSpec, TreeSpec]]] = {}
+        # What this rank saw at the last successful shape exchange (None: exchange next step).
+        self._exchanged: _SeenShapes | None = None
+        self._flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._forward_program: PipelineProgram | None = None
+        # One runner (and transport) per program, reused by every step: built once, reset by start().
+        self._runners: dict[bool, RankRunner] = {}
 
     @property
     def program(self) -> PipelineProgram:
@@ -165,21 +191,29 @@ class PipelineExecutor:
                 microbatches = split_microbatches(inputs, program.num_microbatches)
             except ValueError as e:  # reported on every rank by the shape exchange
                 input_error = f"the batch does not split into microbatches: {e}"
-        self._exchange_shapes(microbatches[0] if microbatches else None, shared, input_error)
-        transport = P2PTransport(group=self._group, global_ranks=self._global)
-        runner = RankRunner(
-            program=program,
-            rank=self._rank,
-            stages=self._runtimes,
-            transport=transport,
-            device=self._device,
-            whole_backward=self._whole_backward,
-        )
+        self._agree_on_shapes(microbatches[0] if microbatches else None, shared, input_error)
+        runner = self._runners.get(program.training)
+        if runner is None:
+            runner = RankRunner(
+                program=program,
+                rank=self._rank,
+                stages=self._runtimes,
+                transport=P2PTransport(group=self._group, global_ranks=self._global),
+                device=self._device,
+                whole_backward=self._whole_backward,
+            )
+            self._runners[program.training] = runner
         runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn, weight_hook=weight_hook)
         try:
             for action in program.actions[self._rank]:
                 runner.execute(action)
             runner.finish()
+        except BaseException:
+            # A failed step may leave posted ops in the transport and specs that did not hold:
+            # the next step starts with a new runner and exchanges the shapes again.
+            del self._runners[program.training]
+            self._exchanged = None
+            raise
         finally:
             for runtime in self._runtimes.values():
                 runtime.clear()
@@ -196,6 +230,33 @@ class PipelineExecutor:
         cache.insert(0, (input_spec, out))
         del cache[8:]
         return out
+
+    def _agree_on_shapes(self, first_microbatch: Any, shared: Any, input_error: str | None) -> None:
+        """Runs :meth:`_exchange_shapes` when any rank sees a change since the last successful one.
+
+        Each rank compares what it sees (on the rank of stage 0 the first microbatch's spec and any
+        batch-split error; on every rank the spec of ``shared``) with what it saw at the last
+        successful exchange; one all-reduce (max) of a 0/1 flag over the pipeline group makes every
+        rank take the same branch. A failed exchange forgets what was seen, so the next step
+        exchanges again.
+
+        Raises:
+            PipelineShapeError: As :meth:`_exchange_shapes`.
+        """
+        seen: _SeenShapes | None = None
+        if input_error is None:
+            seen = _SeenShapes(
+                first=spec_of(first_microbatch) if 0 in self._runtimes else None,
+                shared=None if shared is None else spec_of(shared),
+            )
+        changed = seen is None or self._exchanged is None or not _same(seen, self._exchanged)
+        self._flag.fill_(int(changed))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        if not self._flag.item():
+            return
+        self._exchanged = None
+        self._exchange_shapes(first_microbatch, shared, input_error)
+        self._exchanged = seen
 
     def _exchange_shapes(self, first_microbatch: Any, shared: Any, input_error: str | None) -> None:
         """Passes output specs down the pipeline in stage order; every rank learns of any failure.

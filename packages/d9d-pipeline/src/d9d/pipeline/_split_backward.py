@@ -35,6 +35,7 @@ def _next_nodes(node: Node) -> list[tuple[Node, int]]:
 def _input_path(roots: list[Node], input_nodes: set[Node]) -> set[Node]:
     """Nodes reachable from ``roots`` from which an input node is reachable (iterative DFS)."""
     leads: dict[Node, bool] = {}
+    children: dict[Node, list[Node]] = {}  # read once per node: next_functions builds a new tuple
     for root in roots:
         stack: list[tuple[Node, bool]] = [(root, False)]
         while stack:
@@ -42,11 +43,12 @@ def _input_path(roots: list[Node], input_nodes: set[Node]) -> set[Node]:
             if node in leads and not expanded:
                 continue
             if expanded:
-                leads[node] = node in input_nodes or any(leads.get(n, False) for n, _ in _next_nodes(node))
+                leads[node] = node in input_nodes or any(leads.get(n, False) for n in children[node])
                 continue
+            kids = children[node] = [n for n, _ in _next_nodes(node)]
             leads.setdefault(node, False)
             stack.append((node, True))
-            stack.extend((n, False) for n, _ in _next_nodes(node) if n not in leads)
+            stack.extend((n, False) for n in kids if n not in leads)
     return {node for node, on_path in leads.items() if on_path}
 
 
