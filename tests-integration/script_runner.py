@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: F401  (see the module docstring)
+import torch  # noqa: F401  # pyright: ignore[reportUnusedImport]  (see the module docstring)
 
 RUNNER = Path(__file__).resolve()
 
