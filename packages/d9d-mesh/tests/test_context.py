@@ -1,9 +1,11 @@
 """DistributedContext on CPU ranks (device forced to CPU: gloo ranks, also on a GPU host)."""
 
+import gc
 import math
 import os
 import subprocess
 import sys
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -188,6 +190,17 @@ def test_world_of_one_without_torchrun() -> None:
     finally:
         ctx.close()
     assert not dist.is_initialized()
+
+
+def test_close_lets_go_of_every_process_group() -> None:
+    # a group still referenced after destroy_process_group lives on until interpreter exit
+    ctx = DistributedContext(MeshParameters(), device_type="cpu")
+    groups = [weakref.ref(ctx.background_group()), weakref.ref(ctx.stage_group())]
+    for domain in ALL_DOMAINS:
+        ctx.mesh_for(domain)
+    ctx.close()
+    gc.collect()
+    assert [group() for group in groups] == [None, None]
 
 
 def test_world_of_one_rejects_bigger_mesh_before_starting_groups() -> None:

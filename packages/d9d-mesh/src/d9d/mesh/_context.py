@@ -311,10 +311,16 @@ class DistributedContext:
         return stage_seed
 
     def close(self) -> None:
-        """Destroys the process group if this context created it."""
+        """Destroys the process group if this context created it, and lets go of every group.
+
+        A group held past ``destroy_process_group`` would keep its backend (gloo's worker
+        threads) alive until the interpreter shuts down.
+        """
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             # The next group (a second context in this process) would wrap torch's rank-prefixing
             # hook again: "[rank0]: [rank0]: ..." on every line.
             sys.excepthook = self._excepthook_before
         self._meshes.clear()
+        self._groups.clear()
+        self._background_group = None

@@ -36,6 +36,10 @@ class ProcessGroupCache:
         """How many partitions needed new process groups."""
         return self._created
 
+    def clear(self) -> None:
+        """Drops every cached group (the count of created ones stays)."""
+        self._groups.clear()
+
     def group(self, partition: Partition) -> ProcessGroup:
         """This rank's group within ``partition`` (collective the first time a partition is seen)."""
         cached = self._groups.get(partition)
