@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_FP8_ALIGNMENT = 16  # float8 GEMMs need the K and N dims of every operand to be multiples of 16
+from d9d.parallel._float8 import _FP8_ALIGNMENT  # pyright: ignore[reportPrivateUsage]
+
 _FLOAT8 = torch.float8_e4m3fn
 _FLOAT8_MAX = torch.finfo(_FLOAT8).max
 
