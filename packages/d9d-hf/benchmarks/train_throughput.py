@@ -32,10 +32,10 @@ bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's 
 
 Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM,
 plain loop, bf16), ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's
-Qwen3 or llama3 model and loss, each block compiled, as its trainer does; bf16 parameters and
-AdamW state), ``titan_amp`` (the same with float32 parameters and AdamW state under bf16 autocast:
-how torchtitan's trainer runs on one device without FSDP, and the same precision as d9d's
-float32 master weights), ``d9d`` (config ->
+Qwen3 or llama3 model and loss, each block compiled and the gradients clipped to norm 1.0 each
+step, as its trainer does by default; bf16 parameters and AdamW state), ``titan_amp`` (the same
+with float32 parameters and AdamW state under bf16 autocast: how torchtitan's trainer runs on one
+device without FSDP, and the same precision as d9d's float32 master weights), ``d9d`` (config ->
 TrainingConfigurator -> Trainer with d9d-hf's provider, FSDP mixed precision bf16 with float32
 master weights). torchtitan's llama3 model has no tied embedding: its Llama row unties the head
 (the same FLOPs; 0.26 B more parameters to hold) while d9d and transformers tie it as the
@@ -136,6 +136,9 @@ DENSE_8B_8_LAYERS: dict[str, Any] = {
     "intermediate_size": 12288,
     "tie_word_embeddings": False,
 }
+# The same widths with 16 of the 36 layers: the LM head (bf16 under FP8) has 16 % of the FLOPs instead
+# of 27 % at 8 layers, nearer a whole 8B model (8 %); fits one H200 without recompute too.
+DENSE_8B_16_LAYERS: dict[str, Any] = {**DENSE_8B_8_LAYERS, "num_hidden_layers": 16}
 # Llama-3.2-1B's config.json (16 layers, tied head, llama3 RoPE scaling).
 LLAMA_3_2_1B: dict[str, Any] = {
     "model_type": "llama",
@@ -162,6 +165,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "dense": DENSE_0_6B,
     "dense4b": DENSE_4B_12_LAYERS,
     "dense8b": DENSE_8B_8_LAYERS,
+    "dense8b16": DENSE_8B_16_LAYERS,
     "moe": MOE_30B_A3B_6_LAYERS,
     "llama1b": LLAMA_3_2_1B,
 }
@@ -241,7 +245,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _print_profile(profiler: Any, device: torch.device) -> None:
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+
+
 def _timed_plain_loop(step: Any, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
+    """tok/s over ``args.steps`` steps after ``args.warmup``; with ``--profile``, two more profiled."""
     loss = 0.0
     for _ in range(args.warmup):
         loss = step()
@@ -251,6 +261,15 @@ def _timed_plain_loop(step: Any, args: argparse.Namespace, device: torch.device)
         loss = step()
     _sync(device)
     elapsed = time.perf_counter() - start
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(2):
+                step()
+            _sync(device)
+        _print_profile(profiler, device)
     return args.batch * args.seq * args.steps / elapsed, float(loss)
 
 
@@ -403,6 +422,8 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
         with torch.autocast(device.type, dtype=low, enabled=amp):
             loss = cross_entropy_loss(model(inputs), labels)
         loss.backward()
+        # its trainer clips every step (training.max_norm, default 1.0), as the d9d rows do
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -753,8 +774,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
             if args.busy:
                 busy.append(device_busy_fraction(profiler, window[1] - window[0]))
             if args.profile and rank == 0:
-                sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-                print(profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+                _print_profile(profiler, device)
             profiler = None
 
     with TrainingConfigurator(
@@ -935,7 +955,7 @@ def run_all(args: argparse.Namespace) -> None:
             if fp8:
                 command += [f"--float8={args.float8}"]
                 command += [] if args.float8_experts else ["--no-float8-experts"]
-            profiled = args.profile and impl == "d9d" and round_index == 0
+            profiled = args.profile and not impl.startswith("hf") and round_index == 0
             command += ["--profile"] if profiled else []
             started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
@@ -1004,7 +1024,7 @@ def main() -> None:
         choices=list(SHAPES),
         default="dense",
         help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; dense8b: Qwen3-8B widths, 8 "
-        "layers; moe: Qwen3-30B-A3B widths, 6 layers; llama1b: Llama-3.2-1B",
+        "layers; dense8b16: the same, 16 layers; moe: Qwen3-30B-A3B widths, 6 layers; llama1b: Llama-3.2-1B",
     )
     parser.add_argument(
         "--repeats",
@@ -1026,7 +1046,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, for a smoke run")
     parser.add_argument("--json", help="append each result as a JSON line here")
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--profile", action="store_true", help="d9d: print the top kernels of two steps")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="d9d and torchtitan rows (first round): print the top kernels of two extra steps",
+    )
     parser.add_argument("--pp", type=int, default=1, help="d9d: pipeline-parallel ranks")
     parser.add_argument("--schedule", choices=pipeline_schedules(), default="1f1b", help="d9d: with --pp")
     parser.add_argument(

@@ -6,7 +6,9 @@ Qwen3-30B-A3B's experts: hidden 2048, 128 experts, top-8, expert width 768; ``--
 routed (``tokens x 8`` rows, multinomial loads as from a router). Each row times one forward and
 backward of d9d-kernels' ``GroupedSwiGLUExperts`` (bf16 weights, as FSDP's mixed precision hands
 them to the layer), eager and under ``torch.compile``: bf16 ``grouped_mm``, d9d's
-``Float8GroupedMatmul`` (forward and input gradient in FP8, weight gradient bf16) and, where
+``Float8GroupedMatmul`` (forward and input gradient in FP8, weight gradient bf16; ``d9d fp8``
+as ``convert_experts_to_float8`` installs it, the gate and up products as one pair sharing the
+cast of their input, ``d9d fp8 unpaired`` with three separate products) and, where
 torchao is installed, torchao's all-FP8 grouped GEMM (the one torchtitan's float8 MoE converter
 uses). Ratios are medians of ``--repeats`` alternating rounds, with their range. ``--profile``
 prints the GPU kernels of one d9d FP8 step.
@@ -23,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from d9d.kernels.layers import GroupedSwiGLUExperts
-from d9d.parallel import Float8GroupedMatmul, GroupedMatmul
+from d9d.parallel import Float8GroupedMatmul, GroupedMatmul, convert_experts_to_float8
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 
@@ -65,10 +67,12 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
     tokens_in = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
 
-    def layer(matmul: GroupedMatmul | None) -> GroupedSwiGLUExperts:
+    def layer(name: str) -> GroupedSwiGLUExperts:
         experts = GroupedSwiGLUExperts(EXPERTS, HIDDEN, WIDTH).to(device=device, dtype=torch.bfloat16)
-        if matmul is not None:
-            experts.grouped_matmul = matmul
+        if name == "d9d fp8":
+            convert_experts_to_float8(experts)
+        elif matmuls[name] is not None:
+            experts.grouped_matmul = matmuls[name]
         return experts
 
     def step_of(module: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
@@ -78,13 +82,17 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
 
         return step
 
-    matmuls: dict[str, GroupedMatmul | None] = {"bf16": None, "d9d fp8": Float8GroupedMatmul()}
+    matmuls: dict[str, GroupedMatmul | None] = {
+        "bf16": None,
+        "d9d fp8": None,  # installed by convert_experts_to_float8
+        "d9d fp8 unpaired": Float8GroupedMatmul(),
+    }
     if importlib.util.find_spec("torchao") is not None:
         matmuls["torchao fp8"] = _TorchaoGroupedMatmul()
     steps: dict[str, Callable[[], None]] = {}
     for mode in ("eager", "compile"):
-        for name, matmul in matmuls.items():
-            module = layer(matmul)
+        for name in matmuls:
+            module = layer(name)
             steps[f"{name} {mode}"] = step_of(torch.compile(module) if mode == "compile" else module)
     flops = 3 * 3 * 2 * rows * HIDDEN * WIDTH
     times: dict[str, list[float]] = {name: [] for name in steps}

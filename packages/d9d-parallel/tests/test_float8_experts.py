@@ -93,11 +93,58 @@ def test_compiled_equals_eager() -> None:
     assert results[0][1].abs().sum() > 0 and results[0][2].abs().sum() > 0
 
 
+def test_pair_casts_the_shared_input_once_and_matches_two_calls() -> None:
+    torch.manual_seed(0)
+    sizes = torch.tensor([3, 0, 21, 2, 37])
+    x = torch.randn(int(sizes.sum()), 32, dtype=torch.bfloat16, requires_grad=True)
+    weights = [(torch.randn(5, 32, 48) * 32**-0.5).to(torch.bfloat16).requires_grad_() for _ in range(2)]
+    grads = [torch.randn(63, 48, dtype=torch.bfloat16) for _ in range(2)]
+    matmul = Float8GroupedMatmul()
+    pair = matmul.pair(x, weights[0], weights[1], sizes)
+    torch.autograd.backward(pair, grads)
+    assert x.grad is not None and weights[0].grad is not None and weights[1].grad is not None
+    got_x, got_w = x.grad, [w.grad for w in weights]
+    x.grad = weights[0].grad = weights[1].grad = None
+    singles = [matmul(x, w, sizes) for w in weights]
+    torch.autograd.backward(singles, grads)
+    # the same quantization of x and of each weight: the products and weight gradients agree exactly
+    for a, b in zip(pair, singles, strict=True):
+        assert torch.equal(a, b)
+    for got, want in zip(got_w, [w.grad for w in weights], strict=True):
+        assert want is not None and torch.equal(got, want)
+    # the input gradient is one GEMM over both (one scale per row across both gradients)
+    assert x.grad is not None and _relative(got_x, x.grad) < 0.03
+    reference = [_plain_grouped_mm(x.float(), w.float(), sizes) for w in weights]
+    want_x = torch.autograd.grad(reference, x, [g.float() for g in grads])[0]
+    assert _relative(got_x, want_x) < 0.06
+
+
+def test_pair_computes_only_the_needed_gradients_and_compiles_to_the_eager_values() -> None:
+    torch.manual_seed(0)
+    sizes = torch.tensor([5, 0, 27, 12])
+    x = torch.randn(44, 32, dtype=torch.bfloat16, requires_grad=True)
+    frozen = (torch.randn(4, 32, 48) * 0.2).to(torch.bfloat16)
+    weight = (torch.randn(4, 32, 48) * 0.2).to(torch.bfloat16).requires_grad_()
+    grads = [torch.randn(44, 48, dtype=torch.bfloat16) for _ in range(2)]
+    pair = Float8GroupedMatmul().pair
+    results = []
+    for fn in (pair, torch.compile(pair, backend="aot_eager", fullgraph=True)):
+        x.grad = weight.grad = None
+        out = fn(x, frozen, weight, sizes)
+        torch.autograd.backward(out, grads)
+        assert x.grad is not None and weight.grad is not None and frozen.grad is None
+        results.append((*out, x.grad, weight.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager.detach(), compiled.detach())
+    assert results[0][2].abs().sum() > 0 and results[0][3].abs().sum() > 0
+
+
 class _Experts(nn.Module):
     def __init__(self, k: int = 32, n: int = 48) -> None:
         super().__init__()
         self.gate_proj = nn.Parameter(torch.randn(4, k, n))
         self.grouped_matmul = _plain_grouped_mm
+        self.shared_input_matmul = None
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.grouped_matmul(tokens, self.gate_proj, tokens_per_expert)
@@ -109,6 +156,7 @@ def test_float8_experts_install_the_fp8_grouped_gemm() -> None:
     reference.load_state_dict(experts.state_dict())
     convert_experts_to_float8(experts)
     assert isinstance(experts.grouped_matmul, Float8GroupedMatmul)
+    assert experts.shared_input_matmul == experts.grouped_matmul.pair
     assert [name for name, _ in experts.named_parameters()] == ["gate_proj"]
     tokens = torch.randn(10, 32)
     sizes = torch.tensor([3, 0, 5, 2])
@@ -149,3 +197,31 @@ def test_real_kernels_match_the_reference_on_unaligned_groups(compiled: bool) ->
     assert max(errors.values()) < 1e-2, errors
     fp32 = _plain_grouped_mm(x.float(), weight.float(), sizes)
     assert _relative(got[0], fp32) < 0.06
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm90+"
+)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_real_kernels_of_the_pair_match_the_reference(compiled: bool) -> None:
+    torch.manual_seed(0)
+    sizes = torch.tensor([1, 0, 300, 17, 1000, 5, 131, 0])
+    x = torch.randn(int(sizes.sum()), 256, dtype=torch.bfloat16)
+    weights = [(torch.randn(8, 256, 512) * 256**-0.5).to(torch.bfloat16) for _ in range(2)]
+    grads = [torch.randn(x.shape[0], 512, dtype=torch.bfloat16) for _ in range(2)]
+
+    def run(device: str, compile_it: bool) -> list[torch.Tensor]:
+        xd = x.to(device).requires_grad_()
+        wd = [w.to(device).requires_grad_() for w in weights]
+        pair = Float8GroupedMatmul().pair
+        fn = torch.compile(pair) if compile_it else pair
+        out = fn(xd, wd[0], wd[1], sizes.to(device))
+        torch.autograd.backward(out, [g.to(device) for g in grads])
+        assert xd.grad is not None and wd[0].grad is not None and wd[1].grad is not None
+        return [t.detach().cpu() for t in (*out, xd.grad, wd[0].grad, wd[1].grad)]
+
+    got, want = run("cuda", compiled), run("cpu", False)
+    names = ("out a", "out b", "grad x", "grad w a", "grad w b")
+    errors = {name: _relative(a, b) for name, a, b in zip(names, got, want, strict=True)}
+    assert max(errors.values()) < 1e-2, errors

@@ -117,6 +117,32 @@ def test_grouped_matmul_slot_runs_every_expert_product() -> None:
     assert "grouped_matmul" not in dict(layer.named_parameters())
 
 
+def test_shared_input_slot_runs_the_gate_and_up_products_in_one_call() -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(HIDDEN, EXPERTS, TOP_K, INTERMEDIATE)
+    assert layer.experts.shared_input_matmul is None
+    hidden = torch.randn(6, HIDDEN)
+    expected = layer(hidden)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    singles: list[torch.Tensor] = []
+
+    def pair(
+        x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, tokens_per_group: torch.Tensor, /
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs.append((weight_a, weight_b))
+        return grouped_mm(x, weight_a, tokens_per_group), grouped_mm(x, weight_b, tokens_per_group)
+
+    def single(x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /) -> torch.Tensor:
+        singles.append(weight)
+        return grouped_mm(x, weight, tokens_per_group)
+
+    layer.experts.grouped_matmul = single
+    layer.experts.shared_input_matmul = pair
+    torch.testing.assert_close(layer(hidden), expected)
+    assert len(pairs) == 1 and pairs[0][0] is layer.experts.gate_proj and pairs[0][1] is layer.experts.up_proj
+    assert len(singles) == 1 and singles[0] is layer.experts.down_proj
+
+
 def test_local_dispatch_groups_tokens_by_expert() -> None:
     dispatcher = LocalTokenDispatcher(3)
     hidden = torch.arange(4.0).unsqueeze(1)  # token t has value t

@@ -36,6 +36,7 @@ from d9d.parallel._float8_experts import (
     Float8GroupedMatmul,
     GroupedExpertsLike,
     GroupedMatmul,
+    SharedInputGroupedMatmul,
     convert_experts_to_float8,
     quantize_rowwise,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "GradientSynchronizer",
     "GroupedExpertsLike",
     "GroupedMatmul",
+    "SharedInputGroupedMatmul",
     "LocalParameterSlot",
     "MissingFloat8Error",
     "MoELayerLike",

@@ -6,10 +6,13 @@ The input gradient does the same with the weight scaled per input row. The weigh
 bf16 grouped GEMM: its operands would need scales per column *within each expert's group of
 tokens*, a pass over every routed row that costs more than FP8 saves at MoE widths (measured in
 ``benchmarks/float8_experts.py``). Scales are powers of two, so scaling is exact.
+
+The gate and up products of a SwiGLU expert share their input: ``Float8GroupedMatmul.pair`` casts
+it once, and their input gradients run as one GEMM over both (``[dgate | dup] @ [gate | up].T``).
 """
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -32,6 +35,21 @@ class GroupedMatmul(Protocol):
         ...
 
 
+class SharedInputGroupedMatmul(Protocol):
+    """``(x @ weight_a[g], x @ weight_b[g])`` per group of rows: two products of one input."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight_a: torch.Tensor,
+        weight_b: torch.Tensor,
+        tokens_per_group: torch.Tensor,
+        /,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Maps ``(M, K)`` rows and two ``(G, K, N)`` weights to two ``(M, N)`` products."""
+        ...
+
+
 class GroupedExpertsLike(Protocol):
     """What ``convert_experts_to_float8`` needs of grouped experts (d9d-kernels'
     ``GroupedSwiGLUExperts`` fits): 3-d ``(E, K, N)`` weights run through a replaceable
@@ -48,6 +66,14 @@ class GroupedExpertsLike(Protocol):
 
     @grouped_matmul.setter
     def grouped_matmul(self, grouped_matmul: GroupedMatmul) -> None: ...
+
+    @property
+    def shared_input_matmul(self) -> SharedInputGroupedMatmul | None:
+        """The pair of grouped GEMMs over one input (gate and up), if not two ``grouped_matmul``."""
+        ...
+
+    @shared_input_matmul.setter
+    def shared_input_matmul(self, shared_input_matmul: SharedInputGroupedMatmul | None) -> None: ...
 
 
 def _require_sm90(x: torch.Tensor) -> None:
@@ -72,14 +98,90 @@ def quantize_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     return data, scale.reciprocal()
 
 
-# On CUDA the quantizations run compiled (one fused kernel each instead of five eager passes);
-# the custom ops below stay opaque to an outer torch.compile, which traced them wrongly otherwise
-# (torch 2.11: an autograd.Function holding them lost its input gradients under compile).
-_quantize_rowwise_compiled = torch.compile(quantize_rowwise, dynamic=True)
+def _joined(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
 
 
-def _quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_rowwise_compiled(t, dim) if t.is_cuda else quantize_rowwise(t, dim)
+def _quantize_row_blocks(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, K_i)`` parts joined to ``(M, sum K_i)``: row-major float8, one scale per row ``(M, 1)``."""
+    return quantize_rowwise(_joined(parts, dim=1), dim=1)
+
+
+def _quantize_weight_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, K, N)``: float8 column-major per group, one scale per (group, column) ``(G, 1, N)``."""
+    data, scale = quantize_rowwise(weight.transpose(1, 2), dim=2)
+    return data.contiguous().transpose(1, 2), scale.transpose(1, 2)
+
+
+def _quantize_weight_rows(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, K, N_i)`` joined to ``(G, K, sum N_i)``: row-major, one scale per (group, row)."""
+    return quantize_rowwise(_joined(weights, dim=2), dim=2)
+
+
+class _CastSite:
+    """One place that casts to float8: compiled on CUDA, the plain function elsewhere.
+
+    Compiled, a cast is one fused kernel (join and transpose included) instead of several eager
+    passes. Each site wraps its own function, so Dynamo keeps its own shapes per site: the shapes
+    start static (a dynamic reduction dim gives two-pass kernels at about a third of the
+    bandwidth, measured on H200) and a row count that changes (expert parallelism) turns dynamic
+    after one recompile, while the widths, fixed per site, stay static. Inputs are detached so that
+    autograd flags add no variants.
+    """
+
+    def __init__(self, cast: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._cast = cast
+        self._compiled = torch.compile(cast)
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        detached = [t.detach() for t in tensors]
+        return self._compiled(*detached) if detached[0].is_cuda else self._cast(*detached)
+
+
+def _single_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_row_blocks((x,))
+
+
+def _single_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_columns(weight)
+
+
+def _single_grad(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_row_blocks((grad,))
+
+
+def _single_weight_for_grad(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_rows((weight,))
+
+
+def _pair_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_row_blocks((x,))
+
+
+def _pair_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_columns(weight)
+
+
+def _pair_grads(grad_a: torch.Tensor, grad_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_row_blocks((grad_a, grad_b))
+
+
+def _pair_weights_for_grad(
+    weight_a: torch.Tensor, weight_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_rows((weight_a, weight_b))
+
+
+# The custom ops below stay opaque to an outer torch.compile, which traced the casts wrongly
+# otherwise (torch 2.11: an autograd.Function holding them lost its input gradients under compile).
+_CAST_SINGLE_INPUT = _CastSite(_single_input)
+_CAST_SINGLE_WEIGHT = _CastSite(_single_weight)
+_CAST_SINGLE_GRAD = _CastSite(_single_grad)
+_CAST_SINGLE_WEIGHT_FOR_GRAD = _CastSite(_single_weight_for_grad)
+_CAST_PAIR_INPUT = _CastSite(_pair_input)
+_CAST_PAIR_WEIGHT = _CastSite(_pair_weight)
+_CAST_PAIR_GRADS = _CastSite(_pair_grads)
+_CAST_PAIR_WEIGHTS_FOR_GRAD = _CastSite(_pair_weights_for_grad)
 
 
 def _scaled_grouped_mm(
@@ -128,12 +230,25 @@ def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, group_ends: torch.
     return torch.stack(pieces).to(grad.dtype)
 
 
+def _input_grad(
+    grad: tuple[torch.Tensor, torch.Tensor],
+    weight: tuple[torch.Tensor, torch.Tensor],
+    group_ends: torch.Tensor,
+) -> torch.Tensor:
+    """``grad @ weight.T`` per group from the float8 casts of both (with their scales)."""
+    (g_data, g_scale), (w_data, w_scale) = grad, weight
+    # weight.T per expert is (N, K): the row-major (K, N) storage is its column-major form
+    return _scaled_grouped_mm(g_data, w_data.transpose(1, 2), g_scale, w_scale.transpose(1, 2), group_ends)
+
+
+def _empty_like_or_nothing(t: torch.Tensor, needed: bool) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty((0,))
+
+
 @torch.library.custom_op("d9d_parallel::float8_grouped_mm", mutates_args=())
 def _float8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    x_data, x_scale = _quantize(x, dim=1)
-    # one scale per (expert, output column); each expert's (K, N) goes to the kernel column-major
-    w_data, w_scale = _quantize(weight.transpose(1, 2), dim=2)
-    w_data, w_scale = w_data.contiguous().transpose(1, 2), w_scale.transpose(1, 2)
+    x_data, x_scale = _CAST_SINGLE_INPUT(x)
+    w_data, w_scale = _CAST_SINGLE_WEIGHT(weight)
     return _scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype)
 
 
@@ -154,13 +269,9 @@ def _float8_grouped_mm_backward(
     grad = grad.contiguous()
     grad_x = grad_weight = x.new_empty((0,))
     if need_x:
-        g_data, g_scale = _quantize(grad, dim=1)
-        # weight.T per expert is (N, K): the row-major (K, N) storage is its column-major form
-        w_data, w_scale = _quantize(weight, dim=2)
-        grad_x = _scaled_grouped_mm(
-            g_data, w_data.transpose(1, 2), g_scale, w_scale.transpose(1, 2), group_ends
+        grad_x = _input_grad(_CAST_SINGLE_GRAD(grad), _CAST_SINGLE_WEIGHT_FOR_GRAD(weight), group_ends).to(
+            x.dtype
         )
-        grad_x = grad_x.to(x.dtype)
     if need_weight:
         grad_weight = _grouped_weight_grad(x.to(grad.dtype), grad, group_ends).to(weight.dtype)
     return grad_x, grad_weight
@@ -175,11 +286,7 @@ def _float8_grouped_mm_backward_fake(
     need_x: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty((0,))
-    grad_weight = (
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else x.new_empty((0,))
-    )
-    return grad_x, grad_weight
+    return _empty_like_or_nothing(x, need_x), _empty_like_or_nothing(weight, need_weight)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -195,6 +302,96 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.
 
 
 _float8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("d9d_parallel::float8_grouped_mm_pair", mutates_args=())
+def _float8_grouped_mm_pair(
+    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, group_ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x_data, x_scale = _CAST_PAIR_INPUT(x)  # once for both products
+    outputs: list[torch.Tensor] = []
+    for weight in (weight_a, weight_b):
+        w_data, w_scale = _CAST_PAIR_WEIGHT(weight)
+        outputs.append(_scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype))
+    return outputs[0], outputs[1]
+
+
+@_float8_grouped_mm_pair.register_fake
+def _float8_grouped_mm_pair_fake(
+    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, group_ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], weight_a.shape[2])), x.new_empty((x.shape[0], weight_b.shape[2]))
+
+
+@torch.library.custom_op("d9d_parallel::float8_grouped_mm_pair_backward", mutates_args=())
+def _float8_grouped_mm_pair_backward(
+    grad_a: torch.Tensor,
+    grad_b: torch.Tensor,
+    x: torch.Tensor,
+    weight_a: torch.Tensor,
+    weight_b: torch.Tensor,
+    group_ends: torch.Tensor,
+    need_x: bool,
+    need_weight_a: bool,
+    need_weight_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_a, grad_b = grad_a.contiguous(), grad_b.contiguous()
+    grad_x = grad_weight_a = grad_weight_b = x.new_empty((0,))
+    if need_x:
+        # [grad_a | grad_b] @ [weight_a | weight_b].T: one GEMM over both, one scale per row
+        grad_x = _input_grad(
+            _CAST_PAIR_GRADS(grad_a, grad_b), _CAST_PAIR_WEIGHTS_FOR_GRAD(weight_a, weight_b), group_ends
+        ).to(x.dtype)
+    if need_weight_a:
+        grad_weight_a = _grouped_weight_grad(x.to(grad_a.dtype), grad_a, group_ends).to(weight_a.dtype)
+    if need_weight_b:
+        grad_weight_b = _grouped_weight_grad(x.to(grad_b.dtype), grad_b, group_ends).to(weight_b.dtype)
+    return grad_x, grad_weight_a, grad_weight_b
+
+
+@_float8_grouped_mm_pair_backward.register_fake
+def _float8_grouped_mm_pair_backward_fake(
+    grad_a: torch.Tensor,
+    grad_b: torch.Tensor,
+    x: torch.Tensor,
+    weight_a: torch.Tensor,
+    weight_b: torch.Tensor,
+    group_ends: torch.Tensor,
+    need_x: bool,
+    need_weight_a: bool,
+    need_weight_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        _empty_like_or_nothing(x, need_x),
+        _empty_like_or_nothing(weight_a, need_weight_a),
+        _empty_like_or_nothing(weight_b, need_weight_b),
+    )
+
+
+def _setup_pair_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, weight_a, weight_b, group_ends = inputs
+    ctx.save_for_backward(x, weight_a, weight_b, group_ends)
+
+
+def _pair_backward(
+    ctx: Any, grad_a: torch.Tensor, grad_b: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    x, weight_a, weight_b, group_ends = ctx.saved_tensors
+    need = [bool(n) for n in ctx.needs_input_grad[:3]]
+    grads = _float8_grouped_mm_pair_backward(grad_a, grad_b, x, weight_a, weight_b, group_ends, *need)
+    grad_x, grad_weight_a, grad_weight_b = (g if n else None for g, n in zip(grads, need, strict=True))
+    return grad_x, grad_weight_a, grad_weight_b, None
+
+
+_float8_grouped_mm_pair.register_autograd(_pair_backward, setup_context=_setup_pair_context)
+
+
+def _check_alignment(x: torch.Tensor, *weights: torch.Tensor) -> None:
+    for weight in weights:
+        if x.shape[1] % _FP8_ALIGNMENT or weight.shape[2] % _FP8_ALIGNMENT:
+            raise ValueError(
+                f"float8 experts need both weight dims to be multiples of 16, got {tuple(weight.shape)}"
+            )
 
 
 class Float8GroupedMatmul:
@@ -215,19 +412,39 @@ class Float8GroupedMatmul:
             RuntimeError: On a CUDA GPU older than compute capability 9.0.
             ValueError: If ``K`` or ``N`` is not a multiple of 16.
         """
-        if x.shape[1] % _FP8_ALIGNMENT or weight.shape[2] % _FP8_ALIGNMENT:
-            raise ValueError(
-                f"float8 experts need both weight dims to be multiples of 16, got {tuple(weight.shape)}"
-            )
+        _check_alignment(x, weight)
         group_ends = torch.cumsum(tokens_per_group, dim=0, dtype=torch.int32)
         return _float8_grouped_mm(x, weight, group_ends)
+
+    def pair(
+        self,
+        x: torch.Tensor,
+        weight_a: torch.Tensor,
+        weight_b: torch.Tensor,
+        tokens_per_group: torch.Tensor,
+        /,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x @ weight_a[g], x @ weight_b[g])`` per group (a ``SharedInputGroupedMatmul``).
+
+        The same products as two calls, with ``x`` cast to float8 once and both input gradients
+        in one GEMM.
+
+        Raises:
+            RuntimeError: On a CUDA GPU older than compute capability 9.0.
+            ValueError: If ``K`` or ``N`` of either weight is not a multiple of 16.
+        """
+        _check_alignment(x, weight_a, weight_b)
+        group_ends = torch.cumsum(tokens_per_group, dim=0, dtype=torch.int32)
+        return _float8_grouped_mm_pair(x, weight_a, weight_b, group_ends)
 
 
 def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
     """Runs ``experts``' grouped GEMMs in FP8 rowwise (``Float8GroupedMatmul``), in place.
 
-    The weights stay what they are (names, dtype, sharding); the router and the token permute
-    are untouched. Forward then needs a Hopper or newer GPU and bf16 compute.
+    Both slots are set: ``grouped_matmul`` and ``shared_input_matmul`` (the gate and up
+    products, which share their input). The weights stay what they are (names, dtype,
+    sharding); the router and the token permute are untouched. Forward then needs a Hopper or
+    newer GPU and bf16 compute.
 
     Raises:
         ValueError: If a 3-d weight has a dim that is not a multiple of 16.
@@ -240,4 +457,6 @@ def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
                 f"float8 experts: weight {name!r} of shape {tuple(parameter.shape)} has a dim that is "
                 "not a multiple of 16"
             )
-    experts.grouped_matmul = Float8GroupedMatmul()
+    matmul = Float8GroupedMatmul()
+    experts.grouped_matmul = matmul
+    experts.shared_input_matmul = matmul.pair

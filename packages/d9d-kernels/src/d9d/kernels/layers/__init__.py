@@ -22,7 +22,7 @@ from d9d.kernels.layers._flash_attention import (
     FlashAttention2Backend,
     FlashAttention4Backend,
 )
-from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExperts
+from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExperts, SharedInputGroupedMatmul
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
 from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
@@ -82,6 +82,7 @@ __all__ = [
     "RouterOutput",
     "RouterScoreFunction",
     "SdpaAttentionBackend",
+    "SharedInputGroupedMatmul",
     "SwiGLU",
     "TokenDispatcher",
     "TokenEmbedding",

@@ -21,6 +21,21 @@ class GroupedMatmul(Protocol):
         ...
 
 
+class SharedInputGroupedMatmul(Protocol):
+    """``(x @ weight_a[g], x @ weight_b[g])`` per group of rows: two products of one input."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight_a: torch.Tensor,
+        weight_b: torch.Tensor,
+        tokens_per_group: torch.Tensor,
+        /,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Maps ``(M, K)`` rows and two ``(G, K, N)`` weights to two ``(M, N)`` products."""
+        ...
+
+
 class GroupedSwiGLUExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forwards evaluated together on tokens grouped by expert.
 
@@ -32,7 +47,9 @@ class GroupedSwiGLUExperts(nn.Module):
     takes them; Hugging Face's ``nn.Linear`` layout is the transpose).
 
     The three products run through ``grouped_matmul`` (``grouped_mm`` by default); replacing it
-    (an FP8 grouped GEMM, say) changes the arithmetic, never the parameters.
+    (an FP8 grouped GEMM, say) changes the arithmetic, never the parameters. Where
+    ``shared_input_matmul`` is set, the gate and up products run through it instead, as one call
+    (so that work on their common input, a cast say, is done once).
 
     Args:
         num_experts: Number of experts.
@@ -50,6 +67,7 @@ class GroupedSwiGLUExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.init_std = init_std
         self.grouped_matmul: GroupedMatmul = grouped_mm
+        self.shared_input_matmul: SharedInputGroupedMatmul | None = None
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -77,8 +95,11 @@ class GroupedSwiGLUExperts(nn.Module):
                 f"for the {local_experts} local experts"
             )
         matmul = self.grouped_matmul
-        gate = matmul(tokens, self.gate_proj, tokens_per_expert)
-        up = matmul(tokens, self.up_proj, tokens_per_expert)
+        if self.shared_input_matmul is None:
+            gate = matmul(tokens, self.gate_proj, tokens_per_expert)
+            up = matmul(tokens, self.up_proj, tokens_per_expert)
+        else:
+            gate, up = self.shared_input_matmul(tokens, self.gate_proj, self.up_proj, tokens_per_expert)
         return matmul(swiglu(gate, up), self.down_proj, tokens_per_expert)
 
     def extra_repr(self) -> str:
