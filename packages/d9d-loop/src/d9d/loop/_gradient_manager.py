@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,7 @@ class GradientManager:
         self._clipping = clipping
         self._pp_group = pp_group
         self._norm_duplicates = list(norm_duplicates)  # counted once elsewhere, clipped alike
-        self._pending_scale = 1.0
+        self._pending_scale: float | torch.Tensor = 1.0
         self._synchronizers = [GradientSynchronizer(stage, bucket_size_mb=bucket_size_mb) for stage in stages]
 
     def parameters(self) -> list[nn.Parameter]:
@@ -54,13 +53,14 @@ class GradientManager:
         for synchronizer in self._synchronizers:
             synchronizer.begin_microbatch(is_last)
 
-    def finish(self, *, global_weight: float, microbatches_per_rank: int) -> None:
+    def finish(self, *, global_weight: float | torch.Tensor, microbatches_per_rank: int) -> None:
         """Waits for the reductions and notes the scale that makes the gradients a weighted mean.
 
         Runners back-propagate ``weight * loss / microbatches_per_rank``, which is already exact
         when every microbatch weighs 1; otherwise the gradients still need the factor
         ``data_parallel * microbatches_per_rank / global_weight``, applied by ``clip()`` in the
-        same multi-tensor multiplication as the clipping (one pass over the gradients).
+        same multi-tensor multiplication as the clipping (one pass over the gradients). A device
+        scalar ``global_weight`` is used there without being read on the host.
         """
         for synchronizer in self._synchronizers:
             synchronizer.finish()
@@ -88,25 +88,21 @@ class GradientManager:
             synchronizer.close()
 
 
-def all_reduce_sum(
+def all_reduce_sum_on_device(
     values: Sequence[float | torch.Tensor], group: ProcessGroup | None, device: torch.device
-) -> list[float]:
-    """Sums a few scalars over ``group`` in one collective (float64 for exact counts).
+) -> torch.Tensor:
+    """Sums a few scalars over ``group`` in one collective (float64 for exact counts), unread.
 
-    On an accelerator, scalars that are device tensors are gathered without a host sync and the
-    result is read back once; on the CPU reading them is free, so plain floats are used.
+    Returns:
+        The sums as a float64 vector on ``device`` (on an accelerator nothing waits for them; read
+        them with the other figures of the step in one copy).
     """
-    alone = group is None or dist.get_world_size(group) == 1
     if device.type == "cpu":
-        floats = [float(v) for v in values]
-        if alone:
-            return floats
-        tensor = torch.tensor(floats, dtype=torch.float64)
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
     else:
         tensor = torch.stack(
             [torch.as_tensor(v, device=device).detach().to(torch.float64).reshape(()) for v in values]
         )
-        if alone:
-            return cast(list[float], tensor.cpu().tolist())
-    dist.all_reduce(tensor, group=group)
-    return cast(list[float], tensor.cpu().tolist())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor

@@ -96,7 +96,7 @@ class PipelinedStepRunner:
             weight = loss_weight_of(result.loss_weight)
             totals.add(result.loss, weight)
             for name, value in result.metrics.items():
-                totals.metric_sums[name] += float(value)
+                totals.add_metric(name, value)
             return result.loss * (weight / num_microbatches)
 
         def before_weight_gradients(stage: int, microbatch: int, is_last: bool) -> None:

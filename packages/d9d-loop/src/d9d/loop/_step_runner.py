@@ -23,7 +23,10 @@ class MicrobatchTotals:
     # microbatch; the trainer reads their sum back once, with the loss.
     loss_weights: list[torch.Tensor | float] = field(default_factory=list[torch.Tensor | float])
     weight: torch.Tensor | float = 0.0
-    metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # Device tensors stay unread (summed on the device) until the trainer reads the step once.
+    metric_sums: dict[str, torch.Tensor | float] = field(
+        default_factory=lambda: defaultdict[str, torch.Tensor | float](float)
+    )
     microbatches: int = 0
 
     def add(self, loss: torch.Tensor, weight: torch.Tensor | float) -> None:
@@ -32,6 +35,12 @@ class MicrobatchTotals:
         self.loss_weights.append(weight)
         self.weight = self.weight + weight
         self.microbatches += 1
+
+    def add_metric(self, name: str, value: torch.Tensor | float) -> None:
+        """Adds one microbatch's value of a metric without waiting for it (no host sync)."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float().reshape(())
+        self.metric_sums[name] = self.metric_sums[name] + value
 
     def weighted_loss(self, device: torch.device) -> torch.Tensor | float:
         """``sum(weight * loss)``: a float on the CPU, a device scalar elsewhere (read once later)."""
@@ -103,5 +112,5 @@ class SequentialStepRunner:
             (result.loss * (weight / num_microbatches)).backward()
             totals.add(result.loss, weight)
             for name, value in result.metrics.items():
-                totals.metric_sums[name] += float(value)
+                totals.add_metric(name, value)
         return totals

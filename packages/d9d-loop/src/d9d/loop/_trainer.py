@@ -33,7 +33,7 @@ from d9d.loop._events import (
 )
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._finite_weights import nonfinite_parameters
-from d9d.loop._gradient_manager import GradientManager, all_reduce_sum
+from d9d.loop._gradient_manager import GradientManager, all_reduce_sum_on_device
 from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider, OptimizerSteppedContext
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
@@ -43,6 +43,7 @@ from d9d.loop._resume_settings import capture_settings, reapply
 from d9d.loop._rollback_walk import RollbackWalk
 from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
+from d9d.loop._step_figures import StepFigures
 from d9d.loop._step_metrics import StepWork
 from d9d.loop._step_runner import StepRunner
 from d9d.loop._step_watchdog import StepWatchdog
@@ -438,7 +439,7 @@ class Trainer:
         # Only ranks that compute the loss count tokens, once per data-parallel replica.
         local_tokens = float(built.num_tokens or 0) if p.step_runner.has_last_stage else 0.0
         metric_names = sorted(totals.metric_sums)
-        reduced = all_reduce_sum(
+        sums = all_reduce_sum_on_device(
             [
                 totals.weighted_loss(p.dist_context.device),
                 totals.weight,
@@ -450,26 +451,25 @@ class Trainer:
             p.dist_context.device,
         )
         # Ranks of one tensor/context-parallel group report the same sums: count them once.
-        reduced = [value / p.loss_replication for value in reduced]
-        weighted_loss, weight, microbatches, tokens = reduced[:4]
-        if weight <= 0:
-            raise ValueError(
-                f"step {step}: the loss weights of all microbatches sum to {weight}; nothing to learn from"
-            )
-        loss = weighted_loss / weight
-        p.events.publish(ForwardBackwardFinished(step=step, loss=loss))
+        sums = sums / p.loss_replication
         p.instruments.lap("forward_backward")
 
-        p.gradients.finish(global_weight=weight, microbatches_per_rank=p.plan.batch.microbatches_per_step)
+        # The weight stays on the device: the host reads the step's figures once, after the
+        # optimizer's kernels are queued (before them only under `skip`, which must decide first).
+        p.gradients.finish(global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step)
         p.provider.finalize_gradients(
             FinalizeGradientsContext(
                 dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages]
             )
         )
         grad_norm_tensor = p.gradients.clip()
-        # The loss is on the host already; the norm is read early only when a step may be skipped.
-        early_norm = float(grad_norm_tensor.item()) if self._guard.reads_norm_before_step else None
-        verdict = self._guard.check(step=step, loss=loss, grad_norm=early_norm)
+        figures_read = None
+        if self._guard.reads_norm_before_step:
+            figures_read = StepFigures.read(sums, grad_norm_tensor, step)
+            p.events.publish(ForwardBackwardFinished(step=step, loss=figures_read.loss))
+        verdict = StepVerdict.APPLY
+        if figures_read is not None:
+            verdict = self._guard.check(step=step, loss=figures_read.loss, grad_norm=figures_read.grad_norm)
         p.events.publish(OptimizerStepStarted(step=step))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
         if verdict is StepVerdict.APPLY:
@@ -481,10 +481,14 @@ class Trainer:
             )
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
-        # Read only now, so the optimizer's kernels are queued before the host waits.
-        grad_norm = early_norm if early_norm is not None else float(grad_norm_tensor.item())
-        if verdict is StepVerdict.APPLY:
-            verdict = self._guard.check(step=step, loss=loss, grad_norm=grad_norm)
+        if figures_read is None:
+            figures_read = StepFigures.read(sums, grad_norm_tensor, step)
+            p.events.publish(ForwardBackwardFinished(step=step, loss=figures_read.loss))
+            # A step that was not finite already went through the optimizer here: `stop` ends the
+            # run and `rollback` reloads a checkpoint, so no state after it is ever saved.
+            verdict = self._guard.check(step=step, loss=figures_read.loss, grad_norm=figures_read.grad_norm)
+        loss, grad_norm, tokens = figures_read.loss, figures_read.grad_norm, figures_read.tokens
+        microbatches = figures_read.microbatches
         self._rollback_due = verdict is StepVerdict.ROLLBACK
         p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate, grad_norm=grad_norm))
         p.instruments.lap("optimizer")
@@ -497,7 +501,7 @@ class Trainer:
         if verdict is StepVerdict.SKIP:
             metrics["skipped"] = 1.0
         metrics |= figures  # throughput (smoothed), step-time split, MFU, memory
-        for name, value in zip(metric_names, reduced[4:], strict=True):
+        for name, value in zip(metric_names, figures_read.metric_sums, strict=True):
             metrics[name] = value / microbatches
         logged = step % p.plan.log_every_steps == 0 or self._step == p.plan.total_steps
         if p.train_metrics is not None and logged:  # collective: every rank logs the same steps

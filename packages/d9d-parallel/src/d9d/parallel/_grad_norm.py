@@ -55,7 +55,7 @@ def clip_grad_norm(
     *,
     norm_type: float = 2.0,
     pp_group: ProcessGroup | None = None,
-    grad_scale: float = 1.0,
+    grad_scale: float | torch.Tensor = 1.0,
     exclude_from_norm: Collection[nn.Parameter] = (),
 ) -> torch.Tensor:
     """Computes the norm of all gradients as one vector and scales them to at most ``max_norm``.
@@ -73,7 +73,8 @@ def clip_grad_norm(
         pp_group: Group of the ranks holding the other pipeline stages (None: one stage).
         grad_scale: A factor the stored gradients still need (e.g. a loss-weight correction
             known only after backward): the norm is that of ``grad_scale * grad``, and the scale
-            is applied in the same single multi-tensor multiplication as the clipping.
+            is applied in the same single multi-tensor multiplication as the clipping. A scalar
+            tensor (on the gradients' device) is used without reading it on the host.
         exclude_from_norm: Parameters of ``parameters`` whose gradient duplicates one counted
             elsewhere (e.g. the last pipeline stage's copy of a tied embedding): left out of the
             norm, still scaled and clipped by the same factor as the others.
@@ -120,10 +121,13 @@ def clip_grad_norm(
         total = torch.maximum(total, value) if is_max else total + value
     if pp_group is not None:
         dist.all_reduce(total, op=op, group=pp_group)
-    norm = (total if is_max else total ** (1.0 / norm_type)) * grad_scale
-    if max_norm is None and grad_scale == 1.0:
+    if isinstance(grad_scale, torch.Tensor):
+        factor = grad_scale.detach().to(device=device, dtype=torch.float32).reshape(())
+    else:
+        factor = torch.full((), grad_scale, dtype=torch.float32, device=device)
+    norm = (total if is_max else total ** (1.0 / norm_type)) * factor
+    if max_norm is None and not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0:
         return norm
-    factor = torch.full((), grad_scale, dtype=torch.float32, device=device)
     if max_norm is not None:
         factor = factor * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
