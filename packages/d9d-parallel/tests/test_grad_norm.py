@@ -123,6 +123,21 @@ def test_excluded_duplicates_leave_the_norm_and_are_clipped_alike() -> None:
     torch.testing.assert_close(duplicate.grad, reference[0].grad)
 
 
+@pytest.mark.parametrize("max_norm", [None, 0.5, 100.0])
+def test_a_tensor_grad_scale_equals_the_same_float(max_norm: float | None) -> None:
+    # The loop passes the loss-weight correction as a device scalar, never read on the host.
+    generator = torch.Generator().manual_seed(7)
+    grads = [torch.randn(5, 2, generator=generator) for _ in range(3)]
+    with_float, with_tensor = _reference(grads), _reference(grads)
+    norm_float = clip_grad_norm(with_float, max_norm, grad_scale=0.25)
+    norm_tensor = clip_grad_norm(with_tensor, max_norm, grad_scale=torch.tensor(0.25, dtype=torch.float64))
+    assert norm_tensor.dtype == torch.float32
+    torch.testing.assert_close(norm_tensor, norm_float)
+    for a, b in zip(with_float, with_tensor, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert not torch.equal(with_tensor[0].grad, grads[0]), "the scale must reach the gradients"
+
+
 def _stage_without_gradients() -> list[float]:
     # Stage 1 has no gradient yet: it must still join the pipeline reduction (a rank that skips
     # it leaves the other waiting forever).
