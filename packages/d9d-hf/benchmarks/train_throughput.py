@@ -667,9 +667,12 @@ def _float8_layers(model: torch.nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def _row_name(args: argparse.Namespace, implementation: str) -> str:
-    """The table's name of a row: ``<implementation>_fp8`` under ``--float8``."""
-    return implementation + (FLOAT8_SUFFIX if args.float8 is not None else "")
+def _row_name(args: argparse.Namespace, implementation: str, *, fp8: bool | None = None) -> str:
+    """The table's name of a row: ``<implementation>[_bf16state][_fp8]`` (``--d9d-state``; FP8
+    when ``fp8``, by default when ``--float8`` is given)."""
+    state = "_bf16state" if implementation.startswith("d9d") and args.d9d_state == "bfloat16" else ""
+    fp8 = args.float8 is not None if fp8 is None else fp8
+    return implementation + state + (FLOAT8_SUFFIX if fp8 else "")
 
 
 def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
@@ -720,7 +723,11 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
                 "data_parallel_shard": layout.dp_shard,
             },
             "trainer": trainer,
-            "optimizer": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0},
+            "optimizer": (
+                {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0}
+                if args.d9d_state == "float32"
+                else {"name": "stochastic_adamw", "lr": 1e-4, "weight_decay": 0.0, "state_dtype": "bfloat16"}
+            ),
         }
     )
     pipeline = (
@@ -731,6 +738,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         {
             "config": shape,
             "param_dtype": "bfloat16" if device.type == "cuda" else None,
+            "master_dtype": args.d9d_state,
             "compile": compiled,
             "last_stage_weight": _head_weight(shape, args.seq) if args.pp > 1 else 0.0,
             "attention_backend": args.attention_backend,
@@ -936,7 +944,7 @@ def run_all(args: argparse.Namespace) -> None:
     shape = model_shape(args.model, args.quick)
     flops = flops_per_token(shape, args.seq)
     runs = _planned_runs(args)
-    names = [_row_name(args, impl) if fp8 else impl for impl, fp8 in runs]
+    names = [_row_name(args, impl, fp8=fp8) for impl, fp8 in runs]
     rounds: list[dict[str, dict[str, Any]]] = []
     scratch = Path(f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
     for round_index in range(args.repeats):
@@ -951,6 +959,8 @@ def run_all(args: argparse.Namespace) -> None:
             ]
             if args.attention_backend is not None and impl.startswith("d9d"):
                 command.append(f"--attention-backend={args.attention_backend}")
+            if impl.startswith("d9d"):
+                command.append(f"--d9d-state={args.d9d_state}")
             command += ["--quick"] if args.quick else []
             if fp8:
                 command += [f"--float8={args.float8}"]
@@ -1077,6 +1087,14 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with --float8 on the MoE shape: the experts' grouped GEMMs in FP8 rowwise too",
+    )
+    parser.add_argument(
+        "--d9d-state",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="d9d rows: float32 master weights and AdamW state (default), or bf16 parameters "
+        "(model.master_dtype) stepped by stochastic_adamw with bf16 moments, the state torchtitan's "
+        "'titan' row keeps (rows named <row>_bf16state)",
     )
     parser.add_argument(
         "--bf16-baseline",

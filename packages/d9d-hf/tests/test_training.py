@@ -90,6 +90,7 @@ def _train(
     pipeline: str | None = None,
     checkpoint_dir: Path | None = None,
     max_steps: int = STEPS,
+    optimizer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -109,7 +110,7 @@ def _train(
                 **({} if pipeline is None else {"pipeline": {"name": pipeline}}),
             },
             "data": {"shuffle": False},
-            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+            "optimizer": optimizer or {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
         }
     )
     losses: list[float] = []
@@ -141,6 +142,15 @@ def _train(
         trainer.train()
         result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
         result["layers"] = [list(stage.layout.layers) for stage in trainer.model_stages]
+        result["dtypes"] = sorted(
+            {
+                f"{kind}:{tensor.dtype}"
+                for stage in trainer.model_stages
+                for kind, tensors in (("param", stage.parameters()), ("buffer", stage.buffers()))
+                for tensor in tensors
+                if tensor.is_floating_point()
+            }
+        )
         result["expert_bias"] = [
             layer.router.expert_bias.clone()
             for stage in trainer.model_stages
@@ -388,6 +398,51 @@ def test_one_rank_in_bf16_trains_as_two_sharded_ranks(shape: dict[str, Any]) -> 
         # bf16 compute, float32 master weights and reductions: only the summation order differs
         torch.testing.assert_close(result["losses"], single["losses"], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(result["grad_norms"], single["grad_norms"], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("shape", [TINY_SCRATCH, TINY_MOE], ids=["dense", "moe"])
+def test_bf16_master_weights_train_close_to_float32_ones_on_one_and_two_ranks(
+    shape: dict[str, Any], tmp_path: Path
+) -> None:
+    # bf16 parameters, gradients and (with stochastic rounding) AdamW updates: no float32 copy
+    def config(master: str) -> ScratchModelConfig:
+        return ScratchModelConfig.model_validate(
+            {"config": shape, "param_dtype": "bfloat16", "master_dtype": master, "attention_backend": "eager"}
+        )
+
+    optimizer = {"name": "stochastic_adamw", "lr": 0.01, "weight_decay": 0.0}
+    master32 = run_distributed(
+        _train, config("float32"), {"data_parallel_shard": 1}, world_size=1, timeout_s=120, max_steps=6
+    )[0]
+    single = run_distributed(
+        functools.partial(_train, optimizer=optimizer, max_steps=6, export=tmp_path / "export"),
+        config("bfloat16"),
+        {"data_parallel_shard": 1},
+        world_size=1,
+        timeout_s=120,
+    )[0]
+    sharded = run_distributed(
+        functools.partial(_train, optimizer=optimizer, max_steps=6),
+        config("bfloat16"),
+        {"data_parallel_shard": 2},
+        world_size=2,
+        timeout_s=180,
+    )
+    assert "param:torch.bfloat16" in single["dtypes"] and "param:torch.float32" not in single["dtypes"]
+    assert "buffer:torch.float32" in single["dtypes"], "buffers (rotary frequencies) keep their dtype"
+    assert single["losses"][-1] < single["losses"][0], "bf16 master weights must learn"
+    torch.testing.assert_close(single["losses"], master32["losses"], atol=0.05, rtol=0.02)
+    for result in sharded:  # stochastic rounding draws differ per shard: close, not equal
+        torch.testing.assert_close(result["losses"], single["losses"], atol=0.05, rtol=0.02)
+    exported = SafetensorsCheckpoint(tmp_path / "export")
+    assert {spec.dtype for spec in exported.specs.values()} == {torch.bfloat16}
+
+
+def test_bf16_master_weights_refuse_another_compute_dtype() -> None:
+    with pytest.raises(ValueError, match=r"master_dtype: bfloat16 .*param_dtype must be bfloat16 or unset"):
+        ScratchModelConfig.model_validate(
+            {"config": TINY_SCRATCH, "param_dtype": "float32", "master_dtype": "bfloat16"}
+        )
 
 
 def test_fsdp_prefetch_and_kept_last_layer_train_as_one_process() -> None:

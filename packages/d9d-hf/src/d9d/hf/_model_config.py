@@ -19,6 +19,8 @@ from d9d.parallel import DEFAULT_FLOAT8_EXCLUDE, Float8Recipe, Float8Training
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 """Dtype of the gathered parameters in forward/backward (FSDP mixed precision); gradients are
 reduced and the optimizer steps in float32."""
+MasterDtype = Literal["float32", "bfloat16"]
+"""Dtype the parameters are stored, checkpointed and stepped in (their gradients too)."""
 
 
 class Float8Config(BaseModel):
@@ -120,6 +122,7 @@ class _ModelOptions(BaseModel):
     activation_checkpointing: bool = False
     attention_backend: AttentionBackendName | None = None
     param_dtype: ParamDtype | None = None
+    master_dtype: MasterDtype = "float32"
     compile: bool = False
     last_stage_weight: float = Field(default=0.0, ge=0.0)
     expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
@@ -128,8 +131,22 @@ class _ModelOptions(BaseModel):
     fsdp: FsdpConfig = FsdpConfig()
 
     @model_validator(mode="after")
+    def _master_dtype_computes_in_itself(self) -> _ModelOptions:
+        if self.master_dtype == "bfloat16" and self.param_dtype not in (None, "bfloat16"):
+            raise ValueError(
+                f"model.master_dtype: bfloat16 computes in bfloat16; model.param_dtype must be bfloat16 "
+                f"or unset, got {self.param_dtype}"
+            )
+        return self
+
+    @property
+    def compute_dtype(self) -> ParamDtype | None:
+        """The dtype forward and backward run in (None: the parameters' own, float32)."""
+        return "bfloat16" if self.master_dtype == "bfloat16" else self.param_dtype
+
+    @model_validator(mode="after")
     def _float8_experts_in_bf16(self) -> _ModelOptions:
-        if self.float8 is not None and self.float8.experts and self.param_dtype != "bfloat16":
+        if self.float8 is not None and self.float8.experts and self.compute_dtype != "bfloat16":
             raise ValueError(
                 f"model.float8.experts needs model.param_dtype: bfloat16 (the FP8 grouped GEMM takes "
                 f"and returns bf16), got {self.param_dtype}"
@@ -167,6 +184,12 @@ class PretrainedModelConfig(_ModelOptions):
         activation_checkpointing: Recompute every decoder layer in backward.
         attention_backend: Attention implementation; None auto-detects.
         param_dtype: Compute dtype of the parameters (FSDP mixed precision); None keeps float32.
+        master_dtype: Dtype the parameters are stored, checkpointed, reduced into and stepped in:
+            ``float32`` (master weights beside bf16 compute) or ``bfloat16`` (no float32 copy:
+            half the parameter and gradient memory and traffic; gradients are still reduced
+            across ranks in float32 unless ``fsdp.reduce_dtype`` says otherwise). Pair
+            ``bfloat16`` with ``optimizer: {name: stochastic_adamw}``, whose stochastic rounding
+            keeps the updates that round-to-nearest bf16 would lose. Exports are then bf16.
         compile: Compile each decoder layer's body with ``torch.compile`` (regional compilation).
         last_stage_weight: Under pipeline parallelism, the extra cost of the last stage (final
             norm, head and loss) in decoder layers, so that it gets fewer layers (0: an even split).

@@ -33,6 +33,7 @@ from d9d.hf._families import as_family, read_decoder_config
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import CausalLMHeadConfig, head_specs
 from d9d.hf._hub import resolve_snapshot
+from d9d.hf._master_dtype import cast_parameters_
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
 from d9d.hf._tokenizer_files import tokenizer_files
@@ -163,8 +164,10 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         )
         if self._config.expert_bias_update_rate is not None:
             enable_expert_bias(model)  # before the load mapper: the checkpoint has no bias
-        dtype = self._config.param_dtype
+        dtype = self._config.compute_dtype
         model.compute_dtype = None if dtype is None else _DTYPES[dtype]
+        if self._config.master_dtype != "float32":
+            cast_parameters_(model, _DTYPES[self._config.master_dtype])  # on meta: no copy
         mapper = None
         if resolved.checkpoint is not None:  # raises early on a misfit
             if isinstance(model, DecoderMultiHead):

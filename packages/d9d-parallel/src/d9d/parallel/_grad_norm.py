@@ -13,8 +13,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-# torch's multi-tensor multiply (what its optimizers and clipping use) has no public name.
+# torch's multi-tensor multiply and norm (what its optimizers and clipping use) have no public
+# name in torch 2.11.
 _foreach_mul_ = cast(Callable[[list[torch.Tensor], torch.Tensor], None], torch.__dict__["_foreach_mul_"])
+_foreach_norm = cast(Callable[..., tuple[torch.Tensor, ...]], torch.__dict__["_foreach_norm"])
 
 
 def _local_gradients(
@@ -112,9 +114,9 @@ def clip_grad_norm(
             # torch's multi-tensor norm: one kernel launch for the whole group
             value = torch.nn.utils.get_total_norm([g.detach() for g in locals_], norm_type) ** norm_type
         else:
-            value = torch.stack(
-                [torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in locals_]
-            ).sum()
+            # bf16 gradients (bf16 master weights): one multi-tensor kernel, each norm in float32
+            norms = _foreach_norm([g.detach() for g in locals_], norm_type, dtype=torch.float32)
+            value = (torch.stack(list(norms)) ** norm_type).sum()
         if mesh is not None:
             for dim in shard_dims:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))

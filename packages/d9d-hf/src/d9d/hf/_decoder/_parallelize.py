@@ -152,7 +152,8 @@ def parallelize_decoder(
     # bodies need not: the stage's hooks run outside them and the copies enter as graph inputs.
     reruns = model.model.activation_checkpointing
     if not sharded and param_dtype is not None and mesh.tensor_parallel == 1 and not reruns:
-        cast_parameters_for_compute(model, param_dtype)
+        if any(p.dtype != param_dtype for p in model.parameters() if p.is_floating_point()):
+            cast_parameters_for_compute(model, param_dtype)  # not when stored in it already
         return
     # Otherwise, experts go in per-layer units even on one rank: one unit for the stage would hold
     # every expert's gathered weights at once.
