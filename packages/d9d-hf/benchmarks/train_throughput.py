@@ -29,6 +29,8 @@ under ``--pp``, gradient accumulation without it. A reference is the last one-pr
 the run prints its speed-up and per-GPU efficiency, and under ``--pp`` the pipeline bubble: the
 simulator's prediction for the schedule, the stage imbalance of the layer split, and the measured
 bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's GPU idle time).
+The d9d rows' step split (forward-backward, optimizer) is timed on the GPU's stream with CUDA
+events (the loop's own phases are host clocks), on a CPU with the loop's clocks.
 
 Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM,
 plain loop, bf16), ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's
@@ -693,8 +695,10 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         AutoDataProvider,
         AutoLRSchedulerProvider,
         AutoOptimizerProvider,
+        OptimizerStepStarted,
         ProjectConfig,
         StepFinished,
+        StepStarted,
         TrainingConfigurator,
     )
 
@@ -753,9 +757,22 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     window: list[float] = []
 
     profiler: Any = None
+    # On a GPU the phases are timed on the stream (the loop's clocks are host clocks, and the host
+    # waits for the device only once per step): an event at the start of each step, one when the
+    # optimizer is about to step (forward, backward and clipping queued), one at its end.
+    marks: list[list[Any]] = []
+
+    def mark(loop_event: object) -> None:
+        if device.type == "cuda":
+            stream_event = torch.cuda.Event(enable_timing=True)
+            stream_event.record()
+            if isinstance(loop_event, StepStarted):
+                marks.append([])
+            marks[-1].append(stream_event)
 
     def on_step(event: StepFinished) -> None:
         nonlocal profiler
+        mark(event)
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
         phases.append(
@@ -800,6 +817,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure() as trainer_:
+        trainer_.events.subscribe(StepStarted, mark)
+        trainer_.events.subscribe(OptimizerStepStarted, mark)
         trainer_.events.subscribe(StepFinished, on_step)
         float8_layers = sum(_float8_layers(stage) for stage in trainer_.model_stages)
         trainer_.train()
@@ -813,6 +832,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
                 gathered = [1.0 - busy[0]]
             idle = [float(i) for i in gathered]
     timed = slice(args.warmup, args.warmup + args.steps)
+    if marks:  # the device's phases (synced above): step start to optimizer, optimizer to step end
+        phases = [(a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3) for a, b, c in marks]
     elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
     tokens_per_s = layout.global_batch * args.seq * args.steps / elapsed
     record: dict[str, Any] = {
