@@ -11,6 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from d9d.mesh import (
     ALL_DOMAINS,
@@ -201,6 +203,22 @@ def test_close_lets_go_of_every_process_group() -> None:
     ctx.close()
     gc.collect()
     assert [group() for group in groups] == [None, None]
+
+
+def test_close_frees_the_groups_of_meshes_dtensors_ran_on() -> None:
+    # torch's DTensor caches keep every mesh a DTensor ran on, and a mesh its groups: a group alive
+    # when the interpreter finalizes keeps gloo worker threads that can abort the process there
+    ctx = DistributedContext(MeshParameters(), device_type="cpu")
+    group = ctx.background_group()  # a group of its own, as parallelize_hsdp builds meshes from
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    doubled = (x * 2).redistribute(mesh, [Replicate()]).full_tensor()
+    torch.testing.assert_close(doubled, torch.full((4, 2), 2.0))
+    freed = weakref.ref(group)
+    del group, mesh, x
+    ctx.close()
+    gc.collect()
+    assert freed() is None
 
 
 def test_world_of_one_rejects_bigger_mesh_before_starting_groups() -> None:

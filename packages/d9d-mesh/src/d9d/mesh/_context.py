@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -16,6 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh._domains import BATCH_DOMAIN, MeshDomain, domain_layout
+from d9d.mesh._dtensor_caches import clear_dtensor_caches
 from d9d.mesh._group_cache import ProcessGroupCache, partition_along
 from d9d.mesh._nccl_environment import apply_nccl_defaults
 from d9d.mesh._parameters import MeshParameters
@@ -313,14 +316,25 @@ class DistributedContext:
     def close(self) -> None:
         """Destroys the process group if this context created it, and lets go of every group.
 
-        A group held past ``destroy_process_group`` would keep its backend (gloo's worker
-        threads) alive until the interpreter shuts down.
+        torch ends a group's backend (gloo's worker threads) only when the last reference to the
+        group goes, not at ``destroy_process_group``. A worker still alive when the interpreter
+        finalizes aborts the process (``terminate called without an active exception``) if it is
+        just finishing a collective, whose tensors it can release only with the GIL. So after
+        destroying the groups the context empties torch's DTensor caches (they hold every mesh a
+        DTensor ran on, and a mesh its groups) and has garbage collected at exit, before
+        finalization: what still holds groups then (a closed trainer's model, in reference
+        cycles) is freed, and each group's destructor joins its workers while they can still
+        take the GIL. An object kept alive to the end (a global holding the model) keeps its
+        groups alive.
         """
+        self._meshes.clear()
+        self._groups.clear()
+        self._background_group = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             # The next group (a second context in this process) would wrap torch's rank-prefixing
             # hook again: "[rank0]: [rank0]: ..." on every line.
             sys.excepthook = self._excepthook_before
-        self._meshes.clear()
-        self._groups.clear()
-        self._background_group = None
+            clear_dtensor_caches()
+            atexit.unregister(gc.collect)  # once per process, however many contexts closed
+            atexit.register(gc.collect)
