@@ -4,6 +4,10 @@ Implementations: torch.optim.AdamW (foreach, and fused) on the same bf16 tensors
 for reference), torch.compile of the stochastic-rounding reference step, and d9d's fused kernel with
 fp32 and bf16 moments. Liger-Kernel has no optimizer.
 
+The second table steps a whole model's parameter list (Qwen3-0.6B's 310 tensors, 0.6 B parameters,
+bf16 with bf16 moments): d9d's multi-tensor kernel (one launch), d9d's kernel called once per
+tensor, and torch's fused AdamW over the list; there the wall time shows the host's share.
+
 Run: python packages/d9d-kernels/benchmarks/bench_adamw.py --out DIR   (--smoke on CPU)
 """
 
@@ -14,7 +18,7 @@ from collections.abc import Callable
 import torch
 from _harness import Result, Settings, attempt, copy_bandwidth_gbs, parse_settings, report
 
-from d9d.kernels import KernelBackend, adamw_step_stochastic_
+from d9d.kernels import KernelBackend, StochasticAdamW, adamw_step_stochastic_
 
 
 def _round_stochastic(x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,76 @@ def run(settings: Settings) -> list[Result]:
         results.append(r)
     header = {"parameters": n, "copy bandwidth GB/s": round(copy, 1), "bytes per element": bytes_per_element}
     report("adamw_stochastic", results, settings, header)
+    return results + run_model_list(settings, copy)
+
+
+def qwen3_shapes(smoke: bool) -> list[tuple[int, ...]]:
+    """Parameter shapes of Qwen3-0.6B (tied embedding), or a 2-layer miniature for ``--smoke``."""
+    hidden, heads, kv_heads, head_dim, ffn, layers, vocab = (
+        (64, 2, 1, 32, 96, 2, 128) if smoke else (1024, 16, 8, 128, 3072, 28, 151936)
+    )
+    layer = [
+        (heads * head_dim, hidden),
+        (kv_heads * head_dim, hidden),
+        (kv_heads * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (head_dim,),
+        (head_dim,),
+        (hidden,),
+        (hidden,),
+        (ffn, hidden),
+        (ffn, hidden),
+        (hidden, ffn),
+    ]
+    return [(vocab, hidden), *(layer * layers), (hidden,)]
+
+
+def run_model_list(settings: Settings, copy: float) -> list[Result]:
+    """One optimizer step over a model's parameter list: launches and host time included."""
+    dev = settings.device
+    shapes = qwen3_shapes(settings.smoke)
+    backend = KernelBackend.REFERENCE if settings.smoke else KernelBackend.AUTO
+
+    def parameters() -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(torch.randn(shape, device=dev).to(torch.bfloat16)) for shape in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return params
+
+    def d9d_multi() -> Callable[[], object]:
+        return StochasticAdamW(parameters(), lr=1e-4, weight_decay=0.1, backend=backend).step
+
+    def d9d_per_tensor() -> Callable[[], object]:
+        params = parameters()
+        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+
+        @torch.no_grad()
+        def step() -> None:
+            for p, (m, v) in zip(params, moments, strict=True):
+                assert p.grad is not None
+                adamw_step_stochastic_(p, p.grad, m, v, lr=1e-4, weight_decay=0.1, step=10, backend=backend)
+
+        return step
+
+    def torch_fused() -> Callable[[], object]:
+        return torch.optim.AdamW(parameters(), lr=1e-4, weight_decay=0.1, fused=dev == "cuda").step
+
+    cases: list[tuple[str, Callable[[], Callable[[], object]]]] = [
+        ("model list: d9d multi-tensor SR (bf16 state)", d9d_multi),
+        ("model list: d9d SR, one call per tensor (bf16 state)", d9d_per_tensor),
+        ("model list: torch AdamW fused (bf16 state, RTN)", torch_fused),
+    ]
+    elements = sum(torch.Size(shape).numel() for shape in shapes)
+    results: list[Result] = []
+    for name, factory in cases:
+        r = attempt(name, factory, dev)
+        if r.ms is not None:
+            r.extra["GB/s"] = 14 * elements / (r.extra.get("GPU ms", r.ms) * 1e-3) / 1e9
+            r.extra["% copy BW"] = 100 * r.extra["GB/s"] / copy
+        results.append(r)
+        torch.cuda.empty_cache() if dev == "cuda" else None
+    header = {"tensors": len(shapes), "parameters": elements, "copy bandwidth GB/s": round(copy, 1)}
+    report("adamw_stochastic_model_list", results, settings, header)
     return results
 
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from d9d.kernels import KernelBackend, StochasticAdamW, adamw_step_stochastic_, copy_stochastic_
+from d9d.kernels import (
+    KernelBackend,
+    StochasticAdamW,
+    adamw_step_stochastic_,
+    adamw_step_stochastic_multi_,
+    copy_stochastic_,
+)
 
 from ._compare import DEVICES
 
@@ -120,3 +126,101 @@ def test_stochastic_adamw_fp32_matches_torch_adamw() -> None:
 def test_copy_stochastic_rejects_wrong_dtype() -> None:
     with pytest.raises(ValueError, match="target must be bf16"):
         copy_stochastic_(torch.empty(3), torch.empty(3))
+
+
+def _assert_same_update(got: torch.Tensor, expected: torch.Tensor, device: str, what: str) -> None:
+    if device != "cuda":
+        assert torch.equal(got, expected), f"{what} differs"
+        return
+    # The GPU compiles the multi-tensor and the per-tensor kernel's arithmetic with different fused
+    # multiply-adds: fp32 results may differ in the last bit, and a bf16 one then rarely rounds the
+    # other way (one bf16 step).
+    tolerance = 2**-7 if got.dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=1e-7, msg=what)
+
+
+def _operands(
+    shapes: list[tuple[int, ...]], param_dtype: torch.dtype, state_dtype: torch.dtype, device: str
+) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.randn(shape, generator=generator).to(device, param_dtype) for shape in shapes]
+    grads = [torch.randn(shape, generator=generator).to(device, param_dtype) for shape in shapes]
+    exp_avgs = [(torch.randn(shape, generator=generator) * 0.1).to(device, state_dtype) for shape in shapes]
+    exp_avg_sqs = [torch.rand(shape, generator=generator).to(device, state_dtype) for shape in shapes]
+    return [params, grads, exp_avgs, exp_avg_sqs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("param_dtype", "state_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),  # everything rounded stochastically
+        (torch.bfloat16, torch.float32),  # fp32 moments
+        (torch.float32, torch.float32),  # plain AdamW
+    ],
+)
+def test_adamw_step_multi_equals_one_call_per_parameter(
+    backend: KernelBackend, device: str, param_dtype: torch.dtype, state_dtype: torch.dtype
+) -> None:
+    # sizes below, at and across the kernel's 2048-element blocks and 65536-element program chunks;
+    # more tensors than one search step
+    shapes = [(3,), (2048,), (5, 1000), (1,), (2, 35000), (64, 33), (4100,), (7, 3), (2,)]
+    multi = _operands(shapes, param_dtype, state_dtype, device)
+    single = [[t.clone() for t in column] for column in multi]
+    seeds = [11 * i + 5 for i in range(len(shapes))]
+    hyper = {"lr": 0.05, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1, "step": 3}
+    adamw_step_stochastic_multi_(*multi, seeds=seeds, backend=backend, **hyper)
+    for index, seed in enumerate(seeds):
+        adamw_step_stochastic_(*(column[index] for column in single), seed=seed, backend=backend, **hyper)
+    for name, got, expected in zip(("param", "grad", "exp_avg", "exp_avg_sq"), multi, single, strict=True):
+        for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+            _assert_same_update(a, b, device, f"{name} {index}")
+
+
+def test_adamw_step_multi_names_the_parameter_that_does_not_fit() -> None:
+    params, grads, exp_avgs, exp_avg_sqs = _operands([(4,), (3,)], torch.float32, torch.float32, "cpu")
+    grads[1] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"parameter 1.*grad shape \(5,\) != param shape \(3,\)"):
+        adamw_step_stochastic_multi_(params, grads, exp_avgs, exp_avg_sqs, lr=0.1, step=1)
+    with pytest.raises(ValueError, match="2 params, 2 grads, 1 exp_avgs"):
+        adamw_step_stochastic_multi_(params, grads, exp_avgs[:1], exp_avg_sqs, lr=0.1, step=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_adamw_buckets_by_step_and_dtype(device: str) -> None:
+    # bf16 and fp32 parameters in one group, one of them skipping a step: every parameter ends as
+    # the per-parameter op leaves it with the same seeds (drawn in the same order).
+    torch.manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(300).to(device, torch.bfloat16)),
+        torch.nn.Parameter(torch.randn(5, 7).to(device)),
+        torch.nn.Parameter(torch.randn(2100).to(device, torch.bfloat16)),
+    ]
+    copies = [p.detach().clone() for p in params]
+    optimizer = StochasticAdamW(params, lr=0.05, weight_decay=0.1, backend=KernelBackend.TRITON)
+    states = [(torch.zeros_like(c), torch.zeros_like(c)) for c in copies]
+    steps = [0, 0, 0]
+    for iteration in range(3):
+        grads = [torch.randn(c.shape).to(device, c.dtype) for c in copies]
+        skipped = 2 if iteration == 1 else -1
+        for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            param.grad = None if index == skipped else grad.clone()
+        torch.manual_seed(100 + iteration)
+        optimizer.step()
+        # the optimizer's buckets in order of first appearance: (step, dtype)
+        buckets: dict[tuple[int, torch.dtype], list[int]] = {}
+        for index in range(3):
+            if index != skipped:
+                steps[index] += 1
+                buckets.setdefault((steps[index], copies[index].dtype), []).append(index)
+        torch.manual_seed(100 + iteration)
+        for (step, _), members in buckets.items():
+            seeds = torch.randint(0, 2**31 - 1, (len(members),)).tolist()
+            for index, seed in zip(members, seeds, strict=True):
+                adamw_step_stochastic_(
+                    copies[index], grads[index], *states[index], lr=0.05, weight_decay=0.1, step=step,
+                    seed=seed, beta1=0.9, beta2=0.999, eps=1e-8, backend=KernelBackend.TRITON,
+                )  # fmt: skip
+        for index, (param, copy) in enumerate(zip(params, copies, strict=True)):
+            _assert_same_update(param.detach(), copy, device, f"iteration {iteration}, parameter {index}")

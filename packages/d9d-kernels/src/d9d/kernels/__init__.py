@@ -11,7 +11,11 @@ from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._rms_norm import rms_norm
 from d9d.kernels._rope import RopeLayout, apply_rope
 from d9d.kernels._stochastic_adamw import StochasticAdamW
-from d9d.kernels._stochastic_rounding import adamw_step_stochastic_, copy_stochastic_
+from d9d.kernels._stochastic_rounding import (
+    adamw_step_stochastic_,
+    adamw_step_stochastic_multi_,
+    copy_stochastic_,
+)
 from d9d.kernels._swiglu import swiglu
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "RopeLayout",
     "StochasticAdamW",
     "adamw_step_stochastic_",
+    "adamw_step_stochastic_multi_",
     "apply_rope",
     "copy_stochastic_",
     "grouped_mm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -9,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d.kernels._backend import KernelBackend
-from d9d.kernels._stochastic_rounding import adamw_step_stochastic_
+from d9d.kernels._stochastic_rounding import adamw_step_stochastic_multi_
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,8 @@ class StochasticAdamW(torch.optim.Optimizer):
 
     Training directly in bf16 loses every update smaller than half a bf16 step when rounding to
     nearest; stochastic rounding keeps them in expectation, which lets bf16 parameters train without
-    an fp32 master copy. One fused kernel per parameter on CUDA (``adamw_step_stochastic_``).
+    an fp32 master copy. On CUDA one fused kernel updates every parameter of a group that shares
+    a step count and dtypes (``adamw_step_stochastic_multi_``).
 
     State per parameter: ``step`` (a CPU fp32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped
     like the parameter, of ``state_dtype`` or the parameter's dtype). DTensor parameters are updated
@@ -74,9 +76,8 @@ class StochasticAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
+            stepped = [param for param in group["params"] if param.grad is not None]
+            for param in stepped:
                 state = self.state[param]
                 if not state:
                     dtype = self._state_dtype or param.dtype
@@ -84,17 +85,20 @@ class StochasticAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
                 state["step"] += 1
-                adamw_step_stochastic_(
-                    _local(param),
-                    _local(param.grad),
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(state["step"].item()),
-                    backend=self._backend,
+            # One launch per (step, device, dtypes): parameters that missed steps lag behind.
+            buckets: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = defaultdict(list)
+            for param in stepped:
+                state = self.state[param]
+                operands = tuple(
+                    _local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
                 )
+                key = (int(state["step"].item()), operands[0].device, *(t.dtype for t in operands))
+                buckets[key].append(operands)
+            for key, members in buckets.items():
+                params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*members, strict=True))
+                adamw_step_stochastic_multi_(
+                    params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], step=key[0],
+                    backend=self._backend,
+                )  # fmt: skip
         return loss

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 
 from d9d.kernels._backend import KernelBackend, use_triton
@@ -22,6 +25,24 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def _check_step_operands(
+    op: str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+) -> None:
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape:
+            raise ValueError(f"{op}: {name} shape {tuple(t.shape)} != param shape {tuple(param.shape)}")
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{op}: {name} dtype {t.dtype} is not bf16 or fp32")
+    if step < 1:
+        raise ValueError(f"{op}: step={step} must be >= 1")
 
 
 def copy_stochastic_(
@@ -103,16 +124,7 @@ def adamw_step_stochastic_(
     Raises:
         ValueError: Shapes or dtypes do not fit, or ``step`` < 1.
     """
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.shape != param.shape:
-            raise ValueError(
-                f"adamw_step_stochastic_: {name} shape {tuple(t.shape)} != param shape {tuple(param.shape)}"
-            )
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"adamw_step_stochastic_: {name} dtype {t.dtype} is not bf16 or fp32")
-    if step < 1:
-        raise ValueError(f"adamw_step_stochastic_: step={step} must be >= 1")
+    _check_step_operands("adamw_step_stochastic_", param, grad, exp_avg, exp_avg_sq, step)
     resolved = _resolve_seed(seed)
     tensors = (param, grad, exp_avg, exp_avg_sq)
     if use_triton(backend, "adamw_step_stochastic_", *tensors) and all(t.is_contiguous() for t in tensors):
@@ -135,3 +147,79 @@ def adamw_step_stochastic_(
         step=step,
         generator=_generator(param.device, resolved),
     )
+
+
+def adamw_step_stochastic_multi_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    step: int,
+    seeds: Sequence[int] | None = None,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> None:
+    """``adamw_step_stochastic_`` over many parameters at once: one kernel launch on CUDA.
+
+    The per-parameter op costs a launch and its Python per tensor, which for a model of a few
+    hundred parameter tensors makes the optimizer step host-bound; this one reads every tensor's
+    address from a table on the device. Parameter ``i`` is updated exactly as
+    ``adamw_step_stochastic_`` with ``seed=seeds[i]`` would.
+
+    Args:
+        params: Parameters, updated in place; one dtype (bf16 or fp32) for all on the Triton path.
+        grads: Their gradients, same shapes; one dtype for all.
+        exp_avgs: First moments, updated in place; one dtype for all.
+        exp_avg_sqs: Second moments, updated in place; one dtype for all.
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the bias-corrected root of the second moment.
+        weight_decay: Decoupled weight decay.
+        step: The step number shared by every parameter, starting at 1.
+        seeds: One rounding seed per parameter; drawn from torch's default CPU generator when None.
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Raises:
+        ValueError: The lists differ in length, or a parameter's operands do not fit (named by
+            its index).
+    """
+    count = len(params)
+    if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == count:
+        raise ValueError(
+            f"adamw_step_stochastic_multi_: {count} params, {len(grads)} grads, {len(exp_avgs)} "
+            f"exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs: one of each per parameter"
+        )
+    if seeds is not None and len(seeds) != count:
+        raise ValueError(f"adamw_step_stochastic_multi_: {len(seeds)} seeds for {count} params")
+    for index, operands in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        _check_step_operands(f"adamw_step_stochastic_multi_ (parameter {index})", *operands, step)
+    if count == 0:
+        return
+    resolved: list[int] = (
+        [s % _SEED_BOUND for s in seeds]
+        if seeds is not None
+        else cast(list[int], torch.randint(0, _SEED_BOUND, (count,)).tolist())
+    )
+    lists = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs))
+    tensors = [t for group in lists for t in group]
+    if (
+        use_triton(backend, "adamw_step_stochastic_multi_", *tensors)
+        and all(t.is_contiguous() for t in tensors)
+        and all(len({t.dtype for t in group}) == 1 for group in lists)
+        and len({t.device for t in tensors}) == 1
+    ):
+        from d9d.kernels._triton.stochastic_rounding_op import adamw_step_stochastic_multi_triton
+
+        adamw_step_stochastic_multi_triton(*lists, lr, beta1, beta2, eps, weight_decay, step, resolved)
+        return
+    for param, grad, exp_avg, exp_avg_sq, seed in zip(*lists, resolved, strict=True):
+        adamw_step_stochastic_(
+            param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, step=step, seed=seed, backend=backend,
+        )  # fmt: skip

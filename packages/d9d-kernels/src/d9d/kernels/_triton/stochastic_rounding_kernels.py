@@ -15,6 +15,11 @@ import triton.language as tl
 from d9d.kernels._triton.launch import launch_options
 
 _BLOCK = 2048
+# The multi-tensor kernel's programs each update up to this many blocks of one tensor.
+_BLOCKS_PER_PROGRAM = 32
+# Columns of the multi-tensor table: where param, grad, exp_avg and exp_avg_sq start (in elements
+# from the first tensor of their list), numel, seed.
+_TABLE_COLUMNS: tl.constexpr = tl.constexpr(6)
 
 
 @triton.jit
@@ -38,27 +43,24 @@ def _copy_stochastic_kernel(src_ptr, dst_ptr, n, seed, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(
+def _adamw_update(
     param_ptr,
     grad_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    n,
-    lr,
+    offsets,
+    mask,
+    seed,
     beta1,
     beta2,
     eps,
     decay_factor,
     step_size,
     inv_bias_correction2_sqrt,
-    seed,
     PARAM_BF16: tl.constexpr,
     EXP_AVG_BF16: tl.constexpr,
     EXP_AVG_SQ_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -80,6 +82,98 @@ def _adamw_kernel(
         tl.store(exp_avg_sq_ptr + offsets, _round_bf16(v, r2), mask=mask)
     else:
         tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    n,
+    beta1,
+    beta2,
+    eps,
+    decay_factor,
+    step_size,
+    inv_bias_correction2_sqrt,
+    seed,
+    PARAM_BF16: tl.constexpr,
+    EXP_AVG_BF16: tl.constexpr,
+    EXP_AVG_SQ_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _adamw_update(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed, beta1, beta2,
+        eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16, EXP_AVG_BF16,
+        EXP_AVG_SQ_BF16,
+    )  # fmt: skip
+
+
+@triton.jit
+def _member(base_ptr, offset, ALIGN: tl.constexpr):
+    # A tensor of the list as an element offset from the list's first tensor: the base pointer is a
+    # kernel argument, so the compiler knows its alignment, and the hint covers the offset; both
+    # let it vectorise the loads and stores as for a tensor argument.
+    if ALIGN > 1:
+        offset = tl.multiple_of(offset, ALIGN)
+    return base_ptr + offset
+
+
+@triton.jit
+def _adamw_multi_kernel(
+    table_ptr,
+    chunk_starts_ptr,
+    param_base,
+    grad_base,
+    exp_avg_base,
+    exp_avg_sq_base,
+    n_tensors,
+    beta1,
+    beta2,
+    eps,
+    decay_factor,
+    step_size,
+    inv_bias_correction2_sqrt,
+    PARAM_BF16: tl.constexpr,
+    EXP_AVG_BF16: tl.constexpr,
+    EXP_AVG_SQ_BF16: tl.constexpr,
+    PARAM_ALIGN: tl.constexpr,
+    GRAD_ALIGN: tl.constexpr,
+    EXP_AVG_ALIGN: tl.constexpr,
+    EXP_AVG_SQ_ALIGN: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+):
+    # One program per chunk of BLOCKS_PER_PROGRAM blocks of one tensor (fewer, longer programs
+    # spread the table lookups); a binary search over the tensors' first chunk indices finds the
+    # tensor (invariant: chunk_starts[lo] <= pid < chunk_starts[hi]).
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH_STEPS):  # pyright: ignore[reportGeneralTypeIssues]
+        mid = (lo + hi) // 2
+        right = tl.load(chunk_starts_ptr + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    row = table_ptr + lo * _TABLE_COLUMNS
+    param_ptr = _member(param_base, tl.load(row), PARAM_ALIGN)
+    grad_ptr = _member(grad_base, tl.load(row + 1), GRAD_ALIGN)
+    exp_avg_ptr = _member(exp_avg_base, tl.load(row + 2), EXP_AVG_ALIGN)
+    exp_avg_sq_ptr = _member(exp_avg_sq_base, tl.load(row + 3), EXP_AVG_SQ_ALIGN)
+    n = tl.load(row + 4)
+    seed = tl.load(row + 5).to(tl.int32)
+    first = (pid - tl.load(chunk_starts_ptr + lo)) * (BLOCK * BLOCKS_PER_PROGRAM)
+    blocks = tl.minimum(tl.cdiv(n - first, BLOCK), BLOCKS_PER_PROGRAM)
+    for block in range(blocks):
+        offsets = first + block * BLOCK + tl.arange(0, BLOCK)
+        _adamw_update(
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed, beta1,
+            beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16,
+            EXP_AVG_BF16, EXP_AVG_SQ_BF16,
+        )  # fmt: skip
 
 
 def copy_stochastic(target: torch.Tensor, source: torch.Tensor, seed: int) -> None:
@@ -108,27 +202,100 @@ def adamw_step(
     n = param.numel()
     if n == 0:
         return
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         param,
         grad,
         exp_avg,
         exp_avg_sq,
         n,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        1.0 - lr * weight_decay,
-        lr / bias_correction1,
-        1.0 / bias_correction2_sqrt,
+        *_hyperparameters(lr, beta1, beta2, eps, weight_decay, step),
         seed,
         **launch_options(
             PARAM_BF16=param.dtype == torch.bfloat16,
             EXP_AVG_BF16=exp_avg.dtype == torch.bfloat16,
             EXP_AVG_SQ_BF16=exp_avg_sq.dtype == torch.bfloat16,
             BLOCK=_BLOCK,
+            num_warps=8,
+        ),
+    )
+
+
+def _hyperparameters(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> tuple[float, float, float, float, float, float]:
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+    return beta1, beta2, eps, 1.0 - lr * weight_decay, lr / bias_correction1, 1.0 / bias_correction2_sqrt
+
+
+def _element_offsets(tensors: list[torch.Tensor]) -> list[int]:
+    base = tensors[0].data_ptr()
+    size = tensors[0].element_size()
+    distances = [t.data_ptr() - base for t in tensors]
+    if any(distance % size for distance in distances):
+        raise ValueError("adamw_step_stochastic_multi_: a tensor is not aligned to its element size")
+    return [distance // size for distance in distances]
+
+
+def _alignment(tensors: list[torch.Tensor]) -> int:
+    """Elements per 16 bytes when every tensor starts on a 16-byte boundary, else 1."""
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+    return 16 // tensors[0].element_size() if aligned else 1
+
+
+def adamw_step_multi(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    seeds: list[int],
+) -> None:
+    """One AdamW step over many contiguous tensors in one launch; each list shares one dtype.
+
+    The kernel reads the tensors' positions, sizes and seeds from a small table copied to the
+    device (pinned, asynchronous: no wait for the stream), so the host cost is one launch however
+    many parameters there are. Tensor ``i`` gets the same result as ``adamw_step`` with ``seeds[i]``.
+    """
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    offsets = [_element_offsets(tensors) for tensors in lists]
+    sizes = [t.numel() for t in params]
+    rows: list[int] = []
+    chunk_starts = [0]
+    for *member_offsets, size, seed in zip(*offsets, sizes, seeds, strict=True):
+        rows += [*member_offsets, size, seed]
+        chunk_starts.append(chunk_starts[-1] + triton.cdiv(size, _BLOCK * _BLOCKS_PER_PROGRAM))
+    n_chunks = chunk_starts[-1]
+    if n_chunks == 0:
+        return
+    device = params[0].device
+    host = torch.tensor(rows + chunk_starts, dtype=torch.int64)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    _adamw_multi_kernel[(n_chunks,)](
+        table,
+        table[len(rows) :],
+        params[0],
+        grads[0],
+        exp_avgs[0],
+        exp_avg_sqs[0],
+        len(params),
+        *_hyperparameters(lr, beta1, beta2, eps, weight_decay, step),
+        **launch_options(
+            PARAM_BF16=params[0].dtype == torch.bfloat16,
+            EXP_AVG_BF16=exp_avgs[0].dtype == torch.bfloat16,
+            EXP_AVG_SQ_BF16=exp_avg_sqs[0].dtype == torch.bfloat16,
+            PARAM_ALIGN=_alignment(params),
+            GRAD_ALIGN=_alignment(grads),
+            EXP_AVG_ALIGN=_alignment(exp_avgs),
+            EXP_AVG_SQ_ALIGN=_alignment(exp_avg_sqs),
+            SEARCH_STEPS=len(params).bit_length(),
+            BLOCK=_BLOCK,
+            BLOCKS_PER_PROGRAM=_BLOCKS_PER_PROGRAM,
             num_warps=8,
         ),
     )

@@ -31,6 +31,27 @@ def _adamw_step(
     adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed)
 
 
+@torch.library.custom_op(
+    "d9d_kernels::adamw_step_stochastic_multi", mutates_args=("params", "exp_avgs", "exp_avg_sqs")
+)
+def _adamw_step_multi(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    seeds: list[int],
+) -> None:
+    from d9d.kernels._triton.stochastic_rounding_kernels import adamw_step_multi
+
+    adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds)
+
+
 _INT32_ELEMENTS = 2**31
 
 
@@ -61,3 +82,22 @@ def adamw_step_stochastic_triton(
     """The fused AdamW step through the Triton kernel; see ``d9d.kernels.adamw_step_stochastic_``."""
     _check_size("adamw_step_stochastic_", param)
     _adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed)
+
+
+def adamw_step_stochastic_multi_triton(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    seeds: list[int],
+) -> None:
+    """The multi-tensor AdamW step in one launch; see ``d9d.kernels.adamw_step_stochastic_multi_``."""
+    for param in params:
+        _check_size("adamw_step_stochastic_multi_", param)
+    _adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds)
