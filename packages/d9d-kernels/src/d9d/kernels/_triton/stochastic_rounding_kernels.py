@@ -20,6 +20,8 @@ _BLOCKS_PER_PROGRAM = 32
 # Columns of the multi-tensor table: where param, grad, exp_avg and exp_avg_sq start (in elements
 # from the first tensor of their list), numel, seed.
 _TABLE_COLUMNS: tl.constexpr = tl.constexpr(6)
+_MASKED: tl.constexpr = tl.constexpr(True)
+_UNMASKED: tl.constexpr = tl.constexpr(False)
 
 
 @triton.jit
@@ -43,6 +45,25 @@ def _copy_stochastic_kernel(src_ptr, dst_ptr, n, seed, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_fp32(pointers, mask, MASKED: tl.constexpr):
+    # Unmasked loads and stores of aligned, contiguous blocks compile to vector instructions; a mask
+    # on a bound of unknown divisibility (a size read from memory) forces one element per access.
+    if MASKED:
+        return tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(pointers).to(tl.float32)
+
+
+@triton.jit
+def _store_rounded(pointers, x, random_bits, mask, BF16: tl.constexpr, MASKED: tl.constexpr):
+    value = _round_bf16(x, random_bits) if BF16 else x
+    if MASKED:
+        tl.store(pointers, value, mask=mask)
+    else:
+        tl.store(pointers, value)
+
+
+@triton.jit
 def _adamw_update(
     param_ptr,
     grad_ptr,
@@ -60,28 +81,20 @@ def _adamw_update(
     PARAM_BF16: tl.constexpr,
     EXP_AVG_BF16: tl.constexpr,
     EXP_AVG_SQ_BF16: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    p = _load_fp32(param_ptr + offsets, mask, MASKED)
+    g = _load_fp32(grad_ptr + offsets, mask, MASKED)
+    m = _load_fp32(exp_avg_ptr + offsets, mask, MASKED)
+    v = _load_fp32(exp_avg_sq_ptr + offsets, mask, MASKED)
     p = p * decay_factor
     m = m * beta1 + g * (1.0 - beta1)
     v = v * beta2 + g * g * (1.0 - beta2)
     p = p - step_size * m / (tl.sqrt(v) * inv_bias_correction2_sqrt + eps)
     r0, r1, r2, _ = tl.randint4x(seed, offsets.to(tl.int32))
-    if PARAM_BF16:
-        tl.store(param_ptr + offsets, _round_bf16(p, r0), mask=mask)
-    else:
-        tl.store(param_ptr + offsets, p, mask=mask)
-    if EXP_AVG_BF16:
-        tl.store(exp_avg_ptr + offsets, _round_bf16(m, r1), mask=mask)
-    else:
-        tl.store(exp_avg_ptr + offsets, m, mask=mask)
-    if EXP_AVG_SQ_BF16:
-        tl.store(exp_avg_sq_ptr + offsets, _round_bf16(v, r2), mask=mask)
-    else:
-        tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+    _store_rounded(param_ptr + offsets, p, r0, mask, PARAM_BF16, MASKED)
+    _store_rounded(exp_avg_ptr + offsets, m, r1, mask, EXP_AVG_BF16, MASKED)
+    _store_rounded(exp_avg_sq_ptr + offsets, v, r2, mask, EXP_AVG_SQ_BF16, MASKED)
 
 
 @triton.jit
@@ -107,7 +120,7 @@ def _adamw_kernel(
     _adamw_update(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed, beta1, beta2,
         eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16, EXP_AVG_BF16,
-        EXP_AVG_SQ_BF16,
+        EXP_AVG_SQ_BF16, _MASKED,
     )  # fmt: skip
 
 
@@ -166,13 +179,22 @@ def _adamw_multi_kernel(
     n = tl.load(row + 4)
     seed = tl.load(row + 5).to(tl.int32)
     first = (pid - tl.load(chunk_starts_ptr + lo)) * (BLOCK * BLOCKS_PER_PROGRAM)
-    blocks = tl.minimum(tl.cdiv(n - first, BLOCK), BLOCKS_PER_PROGRAM)
-    for block in range(blocks):
+    # Whole blocks unmasked, then the tensor's partial last block (if this chunk holds it) masked.
+    whole = tl.minimum((n - first) // BLOCK, BLOCKS_PER_PROGRAM)
+    for block in range(whole):
         offsets = first + block * BLOCK + tl.arange(0, BLOCK)
+        _adamw_update(
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, None, seed, beta1, beta2,
+            eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16, EXP_AVG_BF16,
+            EXP_AVG_SQ_BF16, _UNMASKED,
+        )  # fmt: skip
+    tail = first + whole * BLOCK
+    if (whole < BLOCKS_PER_PROGRAM) & (tail < n):
+        offsets = tail + tl.arange(0, BLOCK)
         _adamw_update(
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed, beta1,
             beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16,
-            EXP_AVG_BF16, EXP_AVG_SQ_BF16,
+            EXP_AVG_BF16, EXP_AVG_SQ_BF16, _MASKED,
         )  # fmt: skip
 
 
