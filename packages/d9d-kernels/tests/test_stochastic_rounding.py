@@ -164,8 +164,8 @@ def test_adamw_step_multi_equals_one_call_per_parameter(
     backend: KernelBackend, device: str, param_dtype: torch.dtype, state_dtype: torch.dtype
 ) -> None:
     # sizes below, at and across the kernel's 2048-element blocks and 65536-element program chunks;
-    # more tensors than one search step
-    shapes = [(3,), (2048,), (5, 1000), (1,), (2, 35000), (64, 33), (4100,), (7, 3), (2,)]
+    # empty ones (also first and last); more tensors than one search step
+    shapes = [(0,), (3,), (2048,), (5, 1000), (0,), (1,), (2, 35000), (64, 33), (4100,), (7, 3), (2,), (0, 4)]
     multi = _operands(shapes, param_dtype, state_dtype, device)
     single = [[t.clone() for t in column] for column in multi]
     seeds = [11 * i + 5 for i in range(len(shapes))]

@@ -250,18 +250,18 @@ def _hyperparameters(
     return beta1, beta2, eps, 1.0 - lr * weight_decay, lr / bias_correction1, 1.0 / bias_correction2_sqrt
 
 
-def _element_offsets(tensors: list[torch.Tensor]) -> list[int]:
-    base = tensors[0].data_ptr()
-    size = tensors[0].element_size()
+def _element_offsets(tensors: list[torch.Tensor], anchor: int) -> list[int]:
+    base = tensors[anchor].data_ptr()
+    size = tensors[anchor].element_size()
     distances = [t.data_ptr() - base for t in tensors]
-    if any(distance % size for distance in distances):
+    if any(distance % size for distance, t in zip(distances, tensors, strict=True) if t.numel()):
         raise ValueError("adamw_step_stochastic_multi_: a tensor is not aligned to its element size")
     return [distance // size for distance in distances]
 
 
 def _alignment(tensors: list[torch.Tensor]) -> int:
-    """Elements per 16 bytes when every tensor starts on a 16-byte boundary, else 1."""
-    aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+    """Elements per 16 bytes when every non-empty tensor starts on a 16-byte boundary, else 1."""
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())
     return 16 // tensors[0].element_size() if aligned else 1
 
 
@@ -284,27 +284,29 @@ def adamw_step_multi(
     device (pinned, asynchronous: no wait for the stream), so the host cost is one launch however
     many parameters there are. Tensor ``i`` gets the same result as ``adamw_step`` with ``seeds[i]``.
     """
-    lists = (params, grads, exp_avgs, exp_avg_sqs)
-    offsets = [_element_offsets(tensors) for tensors in lists]
     sizes = [t.numel() for t in params]
+    if not any(sizes):
+        return
+    # Positions count from the first non-empty tensor (an empty one may have no storage).
+    anchor = next(index for index, size in enumerate(sizes) if size)
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    offsets = [_element_offsets(tensors, anchor) for tensors in lists]
     rows: list[int] = []
     chunk_starts = [0]
     for *member_offsets, size, seed in zip(*offsets, sizes, seeds, strict=True):
         rows += [*member_offsets, size, seed]
         chunk_starts.append(chunk_starts[-1] + triton.cdiv(size, _BLOCK * _BLOCKS_PER_PROGRAM))
     n_chunks = chunk_starts[-1]
-    if n_chunks == 0:
-        return
-    device = params[0].device
+    device = params[anchor].device
     host = torch.tensor(rows + chunk_starts, dtype=torch.int64)
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     _adamw_multi_kernel[(n_chunks,)](
         table,
         table[len(rows) :],
-        params[0],
-        grads[0],
-        exp_avgs[0],
-        exp_avg_sqs[0],
+        params[anchor],
+        grads[anchor],
+        exp_avgs[anchor],
+        exp_avg_sqs[anchor],
         len(params),
         *_hyperparameters(lr, beta1, beta2, eps, weight_decay, step),
         **launch_options(
