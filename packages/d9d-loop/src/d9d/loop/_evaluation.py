@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from d9d.loop._config_evaluation import EvaluationConfig
+from d9d.loop._device_scalars import device_scalar
 from d9d.loop._evaluation_data import EvaluationData, first_rows, padded_batches, real_rows_per_microbatch
 from d9d.loop._forward_runner import ForwardRunner
 from d9d.loop._task import (
@@ -138,7 +139,7 @@ class Evaluator:
                         )
                     )
                     weight = result.loss_weight if result.loss_weight is not None else float(real)
-                    weight_t = torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(())
+                    weight_t = device_scalar(weight, device=device, dtype=torch.float64)
                     loss_sum += result.loss.detach().to(torch.float64).reshape(()) * weight_t
                     weight_sum += weight_t
                     self._task.update_metrics(

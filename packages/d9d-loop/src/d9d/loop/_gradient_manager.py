@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from d9d.loop._config_trainer import GradientClippingConfig
+from d9d.loop._device_scalars import device_scalar
 from d9d.parallel import GradientSynchronizer, clip_grad_norm
 
 
@@ -100,9 +101,7 @@ def all_reduce_sum_on_device(
     if device.type == "cpu":
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
     else:
-        tensor = torch.stack(
-            [torch.as_tensor(v, device=device).detach().to(torch.float64).reshape(()) for v in values]
-        )
+        tensor = torch.stack([device_scalar(v, device=device, dtype=torch.float64) for v in values])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor

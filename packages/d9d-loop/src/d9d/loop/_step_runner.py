@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from d9d.loop._device_scalars import device_scalar
 from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._task import ComputeLossContext, TrainTask
 from d9d.mesh import shard_tree
@@ -49,7 +50,7 @@ class MicrobatchTotals:
         if device.type == "cpu":
             return sum(float(loss) * float(w) for loss, w in zip(self.losses, self.loss_weights, strict=True))
         weights = torch.stack(
-            [torch.as_tensor(w, dtype=torch.float32, device=device).reshape(()) for w in self.loss_weights]
+            [device_scalar(w, device=device, dtype=torch.float32) for w in self.loss_weights]
         )
         return (torch.stack(self.losses).float().reshape(-1) * weights).sum()
 

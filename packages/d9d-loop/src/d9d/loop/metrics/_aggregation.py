@@ -37,7 +37,14 @@ class WeightedMean(SummedStateMetric):
     def update(self, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         """Adds ``value`` (any shape) with ``weight`` (broadcast to ``value``'s shape)."""
         v = torch.as_tensor(value).detach().to(_F64)
-        w = torch.broadcast_to(torch.as_tensor(weight, device=v.device).detach().to(_F64), v.shape)
+        # A Python weight becomes a fill on the value's device: a copy from the host would wait
+        # for every kernel queued there (a sync per microbatch on an accelerator).
+        weight_t = (
+            weight.detach().to(device=v.device, dtype=_F64)
+            if isinstance(weight, torch.Tensor)
+            else torch.full((), float(weight), dtype=_F64, device=v.device)
+        )
+        w = torch.broadcast_to(weight_t, v.shape)
         self._accumulate("weighted_sum", (v * w).sum())
         self._accumulate("weight", w.sum())
 
@@ -116,7 +123,7 @@ class Accuracy(SummedStateMetric):
             self._accumulate("bad", check_labels("Accuracy", target, 0, 2))
             correct = (preds >= self._threshold).long() == target
         self._accumulate("correct", correct.sum())
-        self._accumulate("total", torch.tensor(correct.numel(), dtype=_F64, device=correct.device))
+        self._accumulate("total", torch.full((), correct.numel(), dtype=_F64, device=correct.device))
 
     def compute(self) -> torch.Tensor:
         """The accuracy."""

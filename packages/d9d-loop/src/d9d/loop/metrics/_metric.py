@@ -78,7 +78,11 @@ class SummedStateMetric:
         """Adds ``value`` to state ``name`` on ``value``'s device (the state follows it there)."""
         state = self._states[name]
         if state.device != value.device:
-            state = state.to(value.device)
+            if state.device.type == "cpu" and state.numel() == 1:
+                # A fill on the device: a copy from the host would wait for the kernels queued there.
+                state = torch.full(state.shape, state.item(), dtype=state.dtype, device=value.device)
+            else:
+                state = state.to(value.device)
         self._states[name] = state + value.to(state.dtype)
         self._synced = None
 
