@@ -224,3 +224,30 @@ def test_stochastic_adamw_buckets_by_step_and_dtype(device: str) -> None:
                 )  # fmt: skip
         for index, (param, copy) in enumerate(zip(params, copies, strict=True)):
             _assert_same_update(param.detach(), copy, device, f"iteration {iteration}, parameter {index}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non_contiguous",  # a transposed parameter and its state: per-tensor reference path
+        "mixed_dtypes",  # bf16 and fp32 parameters in one call: no single launch covers both
+    ],
+)
+def test_adamw_step_multi_falls_back_per_parameter(case: str) -> None:
+    params, grads, exp_avgs, exp_avg_sqs = _operands([(6, 4), (5,)], torch.float32, torch.float32, "cpu")
+    if case == "non_contiguous":
+        params[0], grads[0] = params[0].t(), grads[0].t()
+        exp_avgs[0], exp_avg_sqs[0] = exp_avgs[0].t(), exp_avg_sqs[0].t()
+    else:
+        params[1], grads[1] = params[1].to(torch.bfloat16), grads[1].to(torch.bfloat16)
+    multi = [params, grads, exp_avgs, exp_avg_sqs]
+    single = [[t.clone() for t in column] for column in multi]
+    hyper = {"lr": 0.05, "weight_decay": 0.1, "step": 2}
+    adamw_step_stochastic_multi_(*multi, seeds=[3, 4], backend=KernelBackend.TRITON, **hyper)
+    for index, seed in enumerate([3, 4]):
+        adamw_step_stochastic_(
+            *(column[index] for column in single), seed=seed, backend=KernelBackend.TRITON, **hyper
+        )
+    for got, expected in zip(multi, single, strict=True):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
