@@ -22,8 +22,6 @@ def device_scalar(value: torch.Tensor | float, *, device: torch.device, dtype: t
     Returns:
         A 0-d tensor on ``device``.
     """
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            return value.detach().to(device=device, dtype=dtype).reshape(())
-        value = float(value)
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.detach().to(device=device, dtype=dtype).reshape(())
     return torch.full((), float(value), dtype=dtype, device=device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from d9d.loop._device_scalars import device_scalar
 from d9d.loop.metrics._metric import SummedStateMetric, check_labels, raise_if_bad, safe_divide
 
 _F64 = torch.float64
@@ -37,12 +38,10 @@ class WeightedMean(SummedStateMetric):
     def update(self, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         """Adds ``value`` (any shape) with ``weight`` (broadcast to ``value``'s shape)."""
         v = torch.as_tensor(value).detach().to(_F64)
-        # A Python weight becomes a fill on the value's device: a copy from the host would wait
-        # for every kernel queued there (a sync per microbatch on an accelerator).
         weight_t = (
             weight.detach().to(device=v.device, dtype=_F64)
             if isinstance(weight, torch.Tensor)
-            else torch.full((), float(weight), dtype=_F64, device=v.device)
+            else device_scalar(weight, device=v.device, dtype=_F64)
         )
         w = torch.broadcast_to(weight_t, v.shape)
         self._accumulate("weighted_sum", (v * w).sum())

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from d9d.loop._device_scalars import device_scalar
+
 MetricValue = torch.Tensor | Mapping[str, torch.Tensor]
 """What ``Metric.compute`` returns: a tensor (a scalar, or one value per class) or named tensors."""
 
@@ -79,8 +81,7 @@ class SummedStateMetric:
         state = self._states[name]
         if state.device != value.device:
             if state.device.type == "cpu" and state.numel() == 1:
-                # A fill on the device: a copy from the host would wait for the kernels queued there.
-                state = torch.full(state.shape, state.item(), dtype=state.dtype, device=value.device)
+                state = device_scalar(state, device=value.device, dtype=state.dtype).reshape(state.shape)
             else:
                 state = state.to(value.device)
         self._states[name] = state + value.to(state.dtype)
