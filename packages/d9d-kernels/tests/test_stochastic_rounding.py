@@ -163,8 +163,8 @@ def _operands(
 def test_adamw_step_multi_equals_one_call_per_parameter(
     backend: KernelBackend, device: str, param_dtype: torch.dtype, state_dtype: torch.dtype
 ) -> None:
-    # sizes below, at and across the kernel's 2048-element blocks and 65536-element program chunks;
-    # empty ones (also first and last); more tensors than one search step
+    # sizes below, at and across the multi-tensor kernel's 1024-element blocks and 2048-element
+    # program chunks; empty ones (also first and last); more tensors than one search step
     shapes = [(0,), (3,), (2048,), (5, 1000), (0,), (1,), (2, 35000), (64, 33), (4100,), (7, 3), (2,), (0, 4)]
     multi = _operands(shapes, param_dtype, state_dtype, device)
     single = [[t.clone() for t in column] for column in multi]
@@ -250,4 +250,65 @@ def test_adamw_step_multi_falls_back_per_parameter(case: str) -> None:
         )
     for got, expected in zip(multi, single, strict=True):
         for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # one launch; the per-tensor path
+def test_adamw_step_multi_grad_scale_equals_scaled_float32_gradients(
+    backend: KernelBackend, device: str, layout: str
+) -> None:
+    # The factor is applied as the kernel reads each gradient: the same step as the float32
+    # gradient grad * scale, and the gradients themselves are left as they are.
+    shapes = [(3,), (2048,), (5, 1000), (4100,)]
+    multi = _operands(shapes, torch.bfloat16, torch.bfloat16, device)
+    if layout == "transposed":
+        multi = [[t.t() if t.ndim == 2 else t for t in column] for column in multi]
+    single = [[t.clone() for t in column] for column in multi]
+    grads_before = [g.clone() for g in multi[1]]
+    scale = torch.tensor(0.375, device=device)
+    seeds = [7 * i + 1 for i in range(len(shapes))]
+    hyper = {"lr": 0.05, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1, "step": 2}
+    adamw_step_stochastic_multi_(*multi, seeds=seeds, grad_scale=scale, backend=backend, **hyper)
+    for index, seed in enumerate(seeds):
+        param, grad, exp_avg, exp_avg_sq = (column[index] for column in single)
+        adamw_step_stochastic_(
+            param, grad.float() * scale, exp_avg, exp_avg_sq, seed=seed, backend=backend, **hyper
+        )
+    for got, expected in zip(grads_before, multi[1], strict=True):
+        assert torch.equal(got, expected)
+    for column, name in ((0, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
+        for index, (a, b) in enumerate(zip(multi[column], single[column], strict=True)):
+            _assert_same_update(a, b, device, f"{name} {index}")
+
+
+def test_adamw_step_multi_refuses_a_grad_scale_of_several_elements() -> None:
+    params, grads, exp_avgs, exp_avg_sqs = _operands([(4,)], torch.float32, torch.float32, "cpu")
+    with pytest.raises(
+        ValueError, match=r"grad_scale must be a one-element floating tensor, got shape \(2,\)"
+    ):
+        adamw_step_stochastic_multi_(
+            params, grads, exp_avgs, exp_avg_sqs, lr=0.1, step=1, grad_scale=torch.ones(2)
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_adamw_step_with_gradient_scale_equals_scaling_first(backend: KernelBackend) -> None:
+    # fp32 parameters and gradients: multiplying the gradients first (as clipping in place does)
+    # gives bit for bit the same step.
+    torch.manual_seed(0)
+    fused = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 700), (11,)]]
+    scaled = [torch.nn.Parameter(p.detach().clone()) for p in fused]
+    optimizers = [StochasticAdamW(ps, lr=0.05, weight_decay=0.1, backend=backend) for ps in (fused, scaled)]
+    for iteration in range(3):
+        grads = [torch.randn(p.shape) for p in fused]
+        scale = torch.tensor(0.5 + iteration)
+        for a, b, grad in zip(fused, scaled, grads, strict=True):
+            a.grad, b.grad = grad.clone(), grad * scale
+        torch.manual_seed(iteration)
+        optimizers[0].step_with_gradient_scale(scale)
+        torch.manual_seed(iteration)
+        optimizers[1].step()
+        for a, b in zip(fused, scaled, strict=True):
             assert torch.equal(a, b)

@@ -21,6 +21,7 @@ from d9d.loop import (
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
+    OptimizerProvider,
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
@@ -165,6 +166,7 @@ def build_trainer(
     strategy: str = "hsdp",
     weighted: bool = False,
     hidden: int = 16,
+    optimizer_provider: OptimizerProvider | None = None,
 ) -> Trainer:
     return TrainingConfigurator(
         mesh=config.mesh,
@@ -174,7 +176,7 @@ def build_trainer(
         data_provider=AutoDataProvider(
             dataset_factory=lambda d: ToyDataset(), collator=collate, config=config.data
         ),
-        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        optimizer_provider=optimizer_provider or AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
         events=events,
     ).configure()

@@ -69,13 +69,15 @@ def test_no_stream_synchronization_on_cuda() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     loss = torch.ones((), device=device)
     mean, accuracy = WeightedMean(), Accuracy()  # CPU states, moved to the device by the update
+    # Inputs made before the check: a tensor built from a Python list is a blocking copy itself.
+    preds, target = torch.tensor([0.9, 0.1], device=device), torch.tensor([1, 0], device=device)
     torch.cuda.set_sync_debug_mode("error")  # a blocking copy or read raises
     try:
         totals = MicrobatchTotals()
         totals.add(loss, 2.0)
         sums = all_reduce_sum_on_device([totals.weighted_loss(device), totals.weight, 1.0], None, device)
         mean.update(loss, 2.0)
-        accuracy.update(torch.tensor([0.9, 0.1], device=device), torch.tensor([1, 0], device=device))
+        accuracy.update(preds, target)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert sums.tolist() == [2.0, 2.0, 1.0]

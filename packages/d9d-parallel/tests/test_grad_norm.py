@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import clip_grad_norm
+from d9d.parallel import clip_grad_norm, gradient_clip, scale_gradients_
 
 
 def _distributed_params(fulls, mesh, placements) -> list[nn.Parameter]:
@@ -136,6 +136,33 @@ def test_a_tensor_grad_scale_equals_the_same_float(max_norm: float | None) -> No
     for a, b in zip(with_float, with_tensor, strict=True):
         torch.testing.assert_close(a.grad, b.grad)
     assert not torch.equal(with_tensor[0].grad, grads[0]), "the scale must reach the gradients"
+
+
+@pytest.mark.parametrize(("max_norm", "grad_scale"), [(0.5, 1.0), (0.5, 3.0), (100.0, 1.0), (None, 2.0)])
+def test_gradient_clip_leaves_gradients_and_its_factor_does_what_clipping_does(
+    max_norm: float | None, grad_scale: float
+) -> None:
+    # For optimizers that apply the factor themselves: same norm, gradients untouched, and the
+    # factor applied afterwards gives the gradients clip_grad_norm leaves.
+    generator = torch.Generator().manual_seed(11)
+    grads = [torch.randn(4, 3, generator=generator), torch.randn(7, generator=generator)]
+    clipped, deferred = _reference(grads), _reference(grads)
+    norm = clip_grad_norm(clipped, max_norm, grad_scale=grad_scale)
+    clip = gradient_clip(deferred, max_norm, grad_scale=grad_scale)
+    torch.testing.assert_close(clip.norm, norm)
+    for param, grad in zip(deferred, grads, strict=True):
+        assert torch.equal(param.grad, grad)
+    assert clip.factor is not None and clip.factor.shape == ()
+    scale_gradients_(deferred, clip.factor)
+    for a, b in zip(deferred, clipped, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_gradient_clip_without_scale_or_clipping_has_no_factor() -> None:
+    params = _reference([torch.ones(3)])
+    clip = gradient_clip(params, None)
+    assert clip.factor is None
+    torch.testing.assert_close(clip.norm, torch.tensor(3.0**0.5))
 
 
 def _stage_without_gradients() -> list[float]:

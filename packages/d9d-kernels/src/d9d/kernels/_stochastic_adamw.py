@@ -74,6 +74,20 @@ class StochasticAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step(None)
+        return loss
+
+    @torch.no_grad()
+    def step_with_gradient_scale(self, scale: torch.Tensor) -> None:
+        """One step as if every gradient were first multiplied by ``scale``; gradients stay as they are.
+
+        The factor (e.g. a gradient-clipping coefficient, a one-element tensor on the parameters'
+        device, never read on the host) is applied inside the kernel that reads the gradients, which
+        saves a whole pass over them.
+        """
+        self._step(scale)
+
+    def _step(self, scale: torch.Tensor | None) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             stepped = [param for param in group["params"] if param.grad is not None]
@@ -99,6 +113,5 @@ class StochasticAdamW(torch.optim.Optimizer):
                 adamw_step_stochastic_multi_(
                     params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"], step=key[0],
-                    backend=self._backend,
+                    grad_scale=None if scale is None else scale.to(key[1]), backend=self._backend,
                 )  # fmt: skip
-        return loss

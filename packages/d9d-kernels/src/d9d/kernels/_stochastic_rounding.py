@@ -162,6 +162,7 @@ def adamw_step_stochastic_multi_(
     weight_decay: float = 0.0,
     step: int,
     seeds: Sequence[int] | None = None,
+    grad_scale: torch.Tensor | None = None,
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> None:
     """``adamw_step_stochastic_`` over many parameters at once: one kernel launch on CUDA.
@@ -183,11 +184,15 @@ def adamw_step_stochastic_multi_(
         weight_decay: Decoupled weight decay.
         step: The step number shared by every parameter, starting at 1.
         seeds: One rounding seed per parameter; drawn from torch's default CPU generator when None.
+        grad_scale: A one-element tensor the gradients still need to be multiplied by (e.g. a
+            clipping factor computed on the device): the step uses ``grad_scale * grad`` in
+            float32 as it reads each gradient and leaves ``grads`` unchanged, so the separate pass
+            over the gradients that a multiplication costs is saved. Never read on the host.
         backend: Which implementation runs (Triton on CUDA by default).
 
     Raises:
-        ValueError: The lists differ in length, or a parameter's operands do not fit (named by
-            its index).
+        ValueError: The lists differ in length, ``grad_scale`` is not a one-element floating
+            tensor, or a parameter's operands do not fit (named by its index).
     """
     count = len(params)
     if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == count:
@@ -197,6 +202,11 @@ def adamw_step_stochastic_multi_(
         )
     if seeds is not None and len(seeds) != count:
         raise ValueError(f"adamw_step_stochastic_multi_: {len(seeds)} seeds for {count} params")
+    if grad_scale is not None and (grad_scale.numel() != 1 or not grad_scale.is_floating_point()):
+        raise ValueError(
+            f"adamw_step_stochastic_multi_: grad_scale must be a one-element floating tensor, got "
+            f"shape {tuple(grad_scale.shape)} of {grad_scale.dtype}"
+        )
     for index, operands in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         _check_step_operands(f"adamw_step_stochastic_multi_ (parameter {index})", *operands, step)
     if count == 0:
@@ -213,13 +223,18 @@ def adamw_step_stochastic_multi_(
         and all(t.is_contiguous() for t in tensors)
         and all(len({t.dtype for t in group}) == 1 for group in lists)
         and len({t.device for t in tensors}) == 1
+        and (grad_scale is None or grad_scale.device == tensors[0].device)
     ):
         from d9d.kernels._triton.stochastic_rounding_op import adamw_step_stochastic_multi_triton
 
-        adamw_step_stochastic_multi_triton(*lists, lr, beta1, beta2, eps, weight_decay, step, resolved)
+        scale = None if grad_scale is None else grad_scale.detach().to(torch.float32).reshape(())
+        adamw_step_stochastic_multi_triton(*lists, lr, beta1, beta2, eps, weight_decay, step, resolved, scale)
         return
     for param, grad, exp_avg, exp_avg_sq, seed in zip(*lists, resolved, strict=True):
+        scaled = (
+            grad if grad_scale is None else grad.to(torch.float32) * grad_scale.detach().float().reshape(())
+        )
         adamw_step_stochastic_(
-            param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            param, scaled, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, step=step, seed=seed, backend=backend,
         )  # fmt: skip

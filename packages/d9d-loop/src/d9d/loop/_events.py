@@ -51,7 +51,11 @@ class ForwardBackwardFinished:
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerStepStarted:
-    """Gradients are synchronized and clipped; the optimizer is about to step."""
+    """Gradients are synchronized and clipped; the optimizer is about to step.
+
+    With a ``GradientScalingOptimizer`` the clipping factor is applied by the step itself, so the
+    stored gradients are not yet scaled here.
+    """
 
     step: int
 

@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 
 from d9d.loop._config_trainer import GradientClippingConfig
 from d9d.loop._device_scalars import device_scalar
-from d9d.parallel import GradientSynchronizer, clip_grad_norm
+from d9d.parallel import GradientClip, GradientSynchronizer, gradient_clip, scale_gradients_
 
 
 class GradientManager:
@@ -67,14 +67,19 @@ class GradientManager:
             synchronizer.finish()
         self._pending_scale = self._dp * microbatches_per_rank / global_weight
 
-    def clip(self) -> torch.Tensor:
-        """Applies the pending scale, clips the global gradient norm (when configured), returns it.
+    def clip(self, *, in_place: bool = True) -> GradientClip:
+        """Computes the norm with the pending scale, and the factor that scales and clips.
+
+        Args:
+            in_place: Multiply the gradients by the factor now (one multi-tensor kernel); False
+                leaves them as they are, for an optimizer that applies the factor as it reads them.
 
         Returns:
-            The norm of the correctly scaled gradients before clipping (a device scalar).
+            The norm of the correctly scaled gradients before clipping (a device scalar) and the
+            factor (None when it is 1 or already applied).
         """
         scale, self._pending_scale = self._pending_scale, 1.0
-        return clip_grad_norm(
+        clip = gradient_clip(
             self.parameters(),
             self._clipping.max_norm,
             norm_type=self._clipping.norm_type,
@@ -82,6 +87,10 @@ class GradientManager:
             grad_scale=scale,
             exclude_from_norm=self._norm_duplicates,
         )
+        if in_place and clip.factor is not None:
+            scale_gradients_(self.parameters(), clip.factor)
+            return GradientClip(clip.norm, None)
+        return clip
 
     def close(self) -> None:
         """Removes gradient hooks."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -80,6 +80,21 @@ class OptimizerProvider(Protocol):
 
     def build(self, context: OptimizerProviderContext) -> torch.optim.Optimizer:
         """Returns the optimizer."""
+        ...
+
+
+@runtime_checkable
+class GradientScalingOptimizer(Protocol):
+    """An optimizer that can multiply the gradients by a factor itself, as it reads them.
+
+    When the built optimizer has this method (d9d-kernels' ``StochasticAdamW`` does), the trainer
+    leaves the gradients unscaled and unclipped after the backward and passes the factor
+    (loss-weight correction times clipping coefficient) to the step instead: one pass over the
+    gradients less per step.
+    """
+
+    def step_with_gradient_scale(self, scale: torch.Tensor) -> None:
+        """Steps as if every gradient were first multiplied by ``scale`` (a device scalar)."""
         ...
 
 

@@ -38,7 +38,7 @@ from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider, Op
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
-from d9d.loop._providers import BatchSource
+from d9d.loop._providers import BatchSource, GradientScalingOptimizer
 from d9d.loop._resume_settings import capture_settings, reapply
 from d9d.loop._rollback_walk import RollbackWalk
 from d9d.loop._run_instruments import RunInstruments
@@ -462,7 +462,10 @@ class Trainer:
                 dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages]
             )
         )
-        grad_norm_tensor = p.gradients.clip()
+        # An optimizer that scales gradients as it reads them gets the factor instead.
+        scaling = p.optimizer if isinstance(p.optimizer, GradientScalingOptimizer) else None
+        clip = p.gradients.clip(in_place=scaling is None)
+        grad_norm_tensor = clip.norm
         figures_read = None
         if self._guard.reads_norm_before_step:
             figures_read = StepFigures.read(sums, grad_norm_tensor, step)
@@ -473,7 +476,10 @@ class Trainer:
         p.events.publish(OptimizerStepStarted(step=step))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
         if verdict is StepVerdict.APPLY:
-            p.optimizer.step()
+            if scaling is not None and clip.factor is not None:
+                scaling.step_with_gradient_scale(clip.factor)
+            else:
+                p.optimizer.step()
             p.provider.optimizer_stepped(
                 OptimizerSteppedContext(
                     dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages], step=step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -51,6 +52,20 @@ def _group_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class GradientClip:
+    """A gradient norm and the factor that scales and clips the gradients, both on the device.
+
+    Attributes:
+        norm: The total norm of the scaled gradients before clipping (float32 scalar).
+        factor: What every gradient is to be multiplied by (``grad_scale`` times the clipping
+            coefficient, float32 scalar); None when that is exactly 1 (no scale, no clipping).
+    """
+
+    norm: torch.Tensor
+    factor: torch.Tensor | None
+
+
 def clip_grad_norm(
     parameters: Iterable[nn.Parameter],
     max_norm: float | None,
@@ -88,6 +103,51 @@ def clip_grad_norm(
     Raises:
         ValueError: If a gradient is still ``Partial`` or ``norm_type`` is not positive.
     """
+    parameters = list(parameters)
+    clip = gradient_clip(
+        parameters,
+        max_norm,
+        norm_type=norm_type,
+        pp_group=pp_group,
+        grad_scale=grad_scale,
+        exclude_from_norm=exclude_from_norm,
+    )
+    if clip.factor is not None:
+        scale_gradients_(parameters, clip.factor)
+    return clip.norm
+
+
+def scale_gradients_(parameters: Iterable[nn.Parameter], factor: torch.Tensor) -> None:
+    """Multiplies every gradient (local shards of DTensor ones) by the device scalar ``factor``.
+
+    One multi-tensor kernel per (device, dtype) and no host synchronization.
+    """
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_dtype.setdefault((local.device, local.dtype), []).append(local)
+    with torch.no_grad():
+        for (device, dtype), grads in by_dtype.items():
+            _foreach_mul_(grads, factor.to(device=device, dtype=dtype))
+
+
+def gradient_clip(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float | None,
+    *,
+    norm_type: float = 2.0,
+    pp_group: ProcessGroup | None = None,
+    grad_scale: float | torch.Tensor = 1.0,
+    exclude_from_norm: Collection[nn.Parameter] = (),
+) -> GradientClip:
+    """``clip_grad_norm`` without touching the gradients: the norm and the factor to apply.
+
+    For an optimizer that multiplies each gradient by a factor as it reads it (d9d-kernels'
+    ``StochasticAdamW.step_with_gradient_scale``): that saves ``scale_gradients_``, a whole pass
+    over the gradients. Arguments and errors as in ``clip_grad_norm``.
+    """
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0, got {norm_type}")
     is_max = math.isinf(norm_type)
@@ -101,7 +161,7 @@ def clip_grad_norm(
         for g in locals_
     ]
     if not groups and not duplicates and pp_group is None:
-        return torch.zeros((), dtype=torch.float32)
+        return GradientClip(torch.zeros((), dtype=torch.float32), None)
     # A stage without gradients still joins the pipeline group's reduction below (with zero).
     fallback = torch.device("cpu") if pp_group is None else _group_device(pp_group)
     device = next((g[0].device for g in [*groups.values(), duplicates] if g), fallback)
@@ -129,15 +189,7 @@ def clip_grad_norm(
         factor = torch.full((), grad_scale, dtype=torch.float32, device=device)
     norm = (total if is_max else total ** (1.0 / norm_type)) * factor
     if max_norm is None and not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0:
-        return norm
+        return GradientClip(norm, None)
     if max_norm is not None:
         factor = factor * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for locals_ in [*groups.values(), duplicates]:
-        for grad in locals_:
-            by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
-    with torch.no_grad():
-        for (_, dtype), grads in by_dtype.items():
-            # one multi-tensor kernel per dtype for scale and clipping together, no host sync
-            _foreach_mul_(grads, factor.to(dtype))
-    return norm
+    return GradientClip(norm, factor)

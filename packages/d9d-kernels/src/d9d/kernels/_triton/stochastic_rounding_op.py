@@ -46,10 +46,13 @@ def _adamw_step_multi(
     weight_decay: float,
     step: int,
     seeds: list[int],
+    grad_scale: torch.Tensor | None,
 ) -> None:
     from d9d.kernels._triton.stochastic_rounding_kernels import adamw_step_multi
 
-    adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds)
+    adamw_step_multi(
+        params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds, grad_scale
+    )
 
 
 _INT32_ELEMENTS = 2**31
@@ -96,8 +99,11 @@ def adamw_step_stochastic_multi_triton(
     weight_decay: float,
     step: int,
     seeds: list[int],
+    grad_scale: torch.Tensor | None,
 ) -> None:
     """The multi-tensor AdamW step in one launch; see ``d9d.kernels.adamw_step_stochastic_multi_``."""
     for param in params:
         _check_size("adamw_step_stochastic_multi_", param)
-    _adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds)
+    _adamw_step_multi(
+        params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds, grad_scale
+    )
