@@ -18,6 +18,7 @@ from d9d.loop import (
     ComputeLossContext,
     ComputeLossResult,
     EventBus,
+    ForwardBackwardFinished,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ModelProvider,
@@ -26,6 +27,7 @@ from d9d.loop import (
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
     ProjectConfig,
+    StepFinished,
     Trainer,
     TrainingConfigurator,
     TrainTask,
@@ -188,3 +190,29 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = value.detach().clone()
     return out
+
+
+def train_and_record(config: ProjectConfig, **build: Any) -> dict[str, Any]:
+    """Trains the toy job; returns the losses, the gradient norms and the final full parameters."""
+    events = EventBus()
+    losses: list[float] = []
+    norms: list[float] = []
+    events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
+    events.subscribe(StepFinished, lambda e: norms.append(e.metrics["grad_norm"]))
+    trainer = build_trainer(config, events=events, **build)
+    trainer.train()
+    params = full_parameters(trainer)
+    trainer.close()  # the trainer owns the context it built: this releases it too
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def assert_same_run(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Losses, norms and parameters of ``train_and_record`` runs agree (float32 reduction order)."""
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-7
+    )
+    torch.testing.assert_close(
+        torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-7
+    )
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)

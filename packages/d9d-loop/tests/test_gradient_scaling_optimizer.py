@@ -6,15 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from loop_toy_job import build_trainer, full_parameters, toy_config
+from loop_toy_job import assert_same_run, toy_config, train_and_record
 
-from d9d.loop import (
-    EventBus,
-    ForwardBackwardFinished,
-    GradientScalingOptimizer,
-    OptimizerProviderContext,
-    StepFinished,
-)
+from d9d.loop import GradientScalingOptimizer, OptimizerProviderContext
 from d9d.mesh.testing import run_distributed
 
 kernels = pytest.importorskip("d9d.kernels")
@@ -41,18 +35,7 @@ class _Provider:
 def _train(mesh: dict[str, int], fused: bool) -> dict[str, Any]:
     # clipping at 0.05 is active on every step; weighted microbatches add a loss-weight scale
     config = toy_config(mesh=mesh, trainer={"gradient_clipping": {"max_norm": 0.05}, "max_steps": 4})
-    events = EventBus()
-    losses: list[float] = []
-    norms: list[float] = []
-    events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
-    events.subscribe(StepFinished, lambda e: norms.append(e.metrics["grad_norm"]))
-    trainer = build_trainer(
-        config, events=events, strategy="fsdp", weighted=True, optimizer_provider=_Provider(fused)
-    )
-    trainer.train()
-    params = full_parameters(trainer)
-    trainer.close()
-    return {"losses": losses, "norms": norms, "params": params}
+    return train_and_record(config, strategy="fsdp", weighted=True, optimizer_provider=_Provider(fused))
 
 
 def test_the_factor_in_the_step_equals_clipping_in_place() -> None:
@@ -67,11 +50,4 @@ def test_the_factor_in_the_step_equals_clipping_in_place() -> None:
 def test_the_factor_in_the_step_under_fsdp_matches_one_process() -> None:
     reference = run_distributed(_train, {}, True, world_size=1)[0]
     for result in run_distributed(_train, {"data_parallel_shard": 2}, True, world_size=2, timeout_s=120):
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-7
-        )
-        torch.testing.assert_close(
-            torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-7
-        )
-        for name, value in reference["params"].items():
-            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+        assert_same_run(result, reference)

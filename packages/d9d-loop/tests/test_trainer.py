@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from loop_toy_job import build_trainer, full_parameters, toy_config
+from loop_toy_job import assert_same_run, build_trainer, full_parameters, toy_config, train_and_record
 from safetensors.torch import load_file
 
 from d9d.loop import (
@@ -27,16 +27,7 @@ from d9d.mesh.testing import run_distributed
 
 def _train(mesh: dict[str, int], strategy: str, weighted: bool, clip: float | None) -> dict[str, Any]:
     config = toy_config(mesh=mesh, trainer={"gradient_clipping": {"max_norm": clip}, "max_steps": 4})
-    events = EventBus()
-    losses: list[float] = []
-    norms: list[float] = []
-    events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
-    events.subscribe(StepFinished, lambda e: norms.append(e.metrics["grad_norm"]))
-    trainer = build_trainer(config, events=events, strategy=strategy, weighted=weighted)
-    trainer.train()
-    params = full_parameters(trainer)
-    trainer.close()  # the trainer owns the context it built: this releases it too
-    return {"losses": losses, "norms": norms, "params": params}
+    return train_and_record(config, strategy=strategy, weighted=weighted)
 
 
 @pytest.mark.parametrize(
@@ -59,14 +50,7 @@ def test_layouts_match_the_single_process_run(
     reference = run_distributed(_train, {}, strategy, weighted, clip, world_size=1)[0]
     results = run_distributed(_train, mesh, strategy, weighted, clip, world_size=world, timeout_s=240)
     for result in results:
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-7
-        )
-        torch.testing.assert_close(
-            torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=1e-7
-        )
-        for name, value in reference["params"].items():
-            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+        assert_same_run(result, reference)
 
 
 def _events_and_export(directory: str) -> tuple[list[str], list[str]]:
