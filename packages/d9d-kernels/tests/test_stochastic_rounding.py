@@ -1,5 +1,7 @@
 """Stochastic rounding and the AdamW step against exact arithmetic and torch.optim.AdamW."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -312,3 +314,18 @@ def test_stochastic_adamw_step_with_gradient_scale_equals_scaling_first(backend:
         optimizers[1].step()
         for a, b in zip(fused, scaled, strict=True):
             assert torch.equal(a, b)
+
+
+def test_stochastic_adamw_step_with_gradient_scale_is_a_step_for_hooks_and_schedulers() -> None:
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = StochasticAdamW([param], lr=0.1, backend=KernelBackend.REFERENCE)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    seen: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: seen.append("post"))
+    param.grad = torch.ones(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        optimizer.step_with_gradient_scale(torch.tensor(0.5))
+        scheduler.step()
+    assert seen == ["pre", "post"]

@@ -60,6 +60,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._state_dtype = state_dtype
         self._backend = backend
+        self._gradient_scale: torch.Tensor | None = None
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -74,18 +75,22 @@ class StochasticAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(None)
+        self._step(self._gradient_scale)
         return loss
 
-    @torch.no_grad()
     def step_with_gradient_scale(self, scale: torch.Tensor) -> None:
         """One step as if every gradient were first multiplied by ``scale``; gradients stay as they are.
 
         The factor (e.g. a gradient-clipping coefficient, a one-element tensor on the parameters'
         device, never read on the host) is applied inside the kernel that reads the gradients, which
-        saves a whole pass over them.
+        saves a whole pass over them. Runs through ``step()``, so step hooks and an LR scheduler's
+        step tracking see it as a step.
         """
-        self._step(scale)
+        self._gradient_scale = scale
+        try:
+            self.step()
+        finally:
+            self._gradient_scale = None
 
     def _step(self, scale: torch.Tensor | None) -> None:
         for group in self.param_groups:
