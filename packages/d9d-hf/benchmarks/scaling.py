@@ -13,7 +13,8 @@ layouts under ``torchrun``):
 Rounds alternate every run, so a slow phase of the machine hits each alike; every ratio is taken
 within a round and the table prints its median over the rounds with the range. Printed per layout:
 the speed-up over one GPU (total tok/s), the per-GPU efficiency, and for pipelines the measured
-bubble (``1 - per-GPU efficiency``) next to the d9d-pipeline simulator's.
+bubble (``1 - per-GPU efficiency``) next to the d9d-pipeline simulator's; with ``--busy`` also
+the GPU idle share of the most idle rank against the one-GPU run's (two profiled steps each).
 
     python3 scaling.py --gpus 2 --models dense dense4b --repeats 3 --peer titan
     python3 scaling.py --gpus 2 --layouts pp:1f1b pp:zbv --microbatches 8 --json runs.jsonl
@@ -99,6 +100,7 @@ def command_of(args: argparse.Namespace, run: Run, implementation: str, output: 
     command += [f"--{key.replace('_', '-')}={value}" for key, value in run.options]
     if implementation.startswith("d9d"):
         command.append(f"--d9d-state={args.d9d_state}")
+        command += ["--busy"] if args.busy else []
     return command + (["--quick"] if args.quick else [])
 
 
@@ -177,6 +179,11 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
         figures.setdefault("efficiency", []).append(speedup / record["ranks"])
         if _measured(record.get("peak_memory_gib")) and _measured(reference.get("peak_memory_gib")):
             figures.setdefault("memory", []).append(record["peak_memory_gib"] / reference["peak_memory_gib"])
+        idle = record.get("device_idle_per_rank")
+        reference_idle = reference.get("device_idle_per_rank")
+        if idle and reference_idle:
+            figures.setdefault("idle", []).append(100 * max(idle))
+            figures.setdefault("reference_idle", []).append(100 * reference_idle[0])
         pipeline = record.get("pipeline")
         if pipeline is not None:
             figures.setdefault("bubble", []).append(100 * (1 - speedup / record["ranks"]))
@@ -197,15 +204,17 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
     )
     lines += [
         "| model | layout | GPUs | one GPU k tok/s | layout k tok/s | speed-up | per-GPU efficiency "
-        "| memory per GPU vs one | pipeline bubble % measured / simulator |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| memory per GPU vs one | pipeline bubble % measured / simulator "
+        "| GPU idle %: most idle rank / one GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (model, layout), f in rows.items():
         bubble = f"{_spread(f['bubble'], 1)} / {_spread(f['predicted'], 1)}" if "bubble" in f else "-"
+        idle = f"{_spread(f['idle'], 1)} / {_spread(f['reference_idle'], 1)}" if "idle" in f else "-"
         lines.append(
             f"| {model} | {layout} | {int(f['ranks'][0])} | {_spread(f['one'])} | {_spread(f['layout'])} "
             f"| {_spread(f['speedup'])} | {_spread(f['efficiency'])} | {_spread(f.get('memory', []))} "
-            f"| {bubble} |"
+            f"| {bubble} | {idle} |"
         )
     return lines
 
@@ -231,6 +240,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny model, for a smoke run")
+    parser.add_argument(
+        "--busy", action="store_true", help="profile two extra steps per d9d run: GPU idle time per rank"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", help="append every run's record here")
     parser.add_argument(

@@ -29,7 +29,7 @@ def _args(**overrides: Any) -> argparse.Namespace:
     values: dict[str, Any] = {
         "gpus": 2, "layouts": ["dp_shard", "cp", "pp:zbv"], "seq": 4096, "batch": 4, "cp_seq": 32768,
         "microbatches": 4, "device": "cuda", "steps": 10, "warmup": 5, "d9d_state": "bfloat16",
-        "quick": False,
+        "quick": False, "busy": False,
     }  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 
@@ -70,9 +70,9 @@ def test_the_table_pairs_each_run_with_its_rounds_reference(scaling: ModuleType)
     dp_key = [["seq", 4096], ["batch", 4], ["microbatches", 1]]
     pp_key = [["seq", 4096], ["batch", 4], ["microbatches", 4]]
     records = [
-        _record(0, "one_gpu", 1000.0, dp_key),
+        _record(0, "one_gpu", 1000.0, dp_key, device_idle_per_rank=[0.04]),
         _record(0, "one_gpu", 900.0, pp_key),
-        _record(0, "dp_shard", 1900.0, dp_key, memory=6.0),
+        _record(0, "dp_shard", 1900.0, dp_key, memory=6.0, device_idle_per_rank=[0.05, 0.125]),
         _record(0, "pp:1f1b", 1440.0, pp_key, pipeline={"predicted_bubble": 0.2}),
         _record(0, "peer", 800.0, dp_key, implementation="titan", memory=20.0),
         _record(1, "one_gpu", 500.0, dp_key),  # a slow round: its ratios use its own reference
@@ -84,6 +84,6 @@ def test_the_table_pairs_each_run_with_its_rounds_reference(scaling: ModuleType)
     rows = {
         line.split(" | ")[1]: line for line in lines if line.startswith("| dense | ") and "k tok" not in line
     }
-    assert "| 1.75 (1.60-1.90) | 0.88 (0.80-0.95) | 0.60 (0.60-0.60) | - |" in rows["dp_shard"]
+    assert "| 1.75 (1.60-1.90) | 0.88 (0.80-0.95) | 0.60 (0.60-0.60) | - | 12.5 / 4.0 |" in rows["dp_shard"]
     # 1440 / 900 = 1.6x on 2 GPUs: 80% per GPU, a 20% bubble against the simulator's 20%
-    assert rows["pp:1f1b"].endswith("| 1.60 | 0.80 | 1.00 | 20.0 / 20.0 |")
+    assert rows["pp:1f1b"].endswith("| 1.60 | 0.80 | 1.00 | 20.0 / 20.0 | - |")
