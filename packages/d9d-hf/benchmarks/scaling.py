@@ -112,9 +112,13 @@ def execute(
         output = Path(scratch) / "record.jsonl"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         command = command_of(args, run, implementation, output)
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=args.timeout, check=False, env=env
-        )
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=args.timeout, check=False, env=env
+            )
+        except subprocess.TimeoutExpired:  # one stuck run must not end the others
+            print(f"{run.model} {run.layout}: no result within --timeout {args.timeout:.0f} s", flush=True)
+            return None
         if done.returncode != 0 or not output.exists():
             print(f"{run.model} {run.layout}: FAILED\n{done.stderr[-3000:]}", flush=True)
             return None
