@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,15 +113,22 @@ def execute(
         output = Path(scratch) / "record.jsonl"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         command = command_of(args, run, implementation, output)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.timeout, check=False, env=env
-            )
+            _, stderr = process.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:  # one stuck run must not end the others
+            _stop(process)
             print(f"{run.model} {run.layout}: no result within --timeout {args.timeout:.0f} s", flush=True)
             return None
-        if done.returncode != 0 or not output.exists():
-            print(f"{run.model} {run.layout}: FAILED\n{done.stderr[-3000:]}", flush=True)
+        if process.returncode != 0 or not output.exists():
+            print(f"{run.model} {run.layout}: FAILED\n{stderr[-3000:]}", flush=True)
             return None
         record: dict[str, Any] = json.loads(output.read_text().splitlines()[-1])
     record.update(round=round_index, model=run.model, layout=run.layout, ranks=run.ranks)
@@ -136,6 +144,20 @@ def execute(
 def _measured(value: float | None) -> bool:
     """Whether a figure was measured (peak memory is NaN on a CPU)."""
     return value is not None and not math.isnan(value) and value > 0
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    """Ends a run past its time and its workers.
+
+    SIGTERM first: torchrun then stops its workers, which run in sessions of their own and would
+    outlive a killed torchrun. SIGKILL to the run's process group if it is still there after 30 s.
+    """
+    process.terminate()
+    try:
+        process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
 
 
 def _spread(values: list[float], digits: int = 2) -> str:
