@@ -989,7 +989,13 @@ def run_all(args: argparse.Namespace) -> None:
             profiled = args.profile and not impl.startswith("hf") and round_index == 0
             command += ["--profile"] if profiled else []
             started = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, timeout=args.timeout, check=False
+                )
+            except subprocess.TimeoutExpired:  # the child is killed; the other rows still run
+                print(f"{name}: no result within --timeout {args.timeout:.0f} s", flush=True)
+                continue
             if profiled:
                 print(done.stdout[-12000:], flush=True)
             if done.returncode != 0 or not scratch.exists():
