@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import clip_grad_norm, gradient_clip, scale_gradients_
+from d9d.parallel import clip_grad_norm, gradient_clip
 
 
 def _distributed_params(fulls, mesh, placements) -> list[nn.Parameter]:
@@ -153,7 +153,7 @@ def test_gradient_clip_leaves_gradients_and_its_factor_does_what_clipping_does(
     for param, grad in zip(deferred, grads, strict=True):
         assert torch.equal(param.grad, grad)
     assert clip.factor is not None and clip.factor.shape == ()
-    scale_gradients_(deferred, clip.factor)
+    clip.apply()
     for a, b in zip(deferred, clipped, strict=True):
         assert torch.equal(a.grad, b.grad)
 

@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 
 from d9d.loop._config_trainer import GradientClippingConfig
 from d9d.loop._device_scalars import device_scalar
-from d9d.parallel import GradientClip, GradientSynchronizer, gradient_clip, scale_gradients_
+from d9d.parallel import GradientClip, GradientSynchronizer, gradient_clip
 
 
 class GradientManager:
@@ -88,7 +88,7 @@ class GradientManager:
             exclude_from_norm=self._norm_duplicates,
         )
         if in_place and clip.factor is not None:
-            scale_gradients_(self.parameters(), clip.factor)
+            clip.apply()
             return GradientClip(clip.norm, None)
         return clip
 

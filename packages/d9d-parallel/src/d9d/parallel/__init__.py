@@ -42,7 +42,7 @@ from d9d.parallel._float8_experts import (
 )
 from d9d.parallel._fsdp_prefetch import prefetch_fsdp_units
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
-from d9d.parallel._grad_norm import GradientClip, clip_grad_norm, gradient_clip, scale_gradients_
+from d9d.parallel._grad_norm import GradientClip, clip_grad_norm, gradient_clip
 from d9d.parallel._gradient_synchronizer import GradientSynchronizer
 from d9d.parallel._grouped_tensor_parallel import parallelize_grouped_tensor_parallel
 from d9d.parallel._local_forward import LocalParameterSlot, install_local_forward
@@ -89,7 +89,6 @@ __all__ = [
     "cast_parameters_for_compute",
     "clip_grad_norm",
     "gradient_clip",
-    "scale_gradients_",
     "context_parallel_position_ids",
     "context_parallel_shard",
     "context_parallel_unshard",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -60,10 +60,26 @@ class GradientClip:
         norm: The total norm of the scaled gradients before clipping (float32 scalar).
         factor: What every gradient is to be multiplied by (``grad_scale`` times the clipping
             coefficient, float32 scalar); None when that is exactly 1 (no scale, no clipping).
+        gradients: The local gradients (shards of DTensor ones) the norm was taken over.
     """
 
     norm: torch.Tensor
     factor: torch.Tensor | None
+    gradients: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+
+    def apply(self) -> None:
+        """Multiplies the gradients by ``factor`` in place (nothing when it is None).
+
+        One multi-tensor kernel per (device, dtype) and no host synchronization.
+        """
+        if self.factor is None:
+            return
+        by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in self.gradients:
+            by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+        with torch.no_grad():
+            for (device, dtype), grads in by_dtype.items():
+                _foreach_mul_(grads, self.factor.to(device=device, dtype=dtype))
 
 
 def clip_grad_norm(
@@ -103,7 +119,6 @@ def clip_grad_norm(
     Raises:
         ValueError: If a gradient is still ``Partial`` or ``norm_type`` is not positive.
     """
-    parameters = list(parameters)
     clip = gradient_clip(
         parameters,
         max_norm,
@@ -112,25 +127,8 @@ def clip_grad_norm(
         grad_scale=grad_scale,
         exclude_from_norm=exclude_from_norm,
     )
-    if clip.factor is not None:
-        scale_gradients_(parameters, clip.factor)
+    clip.apply()
     return clip.norm
-
-
-def scale_gradients_(parameters: Iterable[nn.Parameter], factor: torch.Tensor) -> None:
-    """Multiplies every gradient (local shards of DTensor ones) by the device scalar ``factor``.
-
-    One multi-tensor kernel per (device, dtype) and no host synchronization.
-    """
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for parameter in parameters:
-        grad = parameter.grad
-        if grad is not None:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            by_dtype.setdefault((local.device, local.dtype), []).append(local)
-    with torch.no_grad():
-        for (device, dtype), grads in by_dtype.items():
-            _foreach_mul_(grads, factor.to(device=device, dtype=dtype))
 
 
 def gradient_clip(
@@ -145,8 +143,8 @@ def gradient_clip(
     """``clip_grad_norm`` without touching the gradients: the norm and the factor to apply.
 
     For an optimizer that multiplies each gradient by a factor as it reads it (d9d-kernels'
-    ``StochasticAdamW.step_with_gradient_scale``): that saves ``scale_gradients_``, a whole pass
-    over the gradients. Arguments and errors as in ``clip_grad_norm``.
+    ``StochasticAdamW.step_with_gradient_scale``): that saves ``GradientClip.apply``, a whole
+    pass over the gradients. Arguments and errors as in ``clip_grad_norm``.
     """
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0, got {norm_type}")
@@ -162,6 +160,7 @@ def gradient_clip(
     ]
     if not groups and not duplicates and pp_group is None:
         return GradientClip(torch.zeros((), dtype=torch.float32), None)
+    gradients = (*(g for locals_ in groups.values() for g in locals_), *duplicates)
     # A stage without gradients still joins the pipeline group's reduction below (with zero).
     fallback = torch.device("cpu") if pp_group is None else _group_device(pp_group)
     device = next((g[0].device for g in [*groups.values(), duplicates] if g), fallback)
@@ -189,7 +188,7 @@ def gradient_clip(
         factor = torch.full((), grad_scale, dtype=torch.float32, device=device)
     norm = (total if is_max else total ** (1.0 / norm_type)) * factor
     if max_norm is None and not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0:
-        return GradientClip(norm, None)
+        return GradientClip(norm, None, gradients)
     if max_norm is not None:
         factor = factor * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return GradientClip(norm, factor)
+    return GradientClip(norm, factor, gradients)

@@ -122,7 +122,7 @@ class Accuracy(SummedStateMetric):
             self._accumulate("bad", check_labels("Accuracy", target, 0, 2))
             correct = (preds >= self._threshold).long() == target
         self._accumulate("correct", correct.sum())
-        self._accumulate("total", torch.full((), correct.numel(), dtype=_F64, device=correct.device))
+        self._accumulate("total", device_scalar(correct.numel(), device=correct.device, dtype=_F64))
 
     def compute(self) -> torch.Tensor:
         """The accuracy."""
