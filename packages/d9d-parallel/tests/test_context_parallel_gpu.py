@@ -51,7 +51,12 @@ def _reference(query, key, value, *, causal, sliding_window, document_ids, scale
 
 
 def _on_device(
-    device: torch.device, dtype: torch.dtype, causal: bool, sliding_window: int | None, tolerance: dict
+    device: torch.device,
+    dtype: torch.dtype,
+    causal: bool,
+    sliding_window: int | None,
+    one_document: bool,
+    tolerance: dict,
 ) -> None:
     # gloo moves the CUDA tensors (CUDA all-gather and all-reduce); a rank per GPU where there
     # are several, else the ranks share one.
@@ -63,7 +68,8 @@ def _on_device(
     v = torch.randn(batch, seq, kv_heads, dim, device=device, generator=generator, dtype=dtype)
     grad_out = torch.randn(batch, seq, q_heads, dim, device=device, generator=generator, dtype=dtype)
     documents = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    documents[0, 100:] = 1
+    if not one_document:
+        documents[0, 100:] = 1
     scale = dim**-0.5
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -78,7 +84,8 @@ def _on_device(
         causal=causal,
         softmax_scale=scale,
         sliding_window=sliding_window,
-        document_ids=context_parallel_shard(documents, mesh=mesh),
+        # One document per row is stated as None: plain causal attention, the cuDNN block path.
+        document_ids=None if one_document else context_parallel_shard(documents, mesh=mesh),
     )
     assert out.device == device and out.dtype == dtype
     out.backward(context_parallel_shard(grad_out, mesh=mesh))
@@ -95,6 +102,7 @@ def _rank_main() -> None:
     parser.add_argument("--dtype", choices=sorted(_TOLERANCES), required=True)
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--bidirectional", action="store_true")  # not causal
+    parser.add_argument("--one-document", action="store_true")  # no document ids
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")  # cpu: the plumbing only
     args = parser.parse_args()
     if args.device == "cuda":
@@ -111,6 +119,7 @@ def _rank_main() -> None:
             getattr(torch, args.dtype),
             not args.bidirectional,
             args.sliding_window,
+            args.one_document,
             _TOLERANCES[args.dtype],
         )
     finally:
@@ -128,14 +137,18 @@ def _cuda_available() -> bool:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "causal", "sliding_window"),
+    ("dtype", "causal", "sliding_window", "one_document"),
     [
-        ("float32", True, None),  # fp32 causal with packed documents
-        ("bfloat16", True, 64),  # bf16 with a causal sliding window
-        ("bfloat16", False, 64),  # bf16 with a two-sided sliding window (not causal)
+        ("float32", True, None, False),  # fp32 causal with packed documents
+        ("bfloat16", True, 64, False),  # bf16 with a causal sliding window
+        ("bfloat16", False, 64, False),  # bf16 with a two-sided sliding window (not causal)
+        ("bfloat16", True, None, True),  # bf16 plain causal: cuDNN blocks merged by log-sum-exp
+        ("float32", True, None, True),  # fp32 plain causal: the lower-right causal bias
     ],
 )
-def test_context_parallel_attention_on_gpu(dtype: str, causal: bool, sliding_window: int | None) -> None:
+def test_context_parallel_attention_on_gpu(
+    dtype: str, causal: bool, sliding_window: int | None, one_document: bool
+) -> None:
     if not _cuda_available():
         pytest.skip("needs a CUDA GPU")
     command = [
@@ -146,6 +159,8 @@ def test_context_parallel_attention_on_gpu(dtype: str, causal: bool, sliding_win
         command += ["--sliding-window", str(sliding_window)]
     if not causal:
         command += ["--bidirectional"]
+    if one_document:
+        command += ["--one-document"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
 

@@ -9,6 +9,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from d9d.parallel._block_attention import (
+    BlockAttentionKernel,
+    attend_chunk_causally,
+    block_attention_kernel_for,
+)
 from d9d.parallel._load_balanced_positions import local_positions
 from d9d.parallel._mesh_dims import require_one_dim
 from d9d.parallel._sequence_all_gather import gather_sequence
@@ -65,18 +70,23 @@ class ContextParallelAttention:
     local parts from ``context_parallel_shard``.
 
     Plain causal attention (no window, no documents), the usual pre-training case, runs without a
-    mask tensor: each of the rank's two chunks attends to the keys up to its own end with a
-    lower-right causal bias, which SDPA sends to its flash kernels (a dense mask would force the
-    slower masked kernels and a local x global boolean tensor per layer). Bidirectional
-    attention without window or documents needs no mask at all.
+    mask tensor: each of the rank's two chunks attends causally to its own keys and fully to every
+    earlier key, two blocks that run on the fast fused kernels (cuDNN on CUDA) and are merged by
+    their log-sum-exp (see ``BlockAttentionKernel``). Where no block kernel exists for the device,
+    each chunk runs SDPA with a lower-right causal bias (FlashAttention-2 on CUDA). A dense mask
+    would force the slower masked kernels and a local x global boolean tensor per layer.
+    Bidirectional attention without window or documents needs no mask at all.
     """
 
-    def __init__(self, *, mesh: DeviceMesh) -> None:
+    def __init__(self, *, mesh: DeviceMesh, block_kernel: BlockAttentionKernel | None = None) -> None:
         """Args:
         mesh: The 1-D context-parallel mesh.
+        block_kernel: The kernel of the unmasked causal path; None picks one by the tensors'
+            device, dtype and head size (``block_attention_kernel_for``).
         """
         require_one_dim(mesh, purpose="ContextParallelAttention")
         self._mesh = mesh
+        self._block_kernel = block_kernel
 
     def attend(
         self,
@@ -111,13 +121,15 @@ class ContextParallelAttention:
         full_key = gather_sequence(key, mesh=self._mesh)
         full_value = gather_sequence(value, mesh=self._mesh)
         if sliding_window is None and document_ids is None:
+            kernel = self._block_kernel or block_attention_kernel_for(query)
             return _attend_unmasked(
                 query,
-                _expand_heads(full_key, q_heads),
-                _expand_heads(full_value, q_heads),
+                full_key,
+                full_value,
                 causal=causal,
                 softmax_scale=softmax_scale,
                 chunk_indices=(self._mesh.get_local_rank(), 2 * cp - 1 - self._mesh.get_local_rank()),
+                kernel=kernel,
             )
         q_pos = local_positions(length, cp, self._mesh.get_local_rank(), device=query.device)
         distance = q_pos.unsqueeze(1) - torch.arange(length, device=query.device).unsqueeze(0)
@@ -151,6 +163,7 @@ def _attend_unmasked(
     causal: bool,
     softmax_scale: float,
     chunk_indices: tuple[int, int],
+    kernel: BlockAttentionKernel | None,
 ) -> torch.Tensor:
     """Attention of the local queries without a mask tensor (no window, no documents).
 
@@ -158,22 +171,26 @@ def _attend_unmasked(
     length ``n`` sees keys ``[0, (c + 1) * n)`` and, within that range, query ``i`` sees key ``j``
     iff ``j <= i + c * n``: the lower-right aligned causal mask of an ``n x (c + 1) * n`` block.
     """
+    q, k, v = query.transpose(1, 2), full_key.transpose(1, 2), full_value.transpose(1, 2)
     if not causal:
-        out = nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), full_key.transpose(1, 2), full_value.transpose(1, 2), scale=softmax_scale
-        )
+        out = nn.functional.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2)
     chunk = query.shape[1] // 2
     parts: list[torch.Tensor] = []
     for part, index in enumerate(chunk_indices):
-        end = (index + 1) * chunk
-        out = nn.functional.scaled_dot_product_attention(
-            query[:, part * chunk : (part + 1) * chunk].transpose(1, 2),
-            full_key[:, :end].transpose(1, 2),
-            full_value[:, :end].transpose(1, 2),
-            attn_mask=CausalBias(CausalVariant.LOWER_RIGHT, chunk, end),
-            scale=softmax_scale,
-        )
+        q_part = q[:, :, part * chunk : (part + 1) * chunk]
+        if kernel is not None:
+            out = attend_chunk_causally(q_part, k, v, start=index * chunk, scale=softmax_scale, kernel=kernel)
+        else:
+            end = (index + 1) * chunk
+            q_heads = query.shape[2]
+            out = nn.functional.scaled_dot_product_attention(
+                q_part,
+                _expand_heads(full_key[:, :end], q_heads).transpose(1, 2),
+                _expand_heads(full_value[:, :end], q_heads).transpose(1, 2),
+                attn_mask=CausalBias(CausalVariant.LOWER_RIGHT, chunk, end),
+                scale=softmax_scale,
+            )
         parts.append(out.transpose(1, 2))
     return torch.cat(parts, dim=1)
 
