@@ -186,7 +186,13 @@ def _merge(first: BlockResult, second: BlockResult) -> tuple[torch.Tensor, torch
 
 
 class _PrefixCausalAttention(torch.autograd.Function):
-    """Queries of one chunk over keys ``[0, start + q_len)``, causal within their own chunk."""
+    """Queries of one chunk over keys ``[0, start + q_len)``, causal within their own chunk.
+
+    The first chunk (``start == 0``) runs here too rather than through SDPA's autograd: on torch
+    2.11 with CUDA bf16, SDPA's causal backward with ``enable_gqa`` gave wrong gradients for a
+    query chunk sliced out of a batch of two (forward equal to the reference, gradients off by up
+    to their own size); with the key/value heads expanded it was right.
+    """
 
     @staticmethod
     def forward(
@@ -201,12 +207,16 @@ class _PrefixCausalAttention(torch.autograd.Function):
         length = query.shape[2]
         own = slice(start, start + length)
         diagonal = kernel.forward(query, key[:, :, own], value[:, :, own], causal=True, scale=scale)
-        prefix = kernel.forward(query, key[:, :, :start], value[:, :, :start], causal=False, scale=scale)
-        out32, lse = _merge(diagonal, prefix)
+        if start > 0:
+            prefix = kernel.forward(query, key[:, :, :start], value[:, :, :start], causal=False, scale=scale)
+            out32, lse = _merge(diagonal, prefix)
+            saved_state = (diagonal.saved, prefix.saved)
+        else:
+            out32, lse, saved_state = diagonal.out, diagonal.lse, (diagonal.saved, ())
         out = _sequence_major_like(query)
         out.copy_(out32)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.saved_kernel_state = (diagonal.saved, prefix.saved)
+        ctx.saved_kernel_state = saved_state
         ctx.start, ctx.scale, ctx.kernel = start, scale, kernel
         return out
 
@@ -231,23 +241,23 @@ class _PrefixCausalAttention(torch.autograd.Function):
             causal=True,
             scale=scale,
         )
-        grad_q_prefix, grad_k_prefix, grad_v_prefix = kernel.backward(
-            grad_out,
-            query,
-            key[:, :, prefix],
-            value[:, :, prefix],
-            merged,
-            prefix_saved,
-            causal=False,
-            scale=scale,
-        )
         grad_key = key.new_zeros(key.shape)
         grad_value = value.new_zeros(value.shape)
-        grad_key[:, :, :start] = grad_k_prefix
         grad_key[:, :, own] = grad_k_own
-        grad_value[:, :, :start] = grad_v_prefix
         grad_value[:, :, own] = grad_v_own
-        return grad_q + grad_q_prefix, grad_key, grad_value, None, None, None
+        if start > 0:
+            grad_q_prefix, grad_key[:, :, prefix], grad_value[:, :, prefix] = kernel.backward(
+                grad_out,
+                query,
+                key[:, :, prefix],
+                value[:, :, prefix],
+                merged,
+                prefix_saved,
+                causal=False,
+                scale=scale,
+            )
+            grad_q = grad_q + grad_q_prefix
+        return grad_q, grad_key, grad_value, None, None, None
 
 
 def attend_chunk_causally(
@@ -272,10 +282,4 @@ def attend_chunk_causally(
         scale: Softmax scale.
         kernel: The block kernel (``block_attention_kernel_for``).
     """
-    length = query.shape[2]
-    if start == 0:
-        own = slice(0, length)
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key[:, :, own], value[:, :, own], is_causal=True, scale=scale, enable_gqa=True
-        )
     return cast(torch.Tensor, _PrefixCausalAttention.apply(query, key, value, start, scale, kernel))

@@ -172,8 +172,14 @@ def _attend_unmasked(
     iff ``j <= i + c * n``: the lower-right aligned causal mask of an ``n x (c + 1) * n`` block.
     """
     q, k, v = query.transpose(1, 2), full_key.transpose(1, 2), full_value.transpose(1, 2)
+    q_heads = query.shape[2]
     if not causal:
-        out = nn.functional.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
+        out = nn.functional.scaled_dot_product_attention(
+            q,
+            _expand_heads(full_key, q_heads).transpose(1, 2),
+            _expand_heads(full_value, q_heads).transpose(1, 2),
+            scale=softmax_scale,
+        )
         return out.transpose(1, 2)
     chunk = query.shape[1] // 2
     parts: list[torch.Tensor] = []
@@ -183,7 +189,6 @@ def _attend_unmasked(
             out = attend_chunk_causally(q_part, k, v, start=index * chunk, scale=softmax_scale, kernel=kernel)
         else:
             end = (index + 1) * chunk
-            q_heads = query.shape[2]
             out = nn.functional.scaled_dot_product_attention(
                 q_part,
                 _expand_heads(full_key[:, :end], q_heads).transpose(1, 2),

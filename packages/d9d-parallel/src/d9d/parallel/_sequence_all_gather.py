@@ -49,5 +49,6 @@ def gather_sequence(local: torch.Tensor, *, mesh: DeviceMesh, seq_dim: int = 1) 
     moved = local.movedim(seq_dim, 0)
     gathered = cast(torch.Tensor, _AllGatherRows.apply(moved, mesh.get_group()))
     positions = torch.cat([local_positions(length, cp, rank, device=local.device) for rank in range(cp)])
-    ordered = gathered.index_select(0, torch.argsort(positions))
-    return ordered.movedim(0, seq_dim)
+    # Selecting after moving the sequence back gives a tensor of the usual layout (attention
+    # kernels take it as it is), not a view with the sequence outermost.
+    return gathered.movedim(0, seq_dim).index_select(seq_dim, torch.argsort(positions))
