@@ -62,11 +62,12 @@ class AttentionLayerLike(Protocol):
 class ContextParallelAttention:
     """Attention over this rank's load-balanced sequence part that equals full-sequence attention.
 
-    Keys, values (and document ids) of all cp ranks are all-gathered and put back in sequence
-    order; each local query then attends to exactly the keys it would see in the full sequence:
-    the mask of d9d-kernels' ``AttentionBackend`` (causal, causal or two-sided sliding window,
-    packed documents) over global positions. The all-gather is differentiable (its backward
-    reduce-scatters key and value gradients), so forward and backward are exact. Inputs are the
+    Keys and values (one all-gather for both) and document ids of all cp ranks are gathered and
+    put back in sequence order; each local query then attends to exactly the keys it would see
+    in the full sequence: the mask of d9d-kernels' ``AttentionBackend`` (causal, causal or
+    two-sided sliding window, packed documents) over global positions. The all-gather is
+    differentiable (its backward reduce-scatters key and value gradients), so forward and
+    backward are exact. Inputs are the
     local parts from ``context_parallel_shard``.
 
     Plain causal attention (no window, no documents), the usual pre-training case, runs without a
@@ -118,8 +119,10 @@ class ContextParallelAttention:
         q_heads, kv_heads = query.shape[2], key.shape[2]
         if q_heads % kv_heads != 0:
             raise ValueError(f"query heads {q_heads} are not a multiple of key/value heads {kv_heads}")
-        full_key = gather_sequence(key, mesh=self._mesh)
-        full_value = gather_sequence(value, mesh=self._mesh)
+        # One collective for both (and one reduce-scatter in the backward).
+        full_key, full_value = gather_sequence(torch.stack((key, value)), mesh=self._mesh, seq_dim=2).unbind(
+            0
+        )
         if sliding_window is None and document_ids is None:
             kernel = self._block_kernel or block_attention_kernel_for(query)
             return _attend_unmasked(
