@@ -329,3 +329,34 @@ def test_stochastic_adamw_step_with_gradient_scale_is_a_step_for_hooks_and_sched
         optimizer.step_with_gradient_scale(torch.tensor(0.5))
         scheduler.step()
     assert seen == ["pre", "post"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adamw_step_rounding_is_unbiased_and_independent_across_elements_and_states(
+    backend: KernelBackend,
+) -> None:
+    # Every element gets the same update, so the roundings must average to the exact value, and
+    # neighbouring elements (which share one random draw in the kernel) and the parameter and its
+    # first moment must round independently.
+    n = 1 << 15
+    param = torch.ones(n, dtype=torch.bfloat16)
+    grad = torch.full((n,), 0.3, dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    lr = 0.3 * 2.0**-8  # a third of a bf16 step below 1.0
+    adamw_step_stochastic_(
+        param, grad, exp_avg, exp_avg_sq, lr=lr, weight_decay=0.0, step=1, seed=3, backend=backend
+    )
+    exact_param = 1.0 - lr  # step 1: m_hat / sqrt(v_hat) = 1 (eps is negligible)
+    exact_exp_avg = 0.1 * float(grad[0])
+    param_up = (param.float() == 1.0).float()  # rounded up to 1.0 (else down to 1 - 2**-8)
+    avg_down, avg_up = _bf16_neighbours(torch.tensor([exact_exp_avg]))
+    assert bool(((exp_avg.float() == avg_down) | (exp_avg.float() == avg_up)).all())
+    avg_rounded_up = (exp_avg.float() == avg_up).float()
+    p_param, p_avg = float(param_up.mean()), float(avg_rounded_up.mean())
+    # Unbiased: P(up) equals the truncated fraction (4 sigma over 32768 draws is about 0.011).
+    assert abs(p_param - (exact_param - (1.0 - 2.0**-8)) / 2.0**-8) < 0.012
+    assert abs(p_avg - (exact_exp_avg - float(avg_down)) / float(avg_up - avg_down)) < 0.012
+    # Independent: joint frequencies are the products of the marginals.
+    both_in_pair = float((param_up[0::2] * param_up[1::2]).mean())
+    assert abs(both_in_pair - p_param**2) < 0.012
+    assert abs(float((param_up * avg_rounded_up).mean()) - p_param * p_avg) < 0.012

@@ -5,7 +5,10 @@
 """Stochastic rounding to bf16 and the fused AdamW step, as Triton kernels.
 
 Random bits come from Triton's Philox generator keyed by (seed, element index), so a given seed
-gives the same rounding wherever the kernel runs.
+gives the same rounding wherever the kernel runs. The AdamW step draws one Philox call per pair of
+elements (index // 2): each rounding needs only 16 bits, and a call's four 32-bit outputs hold
+the pair's three (parameter, first and second moment); with bf16 moments one call per element
+made the kernel bound by the generator rather than by memory.
 """
 
 import torch
@@ -69,13 +72,20 @@ def _store_rounded(pointers, x, random_bits, mask, BF16: tl.constexpr, MASKED: t
 
 
 @triton.jit
+def _pair_halves(bits, BLOCK: tl.constexpr):
+    # (BLOCK // 2,) 32-bit draws, one per pair of elements -> (BLOCK,) 16-bit draws, element 2i
+    # taking the low half of draw i and element 2i + 1 the high half.
+    return tl.reshape(tl.join(bits & 0xFFFF, (bits >> 16) & 0xFFFF), (BLOCK,))
+
+
+@triton.jit
 def _adamw_update(
     param_ptr,
     grad_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    offsets,
-    mask,
+    start,
+    n,
     seed,
     grad_scale,
     beta1,
@@ -88,7 +98,11 @@ def _adamw_update(
     EXP_AVG_BF16: tl.constexpr,
     EXP_AVG_SQ_BF16: tl.constexpr,
     MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    # The block of elements [start, start + BLOCK); start is even (a multiple of BLOCK).
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n
     p = _load_fp32(param_ptr + offsets, mask, MASKED)
     g = _load_fp32(grad_ptr + offsets, mask, MASKED) * grad_scale
     m = _load_fp32(exp_avg_ptr + offsets, mask, MASKED)
@@ -97,10 +111,11 @@ def _adamw_update(
     m = m * beta1 + g * (1.0 - beta1)
     v = v * beta2 + g * g * (1.0 - beta2)
     p = p - step_size * m / (tl.sqrt(v) * inv_bias_correction2_sqrt + eps)
-    r0, r1, r2, _ = tl.randint4x(seed, offsets.to(tl.int32))
-    _store_rounded(param_ptr + offsets, p, r0, mask, PARAM_BF16, MASKED)
-    _store_rounded(exp_avg_ptr + offsets, m, r1, mask, EXP_AVG_BF16, MASKED)
-    _store_rounded(exp_avg_sq_ptr + offsets, v, r2, mask, EXP_AVG_SQ_BF16, MASKED)
+    pairs = (start // 2 + tl.arange(0, BLOCK // 2)).to(tl.int32)
+    r0, r1, r2, _ = tl.randint4x(seed, pairs)
+    _store_rounded(param_ptr + offsets, p, _pair_halves(r0, BLOCK), mask, PARAM_BF16, MASKED)
+    _store_rounded(exp_avg_ptr + offsets, m, _pair_halves(r1, BLOCK), mask, EXP_AVG_BF16, MASKED)
+    _store_rounded(exp_avg_sq_ptr + offsets, v, _pair_halves(r2, BLOCK), mask, EXP_AVG_SQ_BF16, MASKED)
 
 
 @triton.jit
@@ -122,11 +137,10 @@ def _adamw_kernel(
     EXP_AVG_SQ_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     _adamw_update(
-        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed, 1.0, beta1,
-        beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16, EXP_AVG_BF16,
-        EXP_AVG_SQ_BF16, _MASKED,
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, tl.program_id(0).to(tl.int64) * BLOCK, n,
+        seed, 1.0, beta1, beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt,
+        PARAM_BF16, EXP_AVG_BF16, EXP_AVG_SQ_BF16, _MASKED, BLOCK,
     )  # fmt: skip
 
 
@@ -191,19 +205,17 @@ def _adamw_multi_kernel(
     # Whole blocks unmasked, then the tensor's partial last block (if this chunk holds it) masked.
     whole = tl.minimum((n - first) // BLOCK, BLOCKS_PER_PROGRAM)
     for block in range(whole):
-        offsets = first + block * BLOCK + tl.arange(0, BLOCK)
         _adamw_update(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, None, seed, grad_scale,
-            beta1, beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16,
-            EXP_AVG_BF16, EXP_AVG_SQ_BF16, _UNMASKED,
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, first + block * BLOCK, n, seed,
+            grad_scale, beta1, beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt,
+            PARAM_BF16, EXP_AVG_BF16, EXP_AVG_SQ_BF16, _UNMASKED, BLOCK,
         )  # fmt: skip
     tail = first + whole * BLOCK
     if (whole < BLOCKS_PER_PROGRAM) & (tail < n):
-        offsets = tail + tl.arange(0, BLOCK)
         _adamw_update(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, offsets < n, seed,
-            grad_scale, beta1, beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt,
-            PARAM_BF16, EXP_AVG_BF16, EXP_AVG_SQ_BF16, _MASKED,
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, tail, n, seed, grad_scale, beta1,
+            beta2, eps, decay_factor, step_size, inv_bias_correction2_sqrt, PARAM_BF16, EXP_AVG_BF16,
+            EXP_AVG_SQ_BF16, _MASKED, BLOCK,
         )  # fmt: skip
 
 
