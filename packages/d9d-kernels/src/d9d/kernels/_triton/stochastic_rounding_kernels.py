@@ -6,9 +6,12 @@
 
 Random bits come from Triton's Philox generator keyed by (seed, element index), so a given seed
 gives the same rounding wherever the kernel runs. The AdamW step draws one Philox call per pair of
-elements (index // 2): each rounding needs only 16 bits, and a call's four 32-bit outputs hold
-the pair's three (parameter, first and second moment); with bf16 moments one call per element
-made the kernel bound by the generator rather than by memory.
+elements: each rounding needs only 16 bits, so a call's four 32-bit outputs hold the pair's three
+(parameter, first and second moment); with bf16 moments one call per element made the kernel
+bound by the generator rather than by memory. The pairs are elements ``_PAIR_SPAN`` apart
+(element ``e`` and ``e + _PAIR_SPAN`` in each span of ``2 * _PAIR_SPAN``), so a block is a
+(spans, 2, _PAIR_SPAN) tile whose halves take the low and high 16 bits by broadcasting, with no
+reshuffling of registers; the pairing depends only on the element index, not on the block size.
 """
 
 import torch
@@ -25,6 +28,9 @@ _BLOCK = 2048
 _MULTI_BLOCK = 1024
 _MULTI_BLOCKS_PER_PROGRAM = 2
 _MULTI_NUM_WARPS = 4
+# Elements paired on one random draw are this far apart; blocks are multiples of twice it.
+_PAIR_SPAN_ELEMENTS = 512
+_PAIR_SPAN: tl.constexpr = tl.constexpr(_PAIR_SPAN_ELEMENTS)
 # Columns of the multi-tensor table: where param, grad, exp_avg and exp_avg_sq start (in elements
 # from the first tensor of their list), numel, seed.
 _TABLE_COLUMNS: tl.constexpr = tl.constexpr(6)
@@ -72,13 +78,6 @@ def _store_rounded(pointers, x, random_bits, mask, BF16: tl.constexpr, MASKED: t
 
 
 @triton.jit
-def _pair_halves(bits, BLOCK: tl.constexpr):
-    # (BLOCK // 2,) 32-bit draws, one per pair of elements -> (BLOCK,) 16-bit draws, element 2i
-    # taking the low half of draw i and element 2i + 1 the high half.
-    return tl.reshape(tl.join(bits & 0xFFFF, (bits >> 16) & 0xFFFF), (BLOCK,))
-
-
-@triton.jit
 def _adamw_update(
     param_ptr,
     grad_ptr,
@@ -100,8 +99,13 @@ def _adamw_update(
     MASKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # The block of elements [start, start + BLOCK); start is even (a multiple of BLOCK).
-    offsets = start + tl.arange(0, BLOCK)
+    # The elements [start, start + BLOCK) as a (spans, 2, _PAIR_SPAN) tile; start is a multiple of
+    # BLOCK, itself a multiple of 2 * _PAIR_SPAN. Element (k, h, j) draws Philox call (k, j) and takes its low
+    # 16 bits in half h = 0, its high 16 bits in half h = 1.
+    span = tl.arange(0, BLOCK // (2 * _PAIR_SPAN))[:, None, None]
+    half = tl.arange(0, 2)[None, :, None]
+    column = tl.arange(0, _PAIR_SPAN)[None, None, :]
+    offsets = start + span * (2 * _PAIR_SPAN) + half * _PAIR_SPAN + column
     mask = offsets < n
     p = _load_fp32(param_ptr + offsets, mask, MASKED)
     g = _load_fp32(grad_ptr + offsets, mask, MASKED) * grad_scale
@@ -111,11 +115,18 @@ def _adamw_update(
     m = m * beta1 + g * (1.0 - beta1)
     v = v * beta2 + g * g * (1.0 - beta2)
     p = p - step_size * m / (tl.sqrt(v) * inv_bias_correction2_sqrt + eps)
-    pairs = (start // 2 + tl.arange(0, BLOCK // 2)).to(tl.int32)
-    r0, r1, r2, _ = tl.randint4x(seed, pairs)
-    _store_rounded(param_ptr + offsets, p, _pair_halves(r0, BLOCK), mask, PARAM_BF16, MASKED)
-    _store_rounded(exp_avg_ptr + offsets, m, _pair_halves(r1, BLOCK), mask, EXP_AVG_BF16, MASKED)
-    _store_rounded(exp_avg_sq_ptr + offsets, v, _pair_halves(r2, BLOCK), mask, EXP_AVG_SQ_BF16, MASKED)
+    draws = (start // 2 + span * _PAIR_SPAN + column).to(tl.int32)
+    r0, r1, r2, _ = tl.randint4x(seed, draws)
+    high = half == 1
+    _store_rounded(param_ptr + offsets, p, _half_of(r0, high), mask, PARAM_BF16, MASKED)
+    _store_rounded(exp_avg_ptr + offsets, m, _half_of(r1, high), mask, EXP_AVG_BF16, MASKED)
+    _store_rounded(exp_avg_sq_ptr + offsets, v, _half_of(r2, high), mask, EXP_AVG_SQ_BF16, MASKED)
+
+
+@triton.jit
+def _half_of(bits, high):
+    # 16 of a draw's 32 bits: the high ones where ``high``, else the low ones (broadcast).
+    return tl.where(high, (bits >> 16) & 0xFFFF, bits & 0xFFFF)
 
 
 @triton.jit
@@ -311,6 +322,8 @@ def adamw_step_multi(
     many parameters there are. Tensor ``i`` gets the same result as ``adamw_step`` with ``seeds[i]``
     (and the fp32 gradient ``grad_scale * grads[i]`` when a float32 device scalar is given).
     """
+    if block % (2 * _PAIR_SPAN_ELEMENTS) != 0:
+        raise ValueError(f"adamw_step_multi: block {block} must be a multiple of {2 * _PAIR_SPAN_ELEMENTS}")
     sizes = [t.numel() for t in params]
     if not any(sizes):
         return
