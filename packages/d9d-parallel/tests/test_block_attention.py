@@ -95,3 +95,32 @@ def test_context_parallel_rank_attention_is_the_same_with_and_without_block_kern
         results.append((out, *torch.autograd.grad(out, (query, full_key, full_value), grad)))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_rank_attention_equals_eager() -> None:
+    from d9d.parallel._context_parallel_attention import _attend_unmasked
+
+    generator = torch.Generator().manual_seed(5)
+    full_key = torch.randn(2, 16, 2, 8, generator=generator).requires_grad_()
+    full_value = torch.randn(2, 16, 2, 8, generator=generator).requires_grad_()
+    query = torch.randn(2, 8, 4, 8, generator=generator).requires_grad_()
+    grad = torch.randn(2, 8, 4, 8, generator=generator)
+
+    def attend(q, k, v):
+        out = _attend_unmasked(
+            q * 1.5,
+            k,
+            v,
+            causal=True,
+            softmax_scale=0.3,
+            chunk_indices=(0, 3),
+            kernel=CpuFlashBlockAttention(),
+        )
+        return out.tanh()
+
+    results = []
+    for fn in (attend, torch.compile(attend)):
+        out = fn(query, full_key, full_value)
+        results.append((out, *torch.autograd.grad(out, (query, full_key, full_value), grad)))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
