@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _stats import spread
 
 SHAPE: dict[str, Any] = {
     "model_type": "qwen3",
@@ -164,10 +165,6 @@ def run_one(
     return {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,7 +213,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for name in args.only:
         wall, cpu = slopes[name]["wall"], slopes[name]["cpu"]
-        print(f"| {name} | {_spread(wall)} | {_spread(cpu)} | {statistics.median(steps[name]):.1f} |")
+        print(f"| {name} | {spread(wall, 0)} | {spread(cpu, 0)} | {statistics.median(steps[name]):.1f} |")
 
 
 if __name__ == "__main__":

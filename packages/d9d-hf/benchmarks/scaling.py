@@ -32,13 +32,14 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _stats import spread
 
 THROUGHPUT = Path(__file__).with_name("train_throughput.py")
 
@@ -160,14 +161,6 @@ def _stop(process: subprocess.Popen[str]) -> None:
         process.communicate()
 
 
-def _spread(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def summarize(records: list[dict[str, Any]]) -> list[str]:
     """The table: each layout against the one-GPU run of the same round, model and shape.
 
@@ -219,8 +212,8 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
             "| model | one GPU: d9d k tok/s | peer | peer k tok/s | d9d vs peer | d9d memory vs peer |",
             "|---|---|---|---|---|---|",
             *(
-                f"| {model} | {_spread(f['d9d'])} | {peer} | {_spread(f['peer'])} | {_spread(f['ratio'])} "
-                f"| {_spread(f.get('memory', []))} |"
+                f"| {model} | {spread(f['d9d'])} | {peer} | {spread(f['peer'])} | {spread(f['ratio'])} "
+                f"| {spread(f.get('memory', []))} |"
                 for (model, peer), f in peers.items()
             ),
             "",
@@ -235,11 +228,11 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (model, layout), f in rows.items():
-        bubble = f"{_spread(f['bubble'], 1)} / {_spread(f['predicted'], 1)}" if "bubble" in f else "-"
-        idle = f"{_spread(f['idle'], 1)} / {_spread(f['reference_idle'], 1)}" if "idle" in f else "-"
+        bubble = f"{spread(f['bubble'], 1)} / {spread(f['predicted'], 1)}" if "bubble" in f else "-"
+        idle = f"{spread(f['idle'], 1)} / {spread(f['reference_idle'], 1)}" if "idle" in f else "-"
         lines.append(
-            f"| {model} | {layout} | {int(f['ranks'][0])} | {_spread(f['one'])} | {_spread(f['layout'])} "
-            f"| {_spread(f['speedup'])} | {_spread(f['efficiency'])} | {_spread(f.get('memory', []))} "
+            f"| {model} | {layout} | {int(f['ranks'][0])} | {spread(f['one'])} | {spread(f['layout'])} "
+            f"| {spread(f['speedup'])} | {spread(f['efficiency'])} | {spread(f.get('memory', []))} "
             f"| {bubble} | {idle} |"
         )
     return lines

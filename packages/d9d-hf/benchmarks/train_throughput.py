@@ -63,7 +63,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -72,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _stats import spread
 
 IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "titan_amp", "d9d", "d9d_compile")
 PEERS = ("titan", "titan_amp")
@@ -929,13 +929,6 @@ def run_one(args: argparse.Namespace) -> None:
             raise ValueError(f"unknown implementation {args.impl!r}")
 
 
-def _spread(values: list[float]) -> str:
-    """``median (min-max)`` of ``values``, as the table prints every repeated figure."""
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool]]:
     """(implementation, in FP8) of every row of a round, in order.
 
@@ -1029,14 +1022,12 @@ def run_all(args: argparse.Namespace) -> None:
         speeds = [r[name]["tokens_per_s"] / 1e3 for r in done_rounds]
         mfus = [100 * r[name]["tokens_per_s"] * flops / (peak * 1e12) for r in done_rounds]
         memory = [r[name]["peak_memory_gib"] for r in done_rounds]
-        line = f"| {name} | {_spread(speeds)} | {_spread(mfus)} | {_spread(memory)} |"
+        line = f"| {name} | {spread(speeds)} | {spread(mfus)} | {spread(memory)} |"
         for peer in peers:
             paired = [r for r in done_rounds if peer in r]
             speed_ratio = [r[name]["tokens_per_s"] / r[peer]["tokens_per_s"] for r in paired]
             memory_ratio = [r[name]["peak_memory_gib"] / r[peer]["peak_memory_gib"] for r in paired]
-            line += (
-                f" {_spread(speed_ratio) if paired else '-'} | {_spread(memory_ratio) if paired else '-'} |"
-            )
+            line += f" {spread(speed_ratio) if paired else '-'} | {spread(memory_ratio) if paired else '-'} |"
         print(line)
 
 

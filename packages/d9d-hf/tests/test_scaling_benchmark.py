@@ -21,7 +21,11 @@ def scaling() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through it
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(_PATH.parent))  # its sibling modules, as when run as a script
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(_PATH.parent))
     return module
 
 
