@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from d9d.parallel._block_attention import block_attention_kernel_for
+from d9d.parallel import block_attention_kernel_for
 from d9d.parallel._context_parallel_attention import _attend_unmasked
 
 _Case = tuple[Callable[[], torch.Tensor], torch.Tensor]  # attention, and the gradient of its output

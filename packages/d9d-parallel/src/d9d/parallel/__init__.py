@@ -7,6 +7,13 @@ from d9d.parallel._activation_checkpointing import (
     checkpoint_modules,
 )
 from d9d.parallel._all_to_all import all_to_all
+from d9d.parallel._block_attention import (
+    BlockAttentionKernel,
+    BlockResult,
+    CpuFlashBlockAttention,
+    CudnnBlockAttention,
+    block_attention_kernel_for,
+)
 from d9d.parallel._compute_cast import cast_parameters_for_compute
 from d9d.parallel._context_parallel_attention import (
     AttentionBackend,
@@ -59,8 +66,12 @@ __all__ = [
     "AllToAllTokenDispatcher",
     "AttentionBackend",
     "AttentionLayerLike",
+    "BlockAttentionKernel",
+    "BlockResult",
     "CheckpointingPolicy",
     "ContextParallelAttention",
+    "CpuFlashBlockAttention",
+    "CudnnBlockAttention",
     "DeepEPBuffer",
     "DeepEPBufferFactory",
     "DeepEPBuffers",
@@ -85,6 +96,7 @@ __all__ = [
     "TokenDispatcherKind",
     "VocabParallelEmbedding",
     "all_to_all",
+    "block_attention_kernel_for",
     "checkpoint_modules",
     "cast_parameters_for_compute",
     "clip_grad_norm",
