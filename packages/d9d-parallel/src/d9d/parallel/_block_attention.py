@@ -108,7 +108,12 @@ class CpuFlashBlockAttention:
     ) -> BlockResult:
         """See ``BlockAttentionKernel.forward``."""
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            query, _expand(key, query), _expand(value, query), 0.0, causal, scale=scale
+            query,
+            expand_heads(key, query.shape[1], dim=1),
+            expand_heads(value, query.shape[1], dim=1),
+            0.0,
+            causal,
+            scale=scale,
         )
         return BlockResult(out=out, lse=lse.float(), saved=(lse.dtype,))
 
@@ -129,8 +134,8 @@ class CpuFlashBlockAttention:
         grad_q, grad_k, grad_v = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out,
             query,
-            _expand(key, query),
-            _expand(value, query),
+            expand_heads(key, query.shape[1], dim=1),
+            expand_heads(value, query.shape[1], dim=1),
             merged.out,
             merged.lse.to(lse_dtype),
             0.0,
@@ -140,9 +145,9 @@ class CpuFlashBlockAttention:
         return grad_q, _fold(grad_k, key), _fold(grad_v, value)
 
 
-def _expand(states: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """Key/value heads repeated for their query groups (the CPU kernel takes equal head counts)."""
-    return states.repeat_interleave(query.shape[1] // states.shape[1], dim=1)
+def expand_heads(states: torch.Tensor, q_heads: int, *, dim: int) -> torch.Tensor:
+    """Key/value heads (along ``dim``) repeated for their query groups, to ``q_heads`` heads."""
+    return states.repeat_interleave(q_heads // states.shape[dim], dim=dim)
 
 
 def _fold(grad: torch.Tensor, states: torch.Tensor) -> torch.Tensor:

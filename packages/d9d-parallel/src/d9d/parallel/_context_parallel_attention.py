@@ -13,6 +13,7 @@ from d9d.parallel._block_attention import (
     BlockAttentionKernel,
     attend_chunk_causally,
     block_attention_kernel_for,
+    expand_heads,
 )
 from d9d.parallel._load_balanced_positions import local_positions
 from d9d.parallel._mesh_dims import require_one_dim
@@ -67,8 +68,7 @@ class ContextParallelAttention:
     in the full sequence: the mask of d9d-kernels' ``AttentionBackend`` (causal, causal or
     two-sided sliding window, packed documents) over global positions. The all-gather is
     differentiable (its backward reduce-scatters key and value gradients), so forward and
-    backward are exact. Inputs are the
-    local parts from ``context_parallel_shard``.
+    backward are exact. Inputs are the local parts from ``context_parallel_shard``.
 
     Plain causal attention (no window, no documents), the usual pre-training case, runs without a
     mask tensor: each of the rank's two chunks attends causally to its own keys and fully to every
@@ -120,9 +120,8 @@ class ContextParallelAttention:
         if q_heads % kv_heads != 0:
             raise ValueError(f"query heads {q_heads} are not a multiple of key/value heads {kv_heads}")
         # One collective for both (and one reduce-scatter in the backward).
-        full_key, full_value = gather_sequence(torch.stack((key, value)), mesh=self._mesh, seq_dim=2).unbind(
-            0
-        )
+        key_value = gather_sequence(torch.stack((key, value)), mesh=self._mesh, seq_dim=2)
+        full_key, full_value = key_value.unbind(0)
         if sliding_window is None and document_ids is None:
             kernel = self._block_kernel or block_attention_kernel_for(query)
             return _attend_unmasked(
@@ -145,17 +144,12 @@ class ContextParallelAttention:
         if document_ids is not None:
             full_docs = gather_sequence(document_ids, mesh=self._mesh)
             mask = mask & (document_ids.unsqueeze(2) == full_docs.unsqueeze(1))
-        k = _expand_heads(full_key, q_heads).transpose(1, 2)
-        v = _expand_heads(full_value, q_heads).transpose(1, 2)
+        k = expand_heads(full_key, q_heads, dim=2).transpose(1, 2)
+        v = expand_heads(full_value, q_heads, dim=2).transpose(1, 2)
         out = nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=softmax_scale
         )
         return out.transpose(1, 2)
-
-
-def _expand_heads(states: torch.Tensor, q_heads: int) -> torch.Tensor:
-    """(batch, seq, kv_heads, dim) -> (batch, seq, q_heads, dim), each kv head for its query group."""
-    return states.repeat_interleave(q_heads // states.shape[2], dim=2)
 
 
 def _attend_unmasked(
@@ -179,8 +173,8 @@ def _attend_unmasked(
     if not causal:
         out = nn.functional.scaled_dot_product_attention(
             q,
-            _expand_heads(full_key, q_heads).transpose(1, 2),
-            _expand_heads(full_value, q_heads).transpose(1, 2),
+            expand_heads(full_key, q_heads, dim=2).transpose(1, 2),
+            expand_heads(full_value, q_heads, dim=2).transpose(1, 2),
             scale=softmax_scale,
         )
         return out.transpose(1, 2)
@@ -194,8 +188,8 @@ def _attend_unmasked(
             end = (index + 1) * chunk
             out = nn.functional.scaled_dot_product_attention(
                 q_part,
-                _expand_heads(full_key[:, :end], q_heads).transpose(1, 2),
-                _expand_heads(full_value[:, :end], q_heads).transpose(1, 2),
+                expand_heads(full_key[:, :end], q_heads, dim=2).transpose(1, 2),
+                expand_heads(full_value[:, :end], q_heads, dim=2).transpose(1, 2),
                 attn_mask=CausalBias(CausalVariant.LOWER_RIGHT, chunk, end),
                 scale=softmax_scale,
             )

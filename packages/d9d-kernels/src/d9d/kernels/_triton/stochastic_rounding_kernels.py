@@ -100,8 +100,8 @@ def _adamw_update(
     BLOCK: tl.constexpr,
 ):
     # The elements [start, start + BLOCK) as a (spans, 2, _PAIR_SPAN) tile; start is a multiple of
-    # BLOCK, itself a multiple of 2 * _PAIR_SPAN. Element (k, h, j) draws Philox call (k, j) and takes its low
-    # 16 bits in half h = 0, its high 16 bits in half h = 1.
+    # BLOCK, itself a multiple of 2 * _PAIR_SPAN. Element (k, h, j) draws Philox call (k, j) and
+    # takes its low 16 bits in half h = 0, its high 16 bits in half h = 1.
     span = tl.arange(0, BLOCK // (2 * _PAIR_SPAN))[:, None, None]
     half = tl.arange(0, 2)[None, :, None]
     column = tl.arange(0, _PAIR_SPAN)[None, None, :]
