@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,11 @@ class Stage(nn.Module):
         self.embed = nn.Linear(IN_FEATURES, HIDDEN) if info.is_first else None
         self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in layers_of_stage(info, num_layers))
         self.head = nn.Linear(HIDDEN, OUT_FEATURES) if info.is_last else None
+        self._point: Callable[[torch.Tensor], None] | None = None
+
+    def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
+        """d9d.pipeline.OverlapPoints: the forward calls ``point`` after each layer."""
+        self._point = point
 
     def forward(
         self, inputs: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
@@ -37,6 +43,8 @@ class Stage(nn.Module):
         for layer in self.layers:
             h = h + torch.tanh(layer(h)) * shared["scale"]
             aux = aux + h.mean(dim=-1, keepdim=True) * (ids.unsqueeze(-1) % 3).to(h.dtype)
+            if self._point is not None:
+                self._point(h)
         if self.head is not None:
             return {"y": self.head(h) + aux, "ids": ids}
         return {"h": h, "aux": aux, "ids": ids}

@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,32 @@ def test_zero_bubble_schedules_leave_only_the_fill(p: int, m: int) -> None:
     fill = (p - 1) / (6 * m + p - 1)
     for program in (
         build_zbv_program(num_ranks=p, num_microbatches=m),
-        build_dualpipev_program(num_ranks=p, num_microbatches=m),
+        build_dualpipev_program(num_ranks=p, num_microbatches=m, overlap=False),
         build_interleaved_zero_bubble_program(num_ranks=p, num_microbatches=m, stages_per_rank=2),
     ):
         result = simulate_program(program, SPLIT)
         assert result.bubble_fraction == pytest.approx(fill, abs=1e-12)
         assert result.bubble_fraction < 0.5 * (p - 1) / (2 * m + p - 1)
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in GRID if m >= 2 * p])
+def test_dualpipev_overlapped_pairs_wait_for_both_inputs(p: int, m: int) -> None:
+    # An overlapped pair starts when the forward's and the backward's inputs are both there, so a
+    # rank idles (F&B + B - 3W)(p - 1) units, DualPipe's bubble, with F&B the pair's duration:
+    # 2(p - 1) when the pair takes F + B (no gain), less as the overlap shortens the pair.
+    program = build_dualpipev_program(num_ranks=p, num_microbatches=m)
+    assert program.overlapped
+    plain = simulate_program(program, SPLIT)
+    assert plain.bubble_fraction == pytest.approx(2 * (p - 1) / (6 * m + 2 * (p - 1)), abs=1e-12)
+    faster = simulate_program(program, dataclasses.replace(SPLIT, overlapped_pair=2.5))
+    assert faster.makespan < plain.makespan
+    for row in faster.timeline:
+        pairs = [t for t in row if t.action in program.overlapped]
+        assert pairs
+        for t in pairs:
+            after = row[row.index(t) + 1]
+            assert after.start == pytest.approx(t.end)
+            assert after.end - t.start == pytest.approx(2.5)
 
 
 def test_peak_live_activations() -> None:

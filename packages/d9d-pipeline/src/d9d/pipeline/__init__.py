@@ -28,6 +28,7 @@ from d9d.pipeline._drawing import draw_timeline_png, draw_timeline_text
 from d9d.pipeline._executor import PipelineExecutor
 from d9d.pipeline._local_executor import LocalPipelineExecutor
 from d9d.pipeline._optim import StagesLRScheduler, StagesOptimizer
+from d9d.pipeline._overlap import OverlapPoint, OverlapPoints
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._schedules._dualpipev import build_dualpipev_program
 from d9d.pipeline._schedules._interleaved import build_interleaved_1f1b_program, build_looped_bfs_program
@@ -58,6 +59,8 @@ __all__ = [
     "LoopedBFSScheduleConfig",
     "LossFn",
     "OneFOneBScheduleConfig",
+    "OverlapPoint",
+    "OverlapPoints",
     "PipelineExecutor",
     "PipelineOutputMeta",
     "PipelineProgram",

@@ -7,7 +7,9 @@ Rules, for a stage ``s`` held by rank ``r``:
 - after ``B``/``I s.m``, if stage ``s-1`` lives on another rank: send the input gradients there;
 - before ``B``/``I s.m``, if stage ``s+1`` lives on another rank: receive the output gradients.
 
-Neighbouring stages on the same rank hand data over locally, without communication.
+Neighbouring stages on the same rank hand data over locally, without communication. An
+overlapped pair (a forward in ``program.overlapped`` and the compute action after it) takes its
+receives before the forward and its sends after the backward, since the two run interleaved.
 
 Point-to-point messages between two ranks are matched in the order they are posted (NCCL and gloo
 both work this way), so the receives from one sender must be posted in the order that sender
@@ -63,9 +65,11 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
         posted: set[Action] = set()
         next_index: dict[int, int] = {}
         out: list[Action] = []
-        for action in acts:
-            recv = receive_needed(action, program, rank)
-            if recv is not None and recv not in posted:
+        for group in _compute_groups(acts, program.overlapped):
+            for action in group:
+                recv = receive_needed(action, program, rank)
+                if recv is None or recv in posted:
+                    continue
                 order = send_order.get((recv.peer_rank, rank), [])
                 if recv in order:
                     stop = order.index(recv)
@@ -78,15 +82,28 @@ def insert_communication(program: PipelineProgram) -> PipelineProgram:
                 else:  # the sender never sends it: leave it for the validator to report
                     out.append(recv)
                     posted.add(recv)
-            out.append(action)
-            out.extend(_sends_after(action, program, rank))
+            out.extend(group)
+            for action in group:
+                out.extend(_sends_after(action, program, rank))
         result.append(tuple(out))
     return PipelineProgram(
         num_microbatches=program.num_microbatches,
         stage_to_rank=program.stage_to_rank,
         actions=tuple(result),
         training=program.training,
+        overlapped=program.overlapped,
     )
+
+
+def _compute_groups(acts: Sequence[Action], overlapped: frozenset[Action]) -> list[list[Action]]:
+    """Compute actions one by one, an overlapped forward together with the action after it."""
+    groups: list[list[Action]] = []
+    i = 0
+    while i < len(acts):
+        take = 2 if acts[i] in overlapped and i + 1 < len(acts) else 1
+        groups.append(list(acts[i : i + take]))
+        i += take
+    return groups
 
 
 def make_program(
@@ -95,6 +112,7 @@ def make_program(
     stage_to_rank: Sequence[int],
     compute: Sequence[Sequence[Action]],
     training: bool = True,
+    overlapped: frozenset[Action] = frozenset(),
 ) -> PipelineProgram:
     """Builds a program from compute actions alone, inserting the communication they need.
 
@@ -103,6 +121,8 @@ def make_program(
         stage_to_rank: The rank of every stage.
         compute: For every rank, its compute actions in order.
         training: Whether the program runs backward.
+        overlapped: Forwards that run interleaved with the compute action after them (see
+            :class:`PipelineProgram`).
 
     Returns:
         The program with sends and receives inserted (see :func:`insert_communication`).
@@ -112,5 +132,6 @@ def make_program(
         stage_to_rank=tuple(stage_to_rank),
         actions=tuple(tuple(acts) for acts in compute),
         training=training,
+        overlapped=overlapped,
     )
     return insert_communication(bare)

@@ -106,13 +106,23 @@ class ZBVScheduleConfig(_Config):
 
 
 class DualPipeVScheduleConfig(_Config):
-    """DualPipeV: two stages per rank in a V; needs at least ``2 * ranks`` microbatches."""
+    """DualPipeV: two stages per rank in a V; needs at least ``2 * ranks`` microbatches.
+
+    Attributes:
+        overlap: Run each forward that DualPipeV pairs with a backward of the other stage
+            interleaved with it (at the stages' overlap points, each stage on its own CUDA
+            stream), so one's communication hides behind the other's compute; False runs the
+            pair one after the other.
+    """
 
     name: Literal["dualpipev"] = "dualpipev"
+    overlap: bool = True
 
     def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
         """Builds this schedule's program."""
-        return build_dualpipev_program(num_ranks=num_ranks, num_microbatches=num_microbatches)
+        return build_dualpipev_program(
+            num_ranks=num_ranks, num_microbatches=num_microbatches, overlap=self.overlap
+        )
 
 
 class ForwardOnlyScheduleConfig(_Config):

@@ -21,12 +21,17 @@ class PipelineProgram:
         stage_to_rank: For every stage, the pipeline-group rank that holds it.
         actions: For every rank, its actions in execution order.
         training: Whether the program runs backward (False for forward-only programs).
+        overlapped: Forward actions that run interleaved with the compute action right after them
+            on their rank (a backward of another stage), DualPipeV's overlapped pairs: the receives
+            of both come before the forward, the sends of both after the backward, and an executor
+            alternates between the two at the stages' overlap points (see :class:`OverlapPoints`).
     """
 
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     training: bool = True
+    overlapped: frozenset[Action] = frozenset()
 
     @property
     def num_stages(self) -> int:
@@ -56,6 +61,8 @@ class PipelineProgram:
     def format(self, *, show_communication: bool = False) -> str:
         """One line per rank listing its actions, e.g. ``rank 0: F0.0 F0.1 B0.0 B0.1``.
 
+        An overlapped forward is printed with a ``+`` (``F0.2+ B1.0``: the two run interleaved).
+
         Args:
             show_communication: Whether sends and receives are listed too.
         """
@@ -64,7 +71,11 @@ class PipelineProgram:
             f"{self.num_microbatches} microbatches, stage->rank {list(self.stage_to_rank)}"
         ]
         for rank, acts in enumerate(self.actions):
-            shown = [str(a) for a in acts if show_communication or a.kind.is_compute]
+            shown = [
+                f"{a}+" if a in self.overlapped else str(a)
+                for a in acts
+                if show_communication or a.kind.is_compute
+            ]
             lines.append(f"rank {rank}: " + " ".join(shown))
         return "\n".join(lines)
 

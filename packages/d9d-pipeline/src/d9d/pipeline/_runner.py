@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Generator, Mapping, Sequence, Set
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 
 from d9d.pipeline._actions import Action, ActionKind
+from d9d.pipeline._overlap import Turns, run_pair
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._tree import TreeSpec, flatten_tree
@@ -77,6 +79,19 @@ class RankRunner:
         self._outgoing: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
+        # Stages in overlapped pairs record their overlap points and, on CUDA, run on their own
+        # stream (a backward runs on its forward's stream, so every action of the stage does).
+        overlap_stages: set[int] = set()
+        acts = program.actions[rank]
+        for i, action in enumerate(acts[:-1]):
+            if action in program.overlapped:
+                overlap_stages |= {action.stage, acts[i + 1].stage}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        for stage in overlap_stages:
+            stages[stage].records_points = program.training
+            if device.type == "cuda":
+                self._streams[stage] = torch.cuda.Stream(device)
+        self._paired_forward: Action | None = None  # an overlapped forward waiting for its backward
 
     def start(
         self,
@@ -123,6 +138,8 @@ class RankRunner:
                     for i in spec.grad_indices()
                 ]
                 self._output_grads[(s, m)] = self._transport.recv(action, buffers)
+            case ActionKind.FORWARD if self._program.training and action in self._program.overlapped:
+                self._paired_forward = action  # runs with the backward right after it
             case ActionKind.FORWARD:
                 self._transport.flush()
                 self._forward(s, m)
@@ -131,13 +148,18 @@ class RankRunner:
                 split = action.kind == ActionKind.BACKWARD_INPUT and s not in self._whole_backward
                 if not split:
                     self._before_weight_gradients(action)
-                self._backward(s, m, split=split)
+                paired, self._paired_forward = self._paired_forward, None
+                if paired is None:
+                    self._backward(s, m, split=split)
+                else:
+                    self._overlapped(paired, s, m, split=split)
                 self._after_weight_gradients(action)
             case ActionKind.BACKWARD_WEIGHT:
                 self._transport.flush()
                 if s not in self._whole_backward:  # else the I before it did the whole backward
                     self._before_weight_gradients(action)
-                    self._stages[s].backward_weight(m)
+                    with self._on_stage_stream(s, self._ambient()):
+                        self._stages[s].backward_weight(m)
                     self._after_weight_gradients(action)
 
     def _before_weight_gradients(self, action: Action) -> None:
@@ -152,19 +174,52 @@ class RankRunner:
         if self._last_weight_action.get(action.stage) == action:
             self._stages[action.stage].end_backward()
 
-    def _forward(self, s: int, m: int) -> None:
-        runtime = self._stages[s]
+    def _ambient(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self._device) if self._streams else None
+
+    @contextmanager
+    def _on_stage_stream(self, stage: int, ambient: torch.cuda.Stream | None) -> Generator[None]:
+        """Runs the block on ``stage``'s stream (CUDA, overlapped stages), ordered after ``ambient``."""
+        stream = self._streams.get(stage)
+        if stream is None or ambient is None:
+            yield
+            return
+        stream.wait_stream(ambient)
+        with torch.cuda.stream(stream):
+            yield
+        ambient.wait_stream(stream)
+
+    def _record_on_stream(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        """Keeps tensors made on another stream alive until ``stage``'s stream is done with them."""
+        stream = self._streams.get(stage)
+        if stream is not None:
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(stream)
+
+    def _forward_inputs(self, s: int, m: int) -> Any:
         if s == 0:
-            inputs = self._microbatches[m]
-        elif (s, m) in self._recv_trees:
+            return self._microbatches[m]
+        if (s, m) in self._recv_trees:
             handle, inputs = self._recv_trees.pop((s, m))
-            handle.wait()
-        else:
-            inputs = self._activations.pop((s, m))
-        outputs, loss = runtime.forward(
-            m, inputs, self._shared, loss_fn=self._loss_fn, training=self._program.training
-        )
-        if runtime.is_last:
+            self._record_on_stream(s, handle.wait())
+            return inputs
+        inputs = self._activations.pop((s, m))
+        self._record_on_stream(s, flatten_tree(inputs)[0])
+        return inputs
+
+    def _forward(self, s: int, m: int, at_points: Callable[[], None] | None = None) -> None:
+        inputs = self._forward_inputs(s, m)
+        with self._on_stage_stream(s, self._ambient()):
+            outputs, loss = self._stages[s].forward(
+                m,
+                inputs,
+                self._shared,
+                loss_fn=self._loss_fn,
+                training=self._program.training,
+                at_points=at_points,
+            )
+        if self._stages[s].is_last:
             if loss is not None:
                 self.losses[m] = loss
             else:
@@ -175,19 +230,65 @@ class RankRunner:
             tensors, _, _ = flatten_tree(outputs)
             self._outgoing[(ActionKind.SEND_ACTIVATION, s, m)] = [t.contiguous() for t in tensors]
 
-    def _backward(self, s: int, m: int, *, split: bool) -> None:
+    def _output_grads_of(self, s: int, m: int) -> list[torch.Tensor] | None:
+        if self._stages[s].is_last:
+            return None
+        pending = self._output_grads.pop((s, m))
+        grads = pending if isinstance(pending, list) else pending.wait()
+        self._record_on_stream(s, grads)
+        return grads
+
+    def _run_backward(
+        self,
+        s: int,
+        m: int,
+        grads: list[torch.Tensor] | None,
+        *,
+        split: bool,
+        ambient: torch.cuda.Stream | None,
+        at_points: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
         runtime = self._stages[s]
-        grads: list[torch.Tensor] | None = None
-        if not runtime.is_last:
-            pending = self._output_grads.pop((s, m))
-            grads = pending if isinstance(pending, list) else pending.wait()
-        input_grads = runtime.backward_input(m, grads) if split else runtime.backward(m, grads)
+        with self._on_stage_stream(s, ambient):
+            if split:
+                return runtime.backward_input(m, grads, at_points=at_points)
+            return runtime.backward(m, grads, at_points=at_points)
+
+    def _backward(self, s: int, m: int, *, split: bool) -> None:
+        grads = self._output_grads_of(s, m)
+        self._deliver_input_grads(s, m, self._run_backward(s, m, grads, split=split, ambient=self._ambient()))
+
+    def _deliver_input_grads(self, s: int, m: int, input_grads: list[torch.Tensor]) -> None:
         if s == 0:
             return
         if self._where(s - 1) == self._rank:
             self._output_grads[(s - 1, m)] = input_grads
         else:
             self._outgoing[(ActionKind.SEND_GRAD, s, m)] = [g.contiguous() for g in input_grads]
+
+    def _overlapped(self, forward: Action, s: int, m: int, *, split: bool) -> None:
+        """Runs ``forward`` and the backward of stage ``s`` on microbatch ``m``, taking turns.
+
+        The forward runs on this thread, the backward on a helper thread against the stream that
+        is current here (see :mod:`d9d.pipeline._overlap`).
+        """
+        grads = self._output_grads_of(s, m)
+        ambient = self._ambient()
+        turns = Turns()
+        input_grads: list[list[torch.Tensor]] = []
+
+        def run_forward() -> None:
+            self._forward(forward.stage, forward.microbatch, at_points=lambda: turns.pass_turn(0))
+
+        def run_backward() -> None:
+            input_grads.append(
+                self._run_backward(
+                    s, m, grads, split=split, ambient=ambient, at_points=lambda: turns.pass_turn(1)
+                )
+            )
+
+        run_pair(run_forward, run_backward, turns)
+        self._deliver_input_grads(s, m, input_grads[0])
 
     def finish(self) -> None:
         """Posts what is left and waits for every send."""

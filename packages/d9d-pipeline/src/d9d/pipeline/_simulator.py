@@ -20,6 +20,10 @@ class ActionCosts:
         backward_input: Cost of ``I``; defaults to half of ``backward``.
         backward_weight: Cost of ``W``; defaults to half of ``backward``.
         communication: Latency between a send and the receive it feeds.
+        overlapped_pair: Duration of an overlapped pair (a forward in ``program.overlapped`` and
+            the backward after it, run interleaved); defaults to the sum of the two, i.e. no gain.
+            DualPipe's ``F&B``: less than the sum when one's communication hides behind the
+            other's compute.
     """
 
     forward: float = 1.0
@@ -27,6 +31,7 @@ class ActionCosts:
     backward_input: float | None = None
     backward_weight: float | None = None
     communication: float = 0.0
+    overlapped_pair: float | None = None
 
     def of(self, kind: ActionKind) -> float:
         """The cost of a compute action of ``kind``."""
@@ -73,7 +78,9 @@ class SimulationResult:
 def simulate_program(program: PipelineProgram, costs: ActionCosts | None = None) -> SimulationResult:
     """Runs ``program`` on a model of time: each rank executes its actions in order, a compute
     action starts when its rank is free and its inputs have arrived, a receive blocks its rank until
-    the matching send was posted plus the communication latency.
+    the matching send was posted plus the communication latency. An overlapped pair starts when
+    both halves' inputs are there and lasts ``costs.overlapped_pair``; its forward is drawn over the
+    first part of that span, its backward over the rest, in proportion to their own costs.
 
     Args:
         program: The program (validate it first: a deadlocking program raises here).
@@ -106,14 +113,26 @@ def simulate_program(program: PipelineProgram, costs: ActionCosts | None = None)
                 elif action.kind.is_send:
                     sent_at[(action.peer_rank, action.matching(own_rank=rank))] = clock[rank]
                 else:
-                    dep = _local_dependency(program, action)
-                    if dep is not None and dep not in finished:
+                    group = list(acts[pointer[rank] : pointer[rank] + 2])
+                    if action not in program.overlapped:
+                        group = group[:1]
+                    deps = [_local_dependency(program, a) for a in group]
+                    if any(d is not None and d not in finished for d in deps):
                         break
-                    start = max(clock[rank], finished[dep] if dep is not None else 0.0)
-                    end = start + costs.of(action.kind)
-                    timeline[rank].append(TimedAction(action=action, rank=rank, start=start, end=end))
-                    finished[(action.kind, action.stage, action.microbatch)] = end
-                    clock[rank] = end
+                    start = max([clock[rank], *(finished[d] for d in deps if d is not None)])
+                    own = [costs.of(a.kind) for a in group]
+                    total = sum(own)
+                    span = (
+                        total if len(group) == 1 or costs.overlapped_pair is None else costs.overlapped_pair
+                    )
+                    for a, cost in zip(group, own, strict=True):
+                        end = start + (cost * span / total if total > 0 else 0.0)
+                        timeline[rank].append(TimedAction(action=a, rank=rank, start=start, end=end))
+                        finished[(a.kind, a.stage, a.microbatch)] = end
+                        start = end
+                    clock[rank] = start
+                    pointer[rank] += len(group) - 1
+                    remaining -= len(group) - 1
                 pointer[rank] += 1
                 remaining -= 1
                 progressed = True

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
+from d9d.pipeline._overlap import OverlapPoints, calls_at_nodes
 from d9d.pipeline._shapes import PipelineShapeError, call_stage, check_against_spec
 from d9d.pipeline._sharded_backward import ShardedSplitBackward
 from d9d.pipeline._split_backward import WeightBackwardPlan, input_backward, weight_backward
@@ -29,6 +32,7 @@ class _Saved:
     targets: list[torch.Tensor] = field(default_factory=list[torch.Tensor])
     grads: list[torch.Tensor | None] = field(default_factory=list[torch.Tensor | None])
     plan: WeightBackwardPlan | None = None
+    points: list[Node] = field(default_factory=list[Node])  # graph nodes at the overlap points
 
 
 class StageRuntime:
@@ -36,6 +40,7 @@ class StageRuntime:
 
     def __init__(self, *, stage: int, num_stages: int, module: nn.Module) -> None:
         self.stage = stage
+        self.records_points = False  # set by a runner whose program overlaps this stage
         self.num_stages = num_stages
         self.module = module
         self.input_spec: TreeSpec | None = None
@@ -52,9 +57,24 @@ class StageRuntime:
         return self.stage == self.num_stages - 1
 
     def forward(
-        self, microbatch: int, inputs: Any, shared: Any, *, loss_fn: LossFn | None, training: bool
+        self,
+        microbatch: int,
+        inputs: Any,
+        shared: Any,
+        *,
+        loss_fn: LossFn | None,
+        training: bool,
+        at_points: Callable[[], None] | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """Runs the forward (and the loss on the last stage when training).
+
+        Args:
+            microbatch: The microbatch's index.
+            inputs: The stage's input tree.
+            shared: Passed to the stage unchanged.
+            loss_fn: The loss callback (last stage, training).
+            training: Whether to build the graph and keep what the backward needs.
+            at_points: Called at each overlap point of the stage (see :class:`OverlapPoints`).
 
         Returns:
             The outputs (detached from this stage's graph) and the loss (None unless last stage).
@@ -69,13 +89,14 @@ class StageRuntime:
                     grad_inputs.append(t)
                     tensors[i] = t
             inputs = unflatten_tree(skeleton, tensors)
-        with torch.set_grad_enabled(training):
+        points: list[Node] = []
+        with torch.set_grad_enabled(training), self._overlap_points(points, at_points, training=training):
             outputs = call_stage(self.module, inputs, shared)
         if self.output_spec is not None:
             check_against_spec(stage=self.stage, what="outputs", tree=outputs, expected=self.output_spec)
         out_tensors, out_skeleton, _ = flatten_tree(outputs)
         loss: torch.Tensor | None = None
-        saved = _Saved(inputs=grad_inputs)
+        saved = _Saved(inputs=grad_inputs, points=points)
         if training and self.is_last:
             if loss_fn is None:
                 raise ValueError(f"stage {self.stage} is the last stage and needs a loss_fn to train")
@@ -94,6 +115,32 @@ class StageRuntime:
             self._saved[microbatch] = saved
         detached = unflatten_tree(out_skeleton, [t.detach() for t in out_tensors])
         return detached, None if loss is None else loss.detach()
+
+    @contextmanager
+    def _overlap_points(
+        self, points: list[Node], at_points: Callable[[], None] | None, *, training: bool
+    ) -> Generator[None]:
+        """Installs the stage's overlap point: records graph nodes for the backward, passes turns."""
+        module = self.module
+        record = training and self.records_points
+        if not isinstance(module, OverlapPoints) or (not record and at_points is None):
+            yield
+            return
+
+        def point(tensor: torch.Tensor) -> None:
+            if record and tensor.grad_fn is not None:
+                points.append(tensor.grad_fn)
+            if at_points is not None:
+                at_points()
+
+        module.set_overlap_point(point)
+        try:
+            yield
+        finally:
+            module.set_overlap_point(None)
+
+    def _backward_points(self, saved: _Saved, at_points: Callable[[], None] | None) -> Any:
+        return nullcontext() if at_points is None else calls_at_nodes(saved.points, at_points)
 
     def _set_output_grads(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> _Saved:
         saved = self._saved[microbatch]
@@ -120,25 +167,44 @@ class StageRuntime:
         """After the stage's last gradient-accumulating action of the step (reduces FSDP gradients)."""
         self._sharded.finish()
 
-    def backward(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Full backward: accumulates parameter gradients and returns the input gradients."""
+    def backward(
+        self,
+        microbatch: int,
+        output_grads: list[torch.Tensor] | None,
+        *,
+        at_points: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Full backward: accumulates parameter gradients and returns the input gradients.
+
+        ``at_points`` is called when autograd reaches a node recorded at an overlap point of this
+        microbatch's forward.
+        """
         saved = self._set_output_grads(microbatch, output_grads)
         self._sharded.before_backward(weight=False)
         if saved.targets:
-            torch.autograd.backward(saved.targets, saved.grads)
+            with self._backward_points(saved, at_points):
+                torch.autograd.backward(saved.targets, saved.grads)
         grads = [x.grad for x in saved.inputs]
         del self._saved[microbatch]
         return self._input_grads(saved, grads)
 
-    def backward_input(self, microbatch: int, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def backward_input(
+        self,
+        microbatch: int,
+        output_grads: list[torch.Tensor] | None,
+        *,
+        at_points: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
         """First half of a split backward: returns the input gradients and keeps what ``W`` needs.
 
         Only the input path of the graph runs here; the gradients leaving it towards the parameters
-        are kept (see :mod:`d9d.pipeline._split_backward`).
+        are kept (see :mod:`d9d.pipeline._split_backward`). ``at_points`` as in :meth:`backward`.
         """
         saved = self._set_output_grads(microbatch, output_grads)
         self._sharded.before_backward(weight=False)
-        grads, saved.plan = input_backward(saved.targets, saved.grads, saved.inputs)
+        with self._backward_points(saved, at_points):
+            grads, saved.plan = input_backward(saved.targets, saved.grads, saved.inputs)
+        saved.points = []
         saved.targets, saved.grads = [], []
         return self._input_grads(saved, grads)
 

@@ -27,7 +27,8 @@ def validate_program(program: PipelineProgram) -> None:
     - every microbatch passes every stage forward exactly once and, when training, backward
       exactly once (a full ``B``, or an ``I`` followed by a ``W``);
     - on each rank, a stage's backward follows its forward and ``W`` follows ``I``; sends follow
-      the compute that produces their data;
+      the compute that produces their data; an overlapped forward is directly followed by a
+      backward (``B`` or ``I``) of another stage;
     - every send has exactly one matching receive on its peer, and between any two ranks the
       receives are posted in the order of the sends;
     - data reaches every compute action (by a receive on its rank, or locally from a neighbouring
@@ -37,7 +38,7 @@ def validate_program(program: PipelineProgram) -> None:
     Raises:
         PipelineProgramError: Listing the problems found.
     """
-    problems = _check_static(program)
+    problems = _check_static(program) + _check_overlapped(program)
     if not problems:
         problems = _check_communication(program)
     if not problems:
@@ -110,6 +111,25 @@ def _check_static(program: PipelineProgram) -> list[str]:
                     f"stage {s}, microbatch {m}: backward runs B={b} I={i} W={w} times "
                     "(expected one B, or one I and one W)"
                 )
+    return problems
+
+
+def _check_overlapped(program: PipelineProgram) -> list[str]:
+    problems: list[str] = []
+    where = program.stage_to_rank
+    for action in sorted(program.overlapped, key=str):
+        rank = where[action.stage] if 0 <= action.stage < program.num_stages else -1
+        acts = program.actions[rank] if 0 <= rank < program.num_ranks else ()
+        if action.kind != ActionKind.FORWARD or action not in acts:
+            problems.append(f"overlapped action {action} is not a forward of the program")
+            continue
+        i = acts.index(action)
+        after = acts[i + 1] if i + 1 < len(acts) else None
+        if after is None or not after.kind.is_backward or after.stage == action.stage:
+            problems.append(
+                f"{_where(rank, action)}: is overlapped but is not directly followed by a backward "
+                f"(B or I) of another stage (next: {after})"
+            )
     return problems
 
 
