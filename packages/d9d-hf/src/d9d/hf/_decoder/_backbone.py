@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -65,6 +67,14 @@ class DecoderBackbone(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last else None
         self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
+        self._overlap_point: Callable[[torch.Tensor], None] | None = None
+
+    def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
+        """Installs ``point``, called with the residual stream after each decoder layer (None removes it).
+
+        d9d-pipeline's ``OverlapPoints``: where DualPipeV's overlapped forward and backward take turns.
+        """
+        self._overlap_point = point
 
     def compile_layers(self) -> None:
         """Compiles each decoder layer's body (``DecoderLayer.compile_block``)."""
@@ -162,6 +172,8 @@ class DecoderBackbone(nn.Module):
                 hidden_states = output
             else:
                 hidden_states = layer(hidden_states, position_embeddings, document_ids)
+            if self._overlap_point is not None:
+                self._overlap_point(hidden_states)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return hidden_states

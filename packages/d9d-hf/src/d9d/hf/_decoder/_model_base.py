@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +75,10 @@ class DecoderModelBase(nn.Module):
             for hook in hooks:
                 hook.remove()
             self._layers_as_identity = False
+
+    def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
+        """d9d-pipeline's ``OverlapPoints``: ``point`` runs after each decoder layer of the stage."""
+        self.model.set_overlap_point(point)
 
     def reset_parameters(self) -> None:
         """Re-initializes the backbone (heads extend this)."""
