@@ -34,6 +34,7 @@ from torch import nn
 
 from d9d.mesh.testing import run_distributed
 from d9d.pipeline import (
+    DualPipeVScheduleConfig,
     Interleaved1F1BScheduleConfig,
     OneFOneBScheduleConfig,
     PipelineExecutor,
@@ -51,6 +52,8 @@ SCHEDULES: list[tuple[str, PipelineScheduleConfig]] = [
     ("1f1b", OneFOneBScheduleConfig()),
     ("interleaved_1f1b v=2", Interleaved1F1BScheduleConfig(stages_per_rank=2)),
     ("zbv", ZBVScheduleConfig()),
+    ("dualpipev, pairs overlapped", DualPipeVScheduleConfig()),
+    ("dualpipev, pairs one after the other", DualPipeVScheduleConfig(overlap=False)),
 ]
 
 

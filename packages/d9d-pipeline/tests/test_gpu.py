@@ -2,10 +2,12 @@
 
 import os
 import tempfile
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from d9d.pipeline import (
     DualPipeVScheduleConfig,
@@ -43,6 +45,46 @@ def test_local_executor_on_cuda_matches_cpu_reference() -> None:
         for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
             assert p.grad is not None
             torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_overlapped_pairs_on_cuda_streams_match_serial_pairs() -> None:
+    # DualPipeV's pairs run each stage on its own stream: wide layers and eight microbatches give
+    # the streams time to race if a wait or a record_stream were missing.
+    device = torch.device("cuda")
+    results = []
+    for overlap in (True, False):
+        program = build_program(DualPipeVScheduleConfig(overlap=overlap), num_ranks=2, num_microbatches=8)
+        torch.manual_seed(0)
+        stages = [nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3))).to(device) for _ in range(4)]
+        executor = LocalPipelineExecutor(
+            program, {s: _Wrapped(m) for s, m in enumerate(stages)}, device=device
+        )
+        gen = torch.Generator(device=device).manual_seed(1)
+        batch = torch.randn(8 * 512, 1024, device=device, generator=gen)
+        losses = executor.step({"h": batch}, loss_fn=lambda out, m: out["h"].pow(2).mean() * (m + 1))
+        results.append((torch.stack(losses), [p.grad.clone() for m in stages for p in m.parameters()]))
+    (on_losses, on_grads), (off_losses, off_grads) = results
+    torch.testing.assert_close(on_losses, off_losses)
+    for got, want in zip(on_grads, off_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.body = body
+        self._point: Any = None
+
+    def set_overlap_point(self, point: Any) -> None:
+        self._point = point
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h = inputs["h"]
+        for layer in self.body:
+            h = torch.tanh(layer(h))
+            if self._point is not None:
+                self._point(h)
+        return {"h": h}
 
 
 def test_executor_over_nccl_world_of_one() -> None:

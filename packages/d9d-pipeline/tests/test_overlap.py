@@ -25,7 +25,7 @@ from d9d.pipeline import (
     make_program,
     validate_program,
 )
-from d9d.pipeline._overlap import Turns, run_pair
+from d9d.pipeline._overlap import Turns, pair_helper, run_pair
 
 from ._pipeline_model import Stage, build_stages, make_batch, make_loss_fn, reference
 
@@ -111,7 +111,8 @@ def test_turns_alternate_and_errors_reach_the_caller() -> None:
 
         return run
 
-    run_pair(side("f", 0, 3), side("b", 1, 2), turns)
+    helper = pair_helper()
+    run_pair(side("f", 0, 3), side("b", 1, 2), turns, helper)
     assert order == ["f0", "b0", "f1", "b1", "f2"]
 
     def failing() -> None:
@@ -121,13 +122,21 @@ def test_turns_alternate_and_errors_reach_the_caller() -> None:
     turns_b = Turns()
     finished: list[str] = []
     with pytest.raises(RuntimeError, match="backward failed"):
-        run_pair(lambda: (turns_b.pass_turn(0), turns_b.pass_turn(0), finished.append("f")), failing, turns_b)
+        run_pair(
+            lambda: (turns_b.pass_turn(0), turns_b.pass_turn(0), finished.append("f")),
+            failing,
+            turns_b,
+            helper,
+        )
     assert finished == ["f"]  # the forward ran to its end, then the backward's error was raised
 
     turns_f = Turns()
     with pytest.raises(ValueError, match="forward failed"):
         run_pair(
-            lambda: (_ for _ in ()).throw(ValueError("forward failed")), lambda: finished.append("b"), turns_f
+            lambda: (_ for _ in ()).throw(ValueError("forward failed")),
+            lambda: finished.append("b"),
+            turns_f,
+            helper,
         )
     assert finished == ["f", "b"]
 
@@ -236,3 +245,13 @@ def _overlapped_matches_serial() -> bool:
 
 def test_collectives_inside_overlapped_stages_match_serial() -> None:
     assert run_distributed(_overlapped_matches_serial, world_size=4, timeout_s=120) == [True] * 4
+
+
+def test_helper_thread_keeps_the_callers_intra_op_threads() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        helper = pair_helper()
+        assert helper.submit(torch.get_num_threads).result() == 1
+    finally:
+        torch.set_num_threads(before)

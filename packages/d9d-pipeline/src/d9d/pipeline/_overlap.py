@@ -3,19 +3,21 @@
 DualPipeV pairs a forward of one stage with a backward of the other stage on the same rank, so
 that one's communication (expert-parallel all-to-all, FSDP gathers) runs while the other computes.
 The pair runs as two threads that never run at the same time: the forward on the calling thread,
-the backward on a helper thread. They hand the turn to each other at *overlap points*: in the
-forward where the stage calls the point it was given (:class:`OverlapPoints`, e.g. between
-decoder layers), in the backward where autograd reaches the graph nodes recorded at those points
-when that microbatch ran forward. Both halves therefore issue their work, collectives included, in
-an order fixed by the program and the model alone, the same on every rank. On CUDA each stage of a
-pair runs on its own stream, so the GPU runs one stage's kernels while the other's wait for
-communication.
+the backward on a helper thread (one per runner, kept between pairs). They hand the turn to each
+other at *overlap points*: in the forward where the stage calls the point it was given
+(:class:`OverlapPoints`, e.g. between decoder layers), in the backward where autograd reaches the
+graph nodes recorded at those points when that microbatch ran forward. Both halves therefore
+issue their work, collectives included, in an order fixed by the program and the model alone, the
+same on every rank. On CUDA each stage of a pair runs on its own stream, so the GPU runs one
+stage's kernels while the other's wait for communication. Where neither stage has overlap points,
+the pair runs one after the other on the calling thread, still on the two streams.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
@@ -87,30 +89,44 @@ def calls_at_nodes(nodes: list[Node], call: Callable[[], None]) -> Generator[Non
             handle.remove()
 
 
-def run_pair(forward: Callable[[], None], backward: Callable[[], None], turns: Turns) -> None:
-    """Runs ``forward`` here and ``backward`` on a helper thread, taking turns; forward starts.
+def run_pair(
+    forward: Callable[[], None], backward: Callable[[], None], turns: Turns, helper: ThreadPoolExecutor
+) -> None:
+    """Runs ``forward`` here and ``backward`` on ``helper``'s thread, taking turns; forward starts.
 
     Each callable passes the turn at its own points through ``turns`` (side 0 forward, side 1
     backward). An exception in either half lets the other half run to its end and is raised here
-    after both halves have stopped (the forward's first).
+    after both halves have stopped (the forward's first). ``helper`` is a one-thread pool kept for
+    many pairs: a backward on a new thread pays for the thread's start and its first autograd
+    call (about a millisecond on CPU).
     """
-    failure: list[BaseException] = []
 
     def run_backward() -> None:
         turns.wait_for_turn(1)
         try:
             backward()
-        except BaseException as e:  # re-raised on the calling thread
-            failure.append(e)
         finally:
             turns.finish(1)
 
-    helper = threading.Thread(target=run_backward, name="d9d-pipeline-overlapped-backward", daemon=True)
-    helper.start()
+    done = helper.submit(run_backward)
     try:
         forward()
     finally:
         turns.finish(0)
-        helper.join()
-    if failure:
-        raise failure[0]
+        error = done.exception()  # waits for the backward
+    if error is not None:
+        raise error
+
+
+def pair_helper() -> ThreadPoolExecutor:
+    """The one-thread pool that runs the backward halves of a runner's pairs.
+
+    Its thread takes the caller's intra-op thread count: OpenMP keeps that count per thread, and a
+    new thread's default (every core) would add a second team of spinning workers.
+    """
+    return ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="d9d-pipeline-overlapped-backward",
+        initializer=torch.set_num_threads,
+        initargs=(torch.get_num_threads(),),
+    )

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from d9d.pipeline._actions import Action, ActionKind
-from d9d.pipeline._overlap import Turns, run_pair
+from d9d.pipeline._overlap import Turns, pair_helper, run_pair
 from d9d.pipeline._program import PipelineProgram
 from d9d.pipeline._stage_runtime import LossFn, StageRuntime, WeightGradientHook
 from d9d.pipeline._tree import TreeSpec, flatten_tree
@@ -92,6 +92,7 @@ class RankRunner:
             if device.type == "cuda":
                 self._streams[stage] = torch.cuda.Stream(device)
         self._paired_forward: Action | None = None  # an overlapped forward waiting for its backward
+        self._pair_helper = pair_helper() if overlap_stages else None
 
     def start(
         self,
@@ -287,7 +288,16 @@ class RankRunner:
                 )
             )
 
-        run_pair(run_forward, run_backward, turns)
+        takes_turns = self._stages[forward.stage].has_overlap_points() or self._stages[s].has_overlap_points(
+            m
+        )
+        if not takes_turns:  # one after the other, on their own streams: no thread to wake
+            self._forward(forward.stage, forward.microbatch)
+            input_grads.append(self._run_backward(s, m, grads, split=split, ambient=ambient))
+        elif self._pair_helper is None:
+            raise RuntimeError(f"stage {s}: an overlapped pair on a rank without overlapped stages")
+        else:
+            run_pair(run_forward, run_backward, turns, self._pair_helper)
         self._deliver_input_grads(s, m, input_grads[0])
 
     def finish(self) -> None:

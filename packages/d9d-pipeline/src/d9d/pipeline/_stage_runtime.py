@@ -116,6 +116,14 @@ class StageRuntime:
         detached = unflatten_tree(out_skeleton, [t.detach() for t in out_tensors])
         return detached, None if loss is None else loss.detach()
 
+    def has_overlap_points(self, microbatch: int | None = None) -> bool:
+        """Whether a turn can change in this stage: in its forward (the module has overlap
+        points) or, given ``microbatch``, in that microbatch's backward (points were recorded)."""
+        if microbatch is None:
+            return isinstance(self.module, OverlapPoints)
+        saved = self._saved.get(microbatch)
+        return saved is not None and bool(saved.points)
+
     @contextmanager
     def _overlap_points(
         self, points: list[Node], at_points: Callable[[], None] | None, *, training: bool
