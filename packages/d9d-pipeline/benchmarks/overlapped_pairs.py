@@ -5,7 +5,9 @@ DualPipeV on two ranks has four stages; here all four run in one process
 ranks. A stage is ``--layers`` layers of a ``(rows, width) x (width, width)`` matmul and GELU
 followed by a stand-in for an expert-parallel all-to-all: a kernel that only waits
 (``torch.cuda._sleep``) for ``--wait-us`` microseconds, in the forward and again in the backward,
-as an NCCL receive holds the stream that waits for it while leaving the SMs free. No real
+as an NCCL receive holds the stream that waits for it while leaving the SMs free. Each stage has
+an overlap point after each layer (``--no-points``: none, the pair's halves then run one after the
+other on one thread, still on their two streams). No real
 communication runs: the benchmark shows what the interleaving can hide, not an all-to-all's cost.
 
 Rounds alternate ``overlap: true`` and ``overlap: false`` (each mode's step timed with CUDA events
@@ -19,9 +21,13 @@ Run (GPU):  python3 packages/d9d-pipeline/benchmarks/overlapped_pairs.py [--repe
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +64,6 @@ class _Stage(nn.Module):
         self.cycles = cycles
         self._point: Any = None
 
-    def set_overlap_point(self, point: Any) -> None:
-        self._point = point
-
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         h = inputs["h"]
         for layer in self.layers:
@@ -68,6 +71,13 @@ class _Stage(nn.Module):
             if self._point is not None:
                 self._point(h)
         return {"h": h}
+
+
+class _PointedStage(_Stage):
+    """With an overlap point after each layer: the pair's halves take turns there."""
+
+    def set_overlap_point(self, point: Any) -> None:
+        self._point = point
 
 
 def _cycles_for(us: float) -> int:
@@ -89,7 +99,8 @@ def _build(
         DualPipeVScheduleConfig(overlap=overlap), num_ranks=2, num_microbatches=args.microbatches
     )
     torch.manual_seed(0)
-    stages = [_Stage(args.layers, args.width, cycles).cuda().to(torch.bfloat16) for _ in range(4)]
+    kind = _Stage if args.no_points else _PointedStage
+    stages = [kind(args.layers, args.width, cycles).cuda().to(torch.bfloat16) for _ in range(4)]
     executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
     return executor, stages
 
@@ -100,17 +111,23 @@ def _step(executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Te
     return executor.step({"h": batch}, loss_fn=lambda out, m: out["h"].float().pow(2).mean())
 
 
-def _time(executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Tensor, steps: int) -> float:
+def _time(
+    executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Tensor, steps: int
+) -> tuple[float, float]:
+    """Step time (CUDA events) and the host's time to issue a step, in ms."""
     for _ in range(2):
         _step(executor, stages, batch)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = 0.0
     start.record()
     for _ in range(steps):
+        begin = time.perf_counter()
         _step(executor, stages, batch)
+        host += time.perf_counter() - begin
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / steps, host * 1000 / steps
 
 
 def _concurrent_ms(
@@ -153,6 +170,10 @@ def main() -> None:
     parser.add_argument("--wait-us", type=float, default=300.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-host", action="store_true", help="cProfile one overlapped step")
+    parser.add_argument(
+        "--no-points", action="store_true", help="stages without overlap points (one thread per pair)"
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     cycles = _cycles_for(args.wait_us)
@@ -168,9 +189,12 @@ def main() -> None:
     print("losses and gradients: overlap on == off")
 
     times: dict[bool, list[float]] = {True: [], False: []}
+    host: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.repeats):
         for mode in (True, False):
-            times[mode].append(_time(*runs[mode], batch, args.steps))
+            step_ms, host_ms = _time(*runs[mode], batch, args.steps)
+            times[mode].append(step_ms)
+            host[mode].append(host_ms)
     ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
 
     def spread(values: list[float]) -> str:
@@ -180,14 +204,23 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, DualPipeV p=2 m={args.microbatches}, {args.layers} layers/stage, "
         f"{args.rows}x{args.width} bf16 matmuls, wait {args.wait_us:.0f} us per layer and pass, "
         f"{args.repeats} alternating rounds of {args.steps} steps"
+        + (", no overlap points" if args.no_points else ", an overlap point after each layer")
     )
-    print(f"step ms, overlap on:  {spread(times[True])}")
-    print(f"step ms, overlap off: {spread(times[False])}")
+    print(f"step ms, overlap on:  {spread(times[True])}, host issues it in {spread(host[True])}")
+    print(f"step ms, overlap off: {spread(times[False])}, host issues it in {spread(host[False])}")
     print(f"off / on: {spread(ratios)}")
     for mode in (True, False):
         both, streams = _concurrent_ms(*runs[mode], batch)
         name = "on" if mode else "off"
         print(f"overlap {name}: {streams} streams with kernels, two at once for {both:.1f} ms of a step")
+    if args.profile_host:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _step(*runs[True], batch)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+        print(out.getvalue())
 
 
 if __name__ == "__main__":

@@ -179,13 +179,19 @@ class RankRunner:
         return torch.cuda.current_stream(self._device) if self._streams else None
 
     @contextmanager
-    def _on_stage_stream(self, stage: int, ambient: torch.cuda.Stream | None) -> Generator[None]:
-        """Runs the block on ``stage``'s stream (CUDA, overlapped stages), ordered after ``ambient``."""
+    def _on_stage_stream(
+        self, stage: int, ambient: torch.cuda.Stream | None, *, ordered: bool = False
+    ) -> Generator[None]:
+        """Runs the block on ``stage``'s stream (CUDA, overlapped stages), ordered after ``ambient``.
+
+        ``ordered``: the stream already waits for what it needs (no wait on ``ambient`` here).
+        """
         stream = self._streams.get(stage)
         if stream is None or ambient is None:
             yield
             return
-        stream.wait_stream(ambient)
+        if not ordered:
+            stream.wait_stream(ambient)
         with torch.cuda.stream(stream):
             yield
         ambient.wait_stream(stream)
@@ -248,9 +254,10 @@ class RankRunner:
         split: bool,
         ambient: torch.cuda.Stream | None,
         at_points: Callable[[], None] | None = None,
+        ordered: bool = False,
     ) -> list[torch.Tensor]:
         runtime = self._stages[s]
-        with self._on_stage_stream(s, ambient):
+        with self._on_stage_stream(s, ambient, ordered=ordered):
             if split:
                 return runtime.backward_input(m, grads, at_points=at_points)
             return runtime.backward(m, grads, at_points=at_points)
@@ -275,6 +282,11 @@ class RankRunner:
         """
         grads = self._output_grads_of(s, m)
         ambient = self._ambient()
+        backward_stream = self._streams.get(s)
+        if backward_stream is not None and ambient is not None:
+            # now, before the forward's work is ordered into the ambient stream: the backward
+            # must not wait for the forward it runs beside
+            backward_stream.wait_stream(ambient)
         turns = Turns()
         input_grads: list[list[torch.Tensor]] = []
 
@@ -284,16 +296,22 @@ class RankRunner:
         def run_backward() -> None:
             input_grads.append(
                 self._run_backward(
-                    s, m, grads, split=split, ambient=ambient, at_points=lambda: turns.pass_turn(1)
+                    s,
+                    m,
+                    grads,
+                    split=split,
+                    ambient=ambient,
+                    at_points=lambda: turns.pass_turn(1),
+                    ordered=True,
                 )
             )
 
-        takes_turns = self._stages[forward.stage].has_overlap_points() or self._stages[s].has_overlap_points(
+        forward_points = self._stages[forward.stage].has_overlap_points()
+        if not forward_points and not self._stages[s].has_overlap_points(
             m
-        )
-        if not takes_turns:  # one after the other, on their own streams: no thread to wake
+        ):  # one after the other, on their own streams: no thread to wake
             self._forward(forward.stage, forward.microbatch)
-            input_grads.append(self._run_backward(s, m, grads, split=split, ambient=ambient))
+            input_grads.append(self._run_backward(s, m, grads, split=split, ambient=ambient, ordered=True))
         elif self._pair_helper is None:
             raise RuntimeError(f"stage {s}: an overlapped pair on a rank without overlapped stages")
         else:
