@@ -76,6 +76,9 @@ class LocalPipelineExecutor:
             s: StageRuntime(stage=s, num_stages=program.num_stages, module=m) for s, m in stages.items()
         }
         self._forward_program: PipelineProgram | None = None
+        # Runners (their CUDA streams and pair helper threads) and their mailbox, per program kind:
+        # built once, reset by start() every step.
+        self._runners: dict[bool, tuple[list[RankRunner], dict[tuple[int, Action], list[torch.Tensor]]]] = {}
 
     @property
     def program(self) -> PipelineProgram:
@@ -125,15 +128,23 @@ class LocalPipelineExecutor:
             runtime.output_spec = spec = infer_output_spec(
                 stage=s, module=runtime.module, input_spec=spec, shared=shared
             )
-        boxes: dict[tuple[int, Action], list[torch.Tensor]] = {}
-        runners: list[RankRunner] = []
-        for rank in range(program.num_ranks):
-            local = {s: self._runtimes[s] for s in program.stages_of(rank)}
-            runner = RankRunner(
-                program=program, rank=rank, stages=local, transport=_Mailbox(rank, boxes), device=self._device
-            )
+        if program.training not in self._runners:
+            boxes: dict[tuple[int, Action], list[torch.Tensor]] = {}
+            built = [
+                RankRunner(
+                    program=program,
+                    rank=rank,
+                    stages={s: self._runtimes[s] for s in program.stages_of(rank)},
+                    transport=_Mailbox(rank, boxes),
+                    device=self._device,
+                )
+                for rank in range(program.num_ranks)
+            ]
+            self._runners[program.training] = (built, boxes)
+        runners, boxes = self._runners[program.training]
+        boxes.clear()
+        for runner in runners:
             runner.start(microbatches=microbatches, shared=shared, loss_fn=loss_fn, weight_hook=weight_hook)
-            runners.append(runner)
         pointer = [0] * program.num_ranks
         try:
             progressed = True
@@ -153,6 +164,9 @@ class LocalPipelineExecutor:
                 )
             for runner in runners:
                 runner.finish()
+        except BaseException:
+            del self._runners[program.training]  # a failed step may leave state behind
+            raise
         finally:
             for runtime in self._runtimes.values():
                 runtime.clear()

@@ -110,6 +110,7 @@ class RankRunner:
         self._output_grads.clear()
         self._outgoing.clear()
         self.losses, self.outputs = {}, {}
+        self._paired_forward = None
         for stage, runtime in self._stages.items():
             runtime.begin_step(split_backward=stage in self._split_stages)
 
