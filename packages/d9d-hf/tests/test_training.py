@@ -568,7 +568,8 @@ def test_dualpipev_overlaps_moe_stages_under_expert_parallelism_as_one_process(
     # one sample per microbatch on both sides: the load-balancing loss is taken per microbatch
     single = functools.partial(_train, documents=False, microbatch_size=1)
     expected = run_distributed(single, directory, {}, world_size=1, timeout_s=120)[0]
-    train = functools.partial(_train, documents=False, pipeline="dualpipev", microbatch_size=1)
+    schedule = {"name": "dualpipev", "overlap": True}
+    train = functools.partial(_train, documents=False, pipeline=schedule, microbatch_size=1)
     mesh = {"pipeline_parallel": 2, "data_parallel_shard": 2, "expert_parallel": 2}
     results = run_distributed(train, directory, mesh, world_size=4, timeout_s=240)
     for result in results:

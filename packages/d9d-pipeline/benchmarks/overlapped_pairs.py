@@ -15,7 +15,12 @@ over ``--steps`` steps after warm-up); printed: each mode's median step time wit
 ratio, and from one profiled step per mode the time in which kernels of two streams ran at once.
 The two modes' losses and gradients are compared first.
 
-Run (GPU):  python3 packages/d9d-pipeline/benchmarks/overlapped_pairs.py [--repeats 3]
+``--model qwen3-moe`` runs real stages instead: d9d-hf's Qwen3-MoE at Qwen3-30B-A3B widths,
+``--layers`` (1) decoder layers per stage, one ``--seq`` (4096) sequence per microbatch, bf16, an
+overlap point after each layer. On one GPU nothing communicates: what can overlap is one
+stage's compute with the other's.
+
+Run (GPU):  python3 packages/d9d-pipeline/benchmarks/overlapped_pairs.py [--repeats 3] [--model qwen3-moe]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +41,12 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3MoeConfig
 from d9d.pipeline import (
     DualPipeVScheduleConfig,
     LocalPipelineExecutor,
+    PipelineProgram,
+    PipelineStageInfo,
     build_program,
 )
 
@@ -92,50 +101,95 @@ def _cycles_for(us: float) -> int:
     return int(probe * us / (start.elapsed_time(end) * 1000))
 
 
-def _build(
-    args: argparse.Namespace, overlap: bool, cycles: int
-) -> tuple[LocalPipelineExecutor, list[_Stage]]:
+@dataclass
+class _Run:
+    executor: LocalPipelineExecutor
+    stages: list[nn.Module]
+    batch: Any
+    loss_fn: Any
+
+
+def _standin(args: argparse.Namespace, program: PipelineProgram, cycles: int) -> _Run:
+    torch.manual_seed(0)
+    kind = _Stage if args.no_points else _PointedStage
+    stages: list[nn.Module] = [
+        kind(args.layers, args.width, cycles).cuda().to(torch.bfloat16) for _ in range(4)
+    ]
+    executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
+    batch = {"h": torch.randn(args.rows * args.microbatches, args.width, device="cuda", dtype=torch.bfloat16)}
+    return _Run(executor, stages, batch, lambda out, m: out["h"].float().pow(2).mean())
+
+
+def _qwen3_moe(args: argparse.Namespace, program: PipelineProgram) -> _Run:
+    """Qwen3-30B-A3B widths, ``--layers`` decoder layers per stage, one sequence per microbatch."""
+    config = Qwen3MoeConfig.model_validate(
+        {
+            "model_type": "qwen3_moe",
+            "hidden_size": 2048,
+            "num_hidden_layers": 4 * args.layers,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "vocab_size": 151936,
+        }
+    )
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [
+        Qwen3CausalLM(config, stage=PipelineStageInfo(s, 4), attention_backend="sdpa")
+        .cuda()
+        .to(torch.bfloat16)
+        for s in range(4)
+    ]
+    for stage in stages:
+        stage.reset_parameters()
+    executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
+    ids = torch.randint(0, 151936, (args.microbatches, args.seq), device="cuda")
+    batch = Qwen3Inputs(input_ids=ids, labels=ids.clone(), summed_losses=True)
+    tokens = ids.numel()
+    return _Run(executor, stages, batch, lambda losses, m: losses.float().sum() / tokens)
+
+
+def _build(args: argparse.Namespace, overlap: bool, cycles: int) -> _Run:
     program = build_program(
         DualPipeVScheduleConfig(overlap=overlap), num_ranks=2, num_microbatches=args.microbatches
     )
-    torch.manual_seed(0)
-    kind = _Stage if args.no_points else _PointedStage
-    stages = [kind(args.layers, args.width, cycles).cuda().to(torch.bfloat16) for _ in range(4)]
-    executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
-    return executor, stages
+    if args.model == "qwen3-moe":
+        return _qwen3_moe(args, program)
+    return _standin(args, program, cycles)
 
 
-def _step(executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Tensor) -> list[torch.Tensor]:
-    for stage in stages:
+def _step(run: _Run) -> list[torch.Tensor]:
+    for stage in run.stages:
         stage.zero_grad(set_to_none=True)
-    return executor.step({"h": batch}, loss_fn=lambda out, m: out["h"].float().pow(2).mean())
+    return run.executor.step(run.batch, loss_fn=run.loss_fn)
 
 
-def _time(
-    executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Tensor, steps: int
-) -> tuple[float, float]:
+def _time(run: _Run, steps: int) -> tuple[float, float]:
     """Step time (CUDA events) and the host's time to issue a step, in ms."""
     for _ in range(2):
-        _step(executor, stages, batch)
+        _step(run)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host = 0.0
     start.record()
     for _ in range(steps):
         begin = time.perf_counter()
-        _step(executor, stages, batch)
+        _step(run)
         host += time.perf_counter() - begin
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps, host * 1000 / steps
 
 
-def _concurrent_ms(
-    executor: LocalPipelineExecutor, stages: list[_Stage], batch: torch.Tensor
-) -> tuple[float, int]:
+def _concurrent_ms(run: _Run) -> tuple[float, int]:
     """Milliseconds of one step in which kernels of two or more streams ran, and the stream count."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(executor, stages, batch)
+        _step(run)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -163,36 +217,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", choices=["standin", "qwen3-moe"], default="standin")
+    parser.add_argument("--layers", type=int, default=None, help="per stage (4 stand-in, 1 Qwen3-MoE)")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=4096, help="Qwen3-MoE sequence length")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--wait-us", type=float, default=300.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile-host", action="store_true", help="cProfile one overlapped step")
     parser.add_argument(
-        "--no-points", action="store_true", help="stages without overlap points (one thread per pair)"
+        "--no-points",
+        action="store_true",
+        help="stand-in stages without overlap points (one thread per pair)",
     )
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = 1 if args.model == "qwen3-moe" else 4
     torch.backends.cuda.matmul.allow_tf32 = False
     cycles = _cycles_for(args.wait_us)
-    batch = torch.randn(args.rows * args.microbatches, args.width, device="cuda", dtype=torch.bfloat16)
     runs = {mode: _build(args, mode, cycles) for mode in (True, False)}
 
-    losses = {mode: _step(*runs[mode], batch) for mode in runs}
+    losses = {mode: _step(run) for mode, run in runs.items()}
     torch.testing.assert_close(torch.stack(losses[True]), torch.stack(losses[False]))
-    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+    for a, b in zip(runs[True].stages, runs[False].stages, strict=True):
         for p, q in zip(a.parameters(), b.parameters(), strict=True):
-            assert p.grad is not None and q.grad is not None
-            torch.testing.assert_close(p.grad, q.grad)
+            if p.grad is not None or q.grad is not None:
+                assert p.grad is not None and q.grad is not None
+                torch.testing.assert_close(p.grad, q.grad)
     print("losses and gradients: overlap on == off")
 
     times: dict[bool, list[float]] = {True: [], False: []}
     host: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.repeats):
         for mode in (True, False):
-            step_ms, host_ms = _time(*runs[mode], batch, args.steps)
+            step_ms, host_ms = _time(runs[mode], args.steps)
             times[mode].append(step_ms)
             host[mode].append(host_ms)
     ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
@@ -200,23 +260,27 @@ def main() -> None:
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
+    if args.model == "qwen3-moe":
+        shape = f"Qwen3-30B-A3B widths, seq {args.seq}, one sequence per microbatch"
+    else:
+        shape = f"{args.rows}x{args.width} bf16 matmuls, wait {args.wait_us:.0f} us per layer and pass" + (
+            ", no overlap points" if args.no_points else ", an overlap point after each layer"
+        )
     print(
         f"{torch.cuda.get_device_name()}, DualPipeV p=2 m={args.microbatches}, {args.layers} layers/stage, "
-        f"{args.rows}x{args.width} bf16 matmuls, wait {args.wait_us:.0f} us per layer and pass, "
-        f"{args.repeats} alternating rounds of {args.steps} steps"
-        + (", no overlap points" if args.no_points else ", an overlap point after each layer")
+        f"{shape}, {args.repeats} alternating rounds of {args.steps} steps"
     )
     print(f"step ms, overlap on:  {spread(times[True])}, host issues it in {spread(host[True])}")
     print(f"step ms, overlap off: {spread(times[False])}, host issues it in {spread(host[False])}")
     print(f"off / on: {spread(ratios)}")
     for mode in (True, False):
-        both, streams = _concurrent_ms(*runs[mode], batch)
+        both, streams = _concurrent_ms(runs[mode])
         name = "on" if mode else "off"
         print(f"overlap {name}: {streams} streams with kernels, two at once for {both:.1f} ms of a step")
     if args.profile_host:
         profiler = cProfile.Profile()
         profiler.enable()
-        _step(*runs[True], batch)
+        _step(runs[True])
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)

@@ -21,6 +21,7 @@ TRAINING_SCHEDULES: list[PipelineScheduleConfig] = [
     InterleavedZeroBubbleScheduleConfig(stages_per_rank=2),
     ZBVScheduleConfig(),
     DualPipeVScheduleConfig(),
+    DualPipeVScheduleConfig(overlap=True),
 ]
 
 

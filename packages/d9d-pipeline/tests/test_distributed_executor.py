@@ -55,7 +55,9 @@ def _train_and_compare(config: PipelineScheduleConfig, counts: list[int]) -> lis
     return checked
 
 
-@pytest.mark.parametrize("config", TRAINING_SCHEDULES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config", TRAINING_SCHEDULES, ids=lambda c: c.name + ("_overlap" if getattr(c, "overlap", False) else "")
+)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_training_matches_reference(config: PipelineScheduleConfig, world_size: int) -> None:
     counts = microbatch_counts(config, world_size)

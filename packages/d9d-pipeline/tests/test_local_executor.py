@@ -17,7 +17,9 @@ from ._pipeline_model import build_stages, make_batch, make_loss_fn, reference
 NUM_LAYERS = 8
 
 
-@pytest.mark.parametrize("config", TRAINING_SCHEDULES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config", TRAINING_SCHEDULES, ids=lambda c: c.name + ("_overlap" if getattr(c, "overlap", False) else "")
+)
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_training_matches_reference(config: PipelineScheduleConfig, num_ranks: int) -> None:
     for num_mb in microbatch_counts(config, num_ranks):

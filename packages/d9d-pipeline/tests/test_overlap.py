@@ -63,7 +63,7 @@ def test_stage_model_has_overlap_points() -> None:
 
 
 def test_pair_takes_turns_at_overlap_points() -> None:
-    program = build_dualpipev_program(num_ranks=2, num_microbatches=4)
+    program = build_dualpipev_program(num_ranks=2, num_microbatches=4, overlap=True)
     log: list[tuple[str, int, int]] = []
     torch.manual_seed(0)
     stages = {s: _LoggedStage(PipelineStageInfo(s, 4), NUM_LAYERS, log) for s in range(4)}
@@ -142,7 +142,7 @@ def test_turns_alternate_and_errors_reach_the_caller() -> None:
 
 
 def test_validator_checks_overlapped_actions() -> None:
-    program = build_dualpipev_program(num_ranks=2, num_microbatches=4)
+    program = build_dualpipev_program(num_ranks=2, num_microbatches=4, overlap=True)
     validate_program(program)
     first = program.actions[0][0]
     bad = PipelineProgram(

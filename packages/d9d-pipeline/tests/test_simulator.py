@@ -49,7 +49,7 @@ def test_zero_bubble_schedules_leave_only_the_fill(p: int, m: int) -> None:
     fill = (p - 1) / (6 * m + p - 1)
     for program in (
         build_zbv_program(num_ranks=p, num_microbatches=m),
-        build_dualpipev_program(num_ranks=p, num_microbatches=m, overlap=False),
+        build_dualpipev_program(num_ranks=p, num_microbatches=m),
         build_interleaved_zero_bubble_program(num_ranks=p, num_microbatches=m, stages_per_rank=2),
     ):
         result = simulate_program(program, SPLIT)
@@ -62,7 +62,7 @@ def test_dualpipev_overlapped_pairs_wait_for_both_inputs(p: int, m: int) -> None
     # An overlapped pair starts when the forward's and the backward's inputs are both there, so a
     # rank idles (F&B + B - 3W)(p - 1) units, DualPipe's bubble, with F&B the pair's duration:
     # 2(p - 1) when the pair takes F + B (no gain), less as the overlap shortens the pair.
-    program = build_dualpipev_program(num_ranks=p, num_microbatches=m)
+    program = build_dualpipev_program(num_ranks=p, num_microbatches=m, overlap=True)
     assert program.overlapped
     plain = simulate_program(program, SPLIT)
     assert plain.bubble_fraction == pytest.approx(2 * (p - 1) / (6 * m + 2 * (p - 1)), abs=1e-12)

@@ -111,12 +111,13 @@ class DualPipeVScheduleConfig(_Config):
     Attributes:
         overlap: Run each forward that DualPipeV pairs with a backward of the other stage
             interleaved with it (at the stages' overlap points, each stage on its own CUDA
-            stream), so one's communication hides behind the other's compute; False runs the
-            pair one after the other.
+            stream), so one's communication can hide behind the other's compute. Off by default:
+            it costs host time per pair and per turn, which only hidden communication repays
+            (measurements in docs/pipeline.md).
     """
 
     name: Literal["dualpipev"] = "dualpipev"
-    overlap: bool = True
+    overlap: bool = False
 
     def build_program(self, *, num_ranks: int, num_microbatches: int) -> PipelineProgram:
         """Builds this schedule's program."""

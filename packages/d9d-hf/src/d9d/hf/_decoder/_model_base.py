@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, add_stage_share, attach_to_target_losses
 from d9d.hf._decoder._backbone import DecoderBackbone
@@ -70,7 +72,17 @@ class DecoderModelBase(nn.Module):
         hooks = [] if self.compute_dtype is None else cast_parameters_for_compute(self, self.compute_dtype)
         self._layers_as_identity = True
         try:
-            return self(inputs, shared)
+            if all(t.is_meta for t in chain(self.parameters(), self.buffers())):
+                return self(inputs, shared)
+            # a materialized stage (an executor used without d9d-loop's meta copy): meta stand-ins
+            # for its tensors, so that nothing is computed and meta inputs meet meta weights
+            state = {
+                name: torch.empty_like(t, device="meta")
+                for name, t in chain(
+                    self.named_parameters(remove_duplicate=False), self.named_buffers(remove_duplicate=False)
+                )
+            }
+            return functional_call(self, state, (inputs, shared))
         finally:
             for hook in hooks:
                 hook.remove()

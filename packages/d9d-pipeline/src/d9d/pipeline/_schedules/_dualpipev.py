@@ -47,7 +47,7 @@ class _RankBuilder:
 
 
 def build_dualpipev_program(
-    *, num_ranks: int, num_microbatches: int, overlap: bool = True
+    *, num_ranks: int, num_microbatches: int, overlap: bool = False
 ) -> PipelineProgram:
     """DualPipeV on ``p`` ranks (``2p`` stages); needs ``num_microbatches >= 2p``.
 
@@ -61,7 +61,7 @@ def build_dualpipev_program(
         num_ranks: Pipeline ranks ``p``.
         num_microbatches: Microbatches per step, at least ``2p``.
         overlap: Mark each forward that DualPipeV overlaps with the backward after it (F0 with
-            B1 and F1 with B0) as overlapped; False runs them one after the other.
+            B1 and F1 with B0) as overlapped; False (the default) runs them one after the other.
 
     Raises:
         ValueError: If ``num_microbatches < 2 * num_ranks``.
