@@ -30,7 +30,7 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,6 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+
+# the Qwen3-30B-A3B shape and the figures' format of d9d-hf's benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "d9d-hf" / "benchmarks"))
+from _stats import spread
+from train_throughput import MOE_30B_A3B_6_LAYERS
 
 from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3MoeConfig
 from d9d.pipeline import (
@@ -122,22 +127,7 @@ def _standin(args: argparse.Namespace, program: PipelineProgram, cycles: int) ->
 
 def _qwen3_moe(args: argparse.Namespace, program: PipelineProgram) -> _Run:
     """Qwen3-30B-A3B widths, ``--layers`` decoder layers per stage, one sequence per microbatch."""
-    config = Qwen3MoeConfig.model_validate(
-        {
-            "model_type": "qwen3_moe",
-            "hidden_size": 2048,
-            "num_hidden_layers": 4 * args.layers,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "intermediate_size": 6144,
-            "moe_intermediate_size": 768,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "norm_topk_prob": True,
-            "vocab_size": 151936,
-        }
-    )
+    config = Qwen3MoeConfig.model_validate({**MOE_30B_A3B_6_LAYERS, "num_hidden_layers": 4 * args.layers})
     torch.manual_seed(0)
     stages: list[nn.Module] = [
         Qwen3CausalLM(config, stage=PipelineStageInfo(s, 4), attention_backend="sdpa")
@@ -256,9 +246,6 @@ def main() -> None:
             times[mode].append(step_ms)
             host[mode].append(host_ms)
     ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
     if args.model == "qwen3-moe":
         shape = f"Qwen3-30B-A3B widths, seq {args.seq}, one sequence per microbatch"
