@@ -33,8 +33,9 @@ backward may take its turn (e.g. the residual stream between two decoder layers)
 class OverlapPoints(Protocol):
     """A stage module that marks where an overlapped forward and backward may take turns.
 
-    Without it a pair still runs interleaved on two streams, but turns change only at the start
-    and the end of each half, so the forward is issued whole before the backward starts.
+    Without it the forward's half has no turns; where the backward's stage has none either, the
+    pair runs one after the other on the calling thread (on CUDA still on two streams, so the
+    GPU may run the backward's first kernels beside the forward's last).
     """
 
     def set_overlap_point(self, point: OverlapPoint | None) -> None:
