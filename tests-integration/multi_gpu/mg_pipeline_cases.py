@@ -118,7 +118,9 @@ def _forward_only(env: CaseEnv) -> str:
 
 
 def _schedule_case(config: PipelineScheduleConfig) -> Case:
-    return Case(name=f"pp_{config.name}", run=lambda env: _train(env, config))
+    overlapped = isinstance(config, DualPipeVScheduleConfig) and config.overlap
+    name = f"pp_{config.name}" + ("_overlap" if overlapped else "")
+    return Case(name=name, run=lambda env: _train(env, config))
 
 
 CASES = [
@@ -132,6 +134,7 @@ CASES = [
             InterleavedZeroBubbleScheduleConfig(stages_per_rank=2),
             ZBVScheduleConfig(),
             DualPipeVScheduleConfig(),
+            DualPipeVScheduleConfig(overlap=True),  # pairs on two streams per rank, over NCCL
         )
     ),
     Case(name="pp_forward_only", run=_forward_only),
