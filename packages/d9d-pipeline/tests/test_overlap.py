@@ -255,3 +255,50 @@ def test_helper_thread_keeps_the_callers_intra_op_threads() -> None:
         assert helper.submit(torch.get_num_threads).result() == 1
     finally:
         torch.set_num_threads(before)
+
+
+class _FailOnce(Stage):
+    """Raises in the forward at one overlap point of one chosen call, once."""
+
+    def __init__(self, info: PipelineStageInfo, num_layers: int, fail_at_call: int) -> None:
+        super().__init__(info, num_layers)
+        self.calls = 0
+        self.fail_at_call = fail_at_call
+
+    def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
+        if point is None:
+            super().set_overlap_point(None)
+            return
+        self.calls += 1
+        call = self.calls
+
+        def failing(h: torch.Tensor) -> None:
+            if call == self.fail_at_call:
+                raise RuntimeError(f"stage {self.info.current_stage} failed in call {call}")
+            point(h)
+
+        super().set_overlap_point(failing)
+
+
+def test_a_failed_pair_raises_and_the_next_step_runs_as_the_reference() -> None:
+    # Stage 3's third forward runs in a pair on rank 0 (F3.2+ B0.0 in DualPipeV p=2, m=4).
+    program = build_dualpipev_program(num_ranks=2, num_microbatches=4, overlap=True)
+    torch.manual_seed(0)
+    plain = build_stages(4, NUM_LAYERS)
+    stages: dict[int, Stage] = {}
+    for s, ref in enumerate(plain):
+        stages[s] = _FailOnce(PipelineStageInfo(s, 4), NUM_LAYERS, fail_at_call=3 if s == 3 else -1)
+        stages[s].load_state_dict(ref.state_dict())
+    executor = LocalPipelineExecutor(program, stages)
+    inputs, shared, target = make_batch(8)
+    loss_fn = make_loss_fn(target, 4)
+    with pytest.raises(RuntimeError, match="stage 3 failed in call 3"):
+        executor.step(inputs, loss_fn=loss_fn, shared=shared)
+    for stage in stages.values():
+        stage.zero_grad(set_to_none=True)
+    losses = executor.step(inputs, loss_fn=loss_fn, shared=shared)
+    ref_losses, ref_stages, _ = reference(plain, inputs, shared, target, 4)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for s, stage in stages.items():
+        for p, ref in zip(stage.parameters(), ref_stages[s].parameters(), strict=True):
+            torch.testing.assert_close(p.grad, ref.grad)
