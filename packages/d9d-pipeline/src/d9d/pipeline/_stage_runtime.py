@@ -41,6 +41,8 @@ class StageRuntime:
     def __init__(self, *, stage: int, num_stages: int, module: nn.Module) -> None:
         self.stage = stage
         self.records_points = False  # set by a runner whose program overlaps this stage
+        # a runtime-checkable Protocol's isinstance costs tens of microseconds: checked once
+        self._overlap_module: OverlapPoints | None = module if isinstance(module, OverlapPoints) else None
         self.num_stages = num_stages
         self.module = module
         self.input_spec: TreeSpec | None = None
@@ -120,7 +122,7 @@ class StageRuntime:
         """Whether a turn can change in this stage: in its forward (the module has overlap
         points) or, given ``microbatch``, in that microbatch's backward (points were recorded)."""
         if microbatch is None:
-            return isinstance(self.module, OverlapPoints)
+            return self._overlap_module is not None
         saved = self._saved.get(microbatch)
         return saved is not None and bool(saved.points)
 
@@ -129,9 +131,9 @@ class StageRuntime:
         self, points: list[Node], at_points: Callable[[], None] | None, *, training: bool
     ) -> Generator[None]:
         """Installs the stage's overlap point: records graph nodes for the backward, passes turns."""
-        module = self.module
+        module = self._overlap_module
         record = training and self.records_points
-        if not isinstance(module, OverlapPoints) or (not record and at_points is None):
+        if module is None or (not record and at_points is None):
             yield
             return
 
