@@ -52,6 +52,9 @@ class _ShardedStage(nn.Module):
     def forward(self, inputs: Any, shared: Any) -> Any:
         return self.stage(inputs, shared)
 
+    def set_overlap_point(self, point: Any) -> None:
+        self.stage.set_overlap_point(point)  # overlapped pairs take turns after each layer
+
     def pipeline_output_meta(self, inputs: Any, shared: Any) -> Any:
         return self._meta[0](inputs, shared)
 
@@ -141,8 +144,14 @@ def _train(config: PipelineScheduleConfig, hsdp: bool, *, whole_backward: bool =
 
 @pytest.mark.parametrize(
     "config",
-    [InterleavedZeroBubbleScheduleConfig(stages_per_rank=1), ZBVScheduleConfig(), DualPipeVScheduleConfig()],
-    ids=["zb1p", "zbv", "dualpipev"],
+    [
+        InterleavedZeroBubbleScheduleConfig(stages_per_rank=1),
+        ZBVScheduleConfig(),
+        DualPipeVScheduleConfig(),
+        # pairs taking turns between layers: FSDP's gathers and reductions of both halves interleave
+        DualPipeVScheduleConfig(overlap=True),
+    ],
+    ids=["zb1p", "zbv", "dualpipev", "dualpipev_overlap"],
 )
 def test_split_backward_on_fsdp_stages_matches_one_process(config: PipelineScheduleConfig) -> None:
     checked = run_distributed(_train, config, False, world_size=4, timeout_s=180)
