@@ -17,8 +17,8 @@ The two modes' losses and gradients are compared first.
 
 ``--model qwen3-moe`` runs real stages instead: d9d-hf's Qwen3-MoE at Qwen3-30B-A3B widths,
 ``--layers`` (1) decoder layers per stage, one ``--seq`` (4096) sequence per microbatch, bf16, an
-overlap point after each layer. On one GPU nothing communicates: what can overlap is one
-stage's compute with the other's.
+overlap point after each layer (``--compile`` compiles each decoder layer). On one GPU nothing
+communicates: what can overlap is one stage's compute with the other's.
 
 Run (GPU):  python3 packages/d9d-pipeline/benchmarks/overlapped_pairs.py [--repeats 3] [--model qwen3-moe]
 """
@@ -137,6 +137,8 @@ def _qwen3_moe(args: argparse.Namespace, program: PipelineProgram) -> _Run:
     ]
     for stage in stages:
         stage.reset_parameters()
+        if args.compile:
+            stage.model.compile_layers()
     executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
     ids = torch.randint(0, 151936, (args.microbatches, args.seq), device="cuda")
     batch = Qwen3Inputs(input_ids=ids, labels=ids.clone(), summed_losses=True)
@@ -217,6 +219,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile-host", action="store_true", help="cProfile one overlapped step")
+    parser.add_argument("--compile", action="store_true", help="Qwen3-MoE: compile each decoder layer")
     parser.add_argument(
         "--no-points",
         action="store_true",
@@ -248,7 +251,9 @@ def main() -> None:
     ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
 
     if args.model == "qwen3-moe":
-        shape = f"Qwen3-30B-A3B widths, seq {args.seq}, one sequence per microbatch"
+        shape = f"Qwen3-30B-A3B widths, seq {args.seq}, one sequence per microbatch" + (
+            ", compiled layers" if args.compile else ", eager"
+        )
     else:
         shape = f"{args.rows}x{args.width} bf16 matmuls, wait {args.wait_us:.0f} us per layer and pass" + (
             ", no overlap points" if args.no_points else ", an overlap point after each layer"
