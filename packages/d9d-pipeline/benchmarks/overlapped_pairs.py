@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument(
         "--no-points",
         action="store_true",
-        help="stand-in stages without overlap points (one thread per pair)",
+        help="stand-in stages without overlap points (a pair then runs one after the other on one thread)",
     )
     args = parser.parse_args()
     if args.layers is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence, Set
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -92,7 +93,7 @@ class RankRunner:
             if device.type == "cuda":
                 self._streams[stage] = torch.cuda.Stream(device)
         self._paired_forward: Action | None = None  # an overlapped forward waiting for its backward
-        self._pair_helper = pair_helper() if overlap_stages else None
+        self._pair_helper: ThreadPoolExecutor | None = None  # started by the first pair taking turns
 
     def start(
         self,
@@ -213,7 +214,8 @@ class RankRunner:
             self._record_on_stream(s, handle.wait())
             return inputs
         inputs = self._activations.pop((s, m))
-        self._record_on_stream(s, flatten_tree(inputs)[0])
+        if s in self._streams:
+            self._record_on_stream(s, flatten_tree(inputs)[0])
         return inputs
 
     def _forward(self, s: int, m: int, at_points: Callable[[], None] | None = None) -> None:
@@ -288,14 +290,20 @@ class RankRunner:
             # now, before the forward's work is ordered into the ambient stream: the backward
             # must not wait for the forward it runs beside
             backward_stream.wait_stream(ambient)
+        if not self._stages[forward.stage].has_overlap_points and not self._stages[s].recorded_points(m):
+            # one after the other, on their own streams: no thread to wake
+            self._forward(forward.stage, forward.microbatch)
+            input_grads = self._run_backward(s, m, grads, split=split, ambient=ambient, ordered=True)
+            self._deliver_input_grads(s, m, input_grads)
+            return
         turns = Turns()
-        input_grads: list[list[torch.Tensor]] = []
+        results: list[list[torch.Tensor]] = []
 
         def run_forward() -> None:
             self._forward(forward.stage, forward.microbatch, at_points=lambda: turns.pass_turn(0))
 
         def run_backward() -> None:
-            input_grads.append(
+            results.append(
                 self._run_backward(
                     s,
                     m,
@@ -307,17 +315,10 @@ class RankRunner:
                 )
             )
 
-        forward_points = self._stages[forward.stage].has_overlap_points()
-        if not forward_points and not self._stages[s].has_overlap_points(
-            m
-        ):  # one after the other, on their own streams: no thread to wake
-            self._forward(forward.stage, forward.microbatch)
-            input_grads.append(self._run_backward(s, m, grads, split=split, ambient=ambient, ordered=True))
-        elif self._pair_helper is None:
-            raise RuntimeError(f"stage {s}: an overlapped pair on a rank without overlapped stages")
-        else:
-            run_pair(run_forward, run_backward, turns, self._pair_helper)
-        self._deliver_input_grads(s, m, input_grads[0])
+        if self._pair_helper is None:
+            self._pair_helper = pair_helper()
+        run_pair(run_forward, run_backward, turns, self._pair_helper)
+        self._deliver_input_grads(s, m, results[0])
 
     def finish(self) -> None:
         """Posts what is left and waits for every send."""

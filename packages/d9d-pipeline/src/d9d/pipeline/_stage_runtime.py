@@ -118,11 +118,13 @@ class StageRuntime:
         detached = unflatten_tree(out_skeleton, [t.detach() for t in out_tensors])
         return detached, None if loss is None else loss.detach()
 
-    def has_overlap_points(self, microbatch: int | None = None) -> bool:
-        """Whether a turn can change in this stage: in its forward (the module has overlap
-        points) or, given ``microbatch``, in that microbatch's backward (points were recorded)."""
-        if microbatch is None:
-            return self._overlap_module is not None
+    @property
+    def has_overlap_points(self) -> bool:
+        """Whether the module marks overlap points, where a turn can change in its forward."""
+        return self._overlap_module is not None
+
+    def recorded_points(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s forward recorded overlap points, where its backward passes turns."""
         saved = self._saved.get(microbatch)
         return saved is not None and bool(saved.points)
 
