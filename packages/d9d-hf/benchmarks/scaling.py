@@ -101,7 +101,7 @@ def command_of(args: argparse.Namespace, run: Run, implementation: str, output: 
     command += [f"--steps={args.steps}", f"--warmup={args.warmup}"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in run.options]
     if implementation.startswith("d9d"):
-        command.append(f"--d9d-state={args.d9d_state}")
+        command += [f"--d9d-state={args.d9d_state}", f"--read-figures={args.read_figures}"]
         command += ["--busy"] if args.busy else []
     return command + (["--quick"] if args.quick else [])
 
@@ -248,6 +248,12 @@ def main() -> None:
     parser.add_argument("--impl", default="d9d_compile", choices=["d9d", "d9d_compile"])
     parser.add_argument("--peer", help="also run this implementation on one GPU (e.g. titan) against d9d")
     parser.add_argument("--d9d-state", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--read-figures",
+        choices=["after_step", "during_next_step"],
+        default="after_step",
+        help="d9d: trainer.logging.read_figures",
+    )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4, help="samples per data-parallel replica")
     parser.add_argument("--cp-seq", type=int, default=32768, help="the cp layout's sequence length")

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -669,12 +670,18 @@ def _float8_layers(model: torch.nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def _row_name(args: argparse.Namespace, implementation: str, *, fp8: bool | None = None) -> str:
-    """The table's name of a row: ``<implementation>[_bf16state][_fp8]`` (``--d9d-state``; FP8
-    when ``fp8``, by default when ``--float8`` is given)."""
-    state = "_bf16state" if implementation.startswith("d9d") and args.d9d_state == "bfloat16" else ""
+def _row_name(
+    args: argparse.Namespace, implementation: str, *, fp8: bool | None = None, read_figures: str | None = None
+) -> str:
+    """The table's name of a row: ``<implementation>[_bf16state][_late][_fp8]`` (``--d9d-state``;
+    ``_late`` when d9d reads a step's figures during the next step; FP8 when ``fp8``, by default
+    when ``--float8`` is given)."""
+    d9d = implementation.startswith("d9d")
+    state = "_bf16state" if d9d and args.d9d_state == "bfloat16" else ""
+    read_figures = args.read_figures[0] if read_figures is None else read_figures
+    late = "_late" if d9d and read_figures == "during_next_step" else ""
     fp8 = args.float8 is not None if fp8 is None else fp8
-    return implementation + state + (FLOAT8_SUFFIX if fp8 else "")
+    return implementation + state + late + (FLOAT8_SUFFIX if fp8 else "")
 
 
 def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
@@ -706,13 +713,13 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     rank = int(os.environ.get("RANK", "0"))
     layout = parallel_layout(args, world)
     name = _row_name(args, "d9d_compile" if compiled else "d9d")
-    profiled = 2 if args.profile or args.busy else 0
+    profiled = 2 if args.profile or args.busy or args.trace is not None else 0
     total_steps = args.warmup + args.steps + profiled
     trainer: dict[str, Any] = {
         "max_steps": total_steps,
         "global_batch_size": layout.global_batch,
         "microbatch_size": layout.microbatch_size,
-        "logging": {"progress_bar": False},
+        "logging": {"progress_bar": False, "read_figures": args.read_figures[0]},
         "device": device.type,
         "initialization": {"layout_invariant": False},
         "gradient_clipping": {"max_norm": 1.0},
@@ -758,8 +765,9 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
 
     profiler: Any = None
     # On a GPU the phases are timed on the stream (the loop's clocks are host clocks, and the host
-    # waits for the device only once per step): an event at the start of each step, one when the
-    # optimizer is about to step (forward, backward and clipping queued), one at its end.
+    # waits for the device only once per step): an event at the start of each step and one when the
+    # optimizer is about to step (forward, backward and clipping queued); a step ends where the
+    # next one starts (the events of a step whose figures are read late come during the next step).
     marks: list[list[Any]] = []
 
     def mark(loop_event: object) -> None:
@@ -772,7 +780,6 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
 
     def on_step(event: StepFinished) -> None:
         nonlocal profiler
-        mark(event)
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
         phases.append(
@@ -783,7 +790,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         )
         # the loop reads and resets the allocator's peak every step: take its per-step figure
         peaks.append(event.metrics.get("memory/peak_gib", float("nan")))
-        if not args.busy and not (args.profile and rank == 0):
+        if not args.busy and args.trace is None and not (args.profile and rank == 0):
             return
         if event.step == args.warmup + args.steps - 1:  # two extra steps after the timed ones
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -800,6 +807,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
                 busy.append(device_busy_fraction(profiler, window[1] - window[0]))
             if args.profile and rank == 0:
                 _print_profile(profiler, device)
+            if args.trace is not None:
+                profiler.export_chrome_trace(f"{args.trace}.rank{rank}.json")
             profiler = None
 
     with TrainingConfigurator(
@@ -822,6 +831,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         trainer_.events.subscribe(StepFinished, on_step)
         float8_layers = sum(_float8_layers(stage) for stage in trainer_.model_stages)
         trainer_.train()
+        mark(StepStarted(step=total_steps))  # the end of the last step
         _sync(device)
         idle: list[float] | None = None
         if args.busy:  # every rank's figure, gathered while the process group is still up
@@ -833,7 +843,10 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
             idle = [float(i) for i in gathered]
     timed = slice(args.warmup, args.warmup + args.steps)
     if marks:  # the device's phases (synced above): step start to optimizer, optimizer to step end
-        phases = [(a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3) for a, b, c in marks]
+        phases = [
+            (start.elapsed_time(optimizer) / 1e3, optimizer.elapsed_time(end) / 1e3)
+            for (start, optimizer, *_), (end, *_) in itertools.pairwise(marks)
+        ]
     elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
     tokens_per_s = layout.global_batch * args.seq * args.steps / elapsed
     record: dict[str, Any] = {
@@ -929,21 +942,27 @@ def run_one(args: argparse.Namespace) -> None:
             raise ValueError(f"unknown implementation {args.impl!r}")
 
 
-def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool]]:
-    """(implementation, in FP8) of every row of a round, in order.
+def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(implementation, in FP8, d9d's ``read_figures``) of every row of a round, in order.
 
     Without ``--float8``: ``--only`` or every implementation, in bf16. With it: the first d9d
     implementation in bf16 as the baseline, then each FP8-capable implementation of ``--only``
-    (default: all of them) in FP8; others named in ``--only`` run as they are.
+    (default: all of them) in FP8; others named in ``--only`` run as they are. Each d9d row runs
+    once per ``--read-figures`` mode.
     """
     if args.float8 is None:
-        return [(name, False) for name in args.only or IMPLEMENTATIONS]
-    names = list(args.only or FLOAT8_IMPLEMENTATIONS)
-    runs = [(name, name in FLOAT8_IMPLEMENTATIONS) for name in names]
-    d9d_rows = [name for name in names if name.startswith("d9d")]
-    if d9d_rows and args.bf16_baseline:
-        runs.insert(0, (d9d_rows[0], False))  # the first d9d row, in bf16
-    return runs
+        runs = [(name, False) for name in args.only or IMPLEMENTATIONS]
+    else:
+        names = list(args.only or FLOAT8_IMPLEMENTATIONS)
+        runs = [(name, name in FLOAT8_IMPLEMENTATIONS) for name in names]
+        d9d_rows = [name for name in names if name.startswith("d9d")]
+        if d9d_rows and args.bf16_baseline:
+            runs.insert(0, (d9d_rows[0], False))  # the first d9d row, in bf16
+    return [
+        (name, fp8, mode)
+        for name, fp8 in runs
+        for mode in (args.read_figures if name.startswith("d9d") else args.read_figures[:1])
+    ]
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -958,12 +977,12 @@ def run_all(args: argparse.Namespace) -> None:
     shape = model_shape(args.model, args.quick)
     flops = flops_per_token(shape, args.seq)
     runs = _planned_runs(args)
-    names = [_row_name(args, impl, fp8=fp8) for impl, fp8 in runs]
+    names = [_row_name(args, impl, fp8=fp8, read_figures=mode) for impl, fp8, mode in runs]
     rounds: list[dict[str, dict[str, Any]]] = []
     scratch = Path(f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
     for round_index in range(args.repeats):
         records: dict[str, dict[str, Any]] = {}
-        for (impl, fp8), name in zip(runs, names, strict=True):
+        for (impl, fp8, mode), name in zip(runs, names, strict=True):
             scratch.unlink(missing_ok=True)
             command = [sys.executable, __file__, "--impl", impl, "--json", str(scratch)]
             command += [
@@ -974,7 +993,7 @@ def run_all(args: argparse.Namespace) -> None:
             if args.attention_backend is not None and impl.startswith("d9d"):
                 command.append(f"--attention-backend={args.attention_backend}")
             if impl.startswith("d9d"):
-                command.append(f"--d9d-state={args.d9d_state}")
+                command += [f"--d9d-state={args.d9d_state}", f"--read-figures={mode}"]
             command += ["--quick"] if args.quick else []
             if fp8:
                 command += [f"--float8={args.float8}"]
@@ -1079,6 +1098,12 @@ def main() -> None:
         action="store_true",
         help="d9d and torchtitan rows (first round): print the top kernels of two extra steps",
     )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="d9d: profile two extra steps and write their Chrome trace to <TRACE>.rank<R>.json "
+        "(summarize it with step_gaps.py)",
+    )
     parser.add_argument("--pp", type=int, default=1, help="d9d: pipeline-parallel ranks")
     parser.add_argument("--schedule", choices=pipeline_schedules(), default="1f1b", help="d9d: with --pp")
     parser.add_argument(
@@ -1113,6 +1138,14 @@ def main() -> None:
         help="d9d rows: float32 master weights and AdamW state (default), or bf16 parameters "
         "(model.master_dtype) stepped by stochastic_adamw with bf16 moments, the state torchtitan's "
         "'titan' row keeps (rows named <row>_bf16state)",
+    )
+    parser.add_argument(
+        "--read-figures",
+        nargs="+",
+        choices=["after_step", "during_next_step"],
+        default=["after_step"],
+        help="d9d rows: trainer.logging.read_figures; with several, each d9d row runs once per mode "
+        "(during_next_step rows are named <row>_late)",
     )
     parser.add_argument(
         "--bf16-baseline",

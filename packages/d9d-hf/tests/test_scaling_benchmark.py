@@ -33,7 +33,7 @@ def _args(**overrides: Any) -> argparse.Namespace:
     values: dict[str, Any] = {
         "gpus": 2, "layouts": ["dp_shard", "cp", "pp:zbv"], "seq": 4096, "batch": 4, "cp_seq": 32768,
         "microbatches": 4, "device": "cuda", "steps": 10, "warmup": 5, "d9d_state": "bfloat16",
-        "quick": False, "busy": False,
+        "read_figures": "after_step", "quick": False, "busy": False,
     }  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 

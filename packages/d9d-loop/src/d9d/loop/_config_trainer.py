@@ -105,6 +105,15 @@ class LoggingConfig(_Strict):
         throughput_window: Throughput is smoothed over this many steps.
         peak_flops_per_device: The peak FLOP/s MFU divides by (None: known GPUs' dense bf16
             peak; no MFU on other devices).
+        read_figures: When the host reads a step's loss, gradient norm and token count, the
+            step's one wait for the device. ``after_step``: at the step's end, so the device idles
+            while the host prepares the next step. ``during_next_step``: once the next step's
+            forward and backward are queued, so the device never waits for the host between
+            steps; the step's ``ForwardBackwardFinished``, ``OptimizerStepFinished`` and
+            ``StepFinished`` events, its tracker line and the non-finite check then come during
+            the next step. A step that saves a checkpoint, evaluates, logs training metrics or
+            ends the run is still read at its end. Not with ``nonfinite.policy: skip``, which
+            reads the norm before the optimizer step.
     """
 
     progress_bar: bool = True
@@ -113,6 +122,7 @@ class LoggingConfig(_Strict):
     trackers: list[TrackerConfig] = Field(default_factory=list[TrackerConfig])
     throughput_window: int = Field(default=50, ge=1)
     peak_flops_per_device: float | None = Field(default=None, gt=0)
+    read_figures: Literal["after_step", "during_next_step"] = "after_step"
 
     @property
     def chosen_trackers(self) -> list[TrackerConfig]:
@@ -232,12 +242,17 @@ class TrainerConfig(_Strict):
     peft: PeftConfig = FullFineTuningConfig()
 
     @model_validator(mode="after")
-    def _one_run_length(self) -> TrainerConfig:
+    def _consistent(self) -> TrainerConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("trainer needs exactly one of 'max_steps' and 'epochs'")
         if self.global_batch_size % self.microbatch_size != 0:
             raise ValueError(
                 f"trainer.global_batch_size={self.global_batch_size} is not divisible by "
                 f"trainer.microbatch_size={self.microbatch_size}"
+            )
+        if self.logging.read_figures == "during_next_step" and isinstance(self.nonfinite, SkipNonFinite):
+            raise ValueError(
+                "trainer.logging.read_figures=during_next_step cannot be combined with "
+                "trainer.nonfinite.policy=skip, which reads the gradient norm before each optimizer step"
             )
         return self

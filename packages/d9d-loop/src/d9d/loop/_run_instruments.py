@@ -12,7 +12,7 @@ from d9d.loop._gc_control import GarbageCollection
 from d9d.loop._model_provider import ModelProvider
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._profiler import StepProfiler
-from d9d.loop._step_metrics import StepMetrics, StepWork
+from d9d.loop._step_metrics import StepEnd, StepMetrics, StepWork
 from d9d.loop._step_timing import StepPhase
 from d9d.mesh import DistributedContext
 
@@ -43,14 +43,18 @@ class RunInstruments:
         """At the end of ``phase`` of the current step."""
         self.metrics.lap(phase)
 
-    def step_finished(self, step: int, work: StepWork) -> dict[str, float]:
-        """After the optimizer step; returns the step's figures by metric name."""
-        figures = self.metrics.finish(work)
+    def step_finished(self, step: int) -> StepEnd:
+        """After the optimizer step is queued; returns the step's host-side measurements."""
+        ended = self.metrics.end()
         if self.profiler is not None:
             self.profiler.step_finished(step)
         if self.garbage_collection is not None:
             self.garbage_collection.step_finished(step)
-        return figures
+        return ended
+
+    def figures(self, ended: StepEnd, work: StepWork) -> dict[str, float]:
+        """The figures of an ended step by metric name, once its token count was read."""
+        return self.metrics.figures(ended, work)
 
     def resumed(self) -> None:
         """After a resume or rollback: the gap to the previous step is not a checkpoint."""

@@ -29,15 +29,12 @@ class StepFigures:
     grad_norm: float
 
     @classmethod
-    def read(cls, sums: torch.Tensor, grad_norm: torch.Tensor, step: int) -> StepFigures:
-        """Copies ``sums`` (weighted loss, weight, microbatches, tokens, metric sums...) and the
-        norm to the host at once: the step's only wait for the device.
+    def from_values(cls, values: list[float], step: int) -> StepFigures:
+        """The figures from the host copy of ``[sums..., grad_norm]``.
 
         Raises:
             ValueError: If the loss weights sum to zero or less (nothing to learn from).
         """
-        norm = grad_norm.detach().to(device=sums.device, dtype=sums.dtype).reshape(1)
-        values = cast(list[float], torch.cat([sums, norm]).cpu().tolist())
         weighted_loss, weight, microbatches, tokens = values[:4]
         if weight <= 0:
             raise ValueError(
@@ -51,3 +48,43 @@ class StepFigures:
             metric_sums=tuple(values[4:-1]),
             grad_norm=values[-1],
         )
+
+
+@dataclass(kw_only=True, frozen=True)
+class QueuedFigures:
+    """A step's sums and gradient norm on their way to the host; ``read()`` waits for them.
+
+    On CUDA the copy goes to pinned host memory behind the step's kernels and an event marks its
+    end, so the host can queue the next step's work before it waits: the wait then ends when this
+    step's kernels are done, while the device already runs the next step's.
+
+    Attributes:
+        step: The step whose figures these are.
+    """
+
+    step: int
+    _host: torch.Tensor
+    _copied: torch.cuda.Event | None
+
+    @classmethod
+    def queue(cls, sums: torch.Tensor, grad_norm: torch.Tensor, step: int) -> QueuedFigures:
+        """Starts the copy of ``sums`` and the norm to the host, without waiting for it."""
+        norm = grad_norm.detach().to(device=sums.device, dtype=sums.dtype).reshape(1)
+        values = torch.cat([sums, norm])
+        if values.device.type != "cuda":
+            return cls(step=step, _host=values.cpu(), _copied=None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(step=step, _host=host, _copied=copied)
+
+    def read(self) -> StepFigures:
+        """Waits for the copy and returns the figures.
+
+        Raises:
+            ValueError: If the loss weights sum to zero or less (nothing to learn from).
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+        return StepFigures.from_values(cast(list[float], self._host.tolist()), self.step)

@@ -10,7 +10,7 @@ import torch
 
 from d9d.loop._device_memory import DeviceMemory
 from d9d.loop._flops import FlopsBudget
-from d9d.loop._step_timing import StepPhase, StepTimer
+from d9d.loop._step_timing import StepPhase, StepTimer, StepTimes
 from d9d.loop._throughput import SmoothedThroughput
 
 
@@ -20,6 +20,14 @@ class StepWork:
 
     samples: float
     tokens: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepEnd:
+    """What is measured on the host when a step's work is queued: its times and device memory."""
+
+    times: StepTimes
+    memory: dict[str, float]
 
 
 class StepMetrics:
@@ -64,9 +72,15 @@ class StepMetrics:
         """Forgets the gap to the previous step (after a resume or a rollback)."""
         self._timer.forget_previous()
 
-    def finish(self, work: StepWork) -> dict[str, float]:
-        """Marks the end of the step and returns its figures by metric name."""
-        times = self._timer.finish()
+    def end(self) -> StepEnd:
+        """Marks the end of the step: its times and memory figures, read without a device sync."""
+        return StepEnd(
+            times=self._timer.finish(), memory=self._memory.read() if self._memory is not None else {}
+        )
+
+    def figures(self, ended: StepEnd, work: StepWork) -> dict[str, float]:
+        """The figures of an ended step by metric name, once its work (token count) is known."""
+        times = ended.times
         self._throughput.add(seconds=times.wall, samples=work.samples, tokens=work.tokens)
         metrics = {"samples_per_s": self._throughput.samples_per_second}
         if work.tokens > 0:
@@ -81,6 +95,8 @@ class StepMetrics:
             "time/checkpoint_s": times.checkpoint,
             "time/step_s": times.wall,
         }
-        if self._memory is not None:
-            metrics |= self._memory.read()
-        return metrics
+        return metrics | ended.memory
+
+    def finish(self, work: StepWork) -> dict[str, float]:
+        """Marks the end of the step and returns its figures by metric name (``end`` + ``figures``)."""
+        return self.figures(self.end(), work)

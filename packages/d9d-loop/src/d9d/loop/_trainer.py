@@ -6,7 +6,7 @@ import atexit
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
@@ -43,8 +43,8 @@ from d9d.loop._resume_settings import capture_settings, reapply
 from d9d.loop._rollback_walk import RollbackWalk
 from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
-from d9d.loop._step_figures import StepFigures
-from d9d.loop._step_metrics import StepWork
+from d9d.loop._step_figures import QueuedFigures, StepFigures
+from d9d.loop._step_metrics import StepEnd, StepWork
 from d9d.loop._step_runner import StepRunner
 from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
@@ -61,6 +61,18 @@ def _to_device(tree: TreeT, device: torch.device) -> TreeT:
     if device.type == "cpu":
         return tree  # batches are built on the host: nothing to move
     return map_tree(tree, lambda t, _path: t.to(device, non_blocking=True))
+
+
+@dataclass(kw_only=True, frozen=True)
+class _StepInFlight:
+    """A step whose work is queued and whose figures are not read yet."""
+
+    figures: QueuedFigures
+    read_before: StepFigures | None  # read before the optimizer step (``skip``)
+    verdict_before: StepVerdict
+    learning_rate: float
+    metric_names: tuple[str, ...]
+    ended: StepEnd
 
 
 class StepFailedError(RuntimeError):
@@ -81,6 +93,7 @@ class RunPlan:
         first_step_seconds: The step watchdog's allowance for the first step.
         step_seconds: The step watchdog's limit for later steps (None: no watchdog).
         checkpoint_trainable_only: Checkpoints hold only the parameters that train (LoRA).
+        read_figures: When the host reads each step's figures (``trainer.logging.read_figures``).
     """
 
     total_steps: int
@@ -92,6 +105,7 @@ class RunPlan:
     first_step_seconds: float | None = None
     step_seconds: float | None = None
     checkpoint_trainable_only: bool = False
+    read_figures: Literal["after_step", "during_next_step"] = "after_step"
 
 
 @dataclass(kw_only=True)
@@ -137,6 +151,8 @@ class Trainer:
         self._watchdog = StepWatchdog(rank=parts.dist_context.rank)
         self._guard = parts.nonfinite_guard
         self._rollback_due = False
+        self._in_flight: _StepInFlight | None = None  # a step whose figures the next step reads
+        self._reporting_late = False  # publishing a step's events in the middle of the next step
         self._evaluation_improved = False
         self._closed = False
         # What the config set, before any checkpoint restores its own values: on resume the config wins.
@@ -213,7 +229,18 @@ class Trainer:
         engine can use the accelerator. Fires ``SleepStarted`` / ``SleepFinished``. Every tensor
         object stays valid (only its storage moves); the next step, or ``wake()``, brings the
         state back bit-exact. No-op when asleep.
+
+        Raises:
+            RuntimeError: If called from an event of a step whose figures are read during the
+                next step (``trainer.logging.read_figures: during_next_step``): that step's work
+                is queued then.
         """
+        if self._reporting_late:
+            raise RuntimeError(
+                "sleep() was called during step "
+                f"{self._step} (from an event of step {self._step - 1}, whose figures are read during "
+                "the next step under trainer.logging.read_figures=during_next_step); call it between steps"
+            )
         self._sleeper.sleep(self._step)
 
     def wake(self) -> None:
@@ -354,7 +381,7 @@ class Trainer:
             while self._step < p.plan.total_steps:
                 self._watchdog.arm(self._step, p.plan.first_step_seconds if first else p.plan.step_seconds)
                 try:
-                    metrics = self._train_step()
+                    reported = self._train_step()
                 except NonFiniteError:
                     raise  # names the step already
                 except Exception as e:
@@ -367,7 +394,8 @@ class Trainer:
                 if self._rollback_due:
                     self._rollback()  # before anything of the non-finite state is saved
                     continue
-                bar.update(metrics)
+                for metrics in reported:
+                    bar.update(metrics)
                 self._maybe_checkpoint(final=self._step == p.plan.total_steps or self._evaluation_improved)
             if p.checkpointer is not None:
                 p.checkpointer.finalize(self._on_checkpoint_visible)
@@ -416,7 +444,8 @@ class Trainer:
     def _on_checkpoint_visible(self, location: CheckpointLocation) -> None:
         self._p.events.publish(CheckpointSaved(step=location.step, path=location.path))
 
-    def _train_step(self) -> dict[str, float]:
+    def _train_step(self) -> list[dict[str, float]]:
+        """Runs one step; returns the metrics of the steps whose figures it read (0, 1 or 2)."""
         p = self._p
         step = self._step
         p.instruments.step_started(step)
@@ -438,7 +467,7 @@ class Trainer:
         )
         # Only ranks that compute the loss count tokens, once per data-parallel replica.
         local_tokens = float(built.num_tokens or 0) if p.step_runner.has_last_stage else 0.0
-        metric_names = sorted(totals.metric_sums)
+        metric_names = tuple(sorted(totals.metric_sums))
         sums = all_reduce_sum_on_device(
             [
                 totals.weighted_loss(p.dist_context.device),
@@ -454,6 +483,24 @@ class Trainer:
         sums = sums / p.loss_replication
         p.instruments.lap("forward_backward")
 
+        reported: list[dict[str, float]] = []
+        if self._in_flight is not None:
+            # The previous step's figures, read now that this step's work keeps the device busy.
+            self._reporting_late = True
+            try:
+                reported.append(self._report(self._in_flight))
+            finally:
+                self._reporting_late = False
+                self._in_flight = None
+            if self._rollback_due:
+                # The previous step was not finite: this one is dropped; the rollback restores
+                # the data position, the metrics and the state from before the bad step.
+                p.gradients.finish(
+                    global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step
+                )
+                p.optimizer.zero_grad(set_to_none=True)
+                return reported
+
         # The weight stays on the device: the host reads the step's figures once, after the
         # optimizer's kernels are queued (before them only under `skip`, which must decide first).
         p.gradients.finish(global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step)
@@ -465,14 +512,13 @@ class Trainer:
         # An optimizer that scales gradients as it reads them gets the factor instead.
         scaling = p.optimizer if isinstance(p.optimizer, GradientScalingOptimizer) else None
         clip = p.gradients.clip(in_place=scaling is None)
-        grad_norm_tensor = clip.norm
-        figures_read = None
-        if self._guard.reads_norm_before_step:
-            figures_read = StepFigures.read(sums, grad_norm_tensor, step)
-            p.events.publish(ForwardBackwardFinished(step=step, loss=figures_read.loss))
+        queued = QueuedFigures.queue(sums, clip.norm, step)
         verdict = StepVerdict.APPLY
-        if figures_read is not None:
-            verdict = self._guard.check(step=step, loss=figures_read.loss, grad_norm=figures_read.grad_norm)
+        read_before: StepFigures | None = None
+        if self._guard.reads_norm_before_step:
+            read_before = queued.read()
+            p.events.publish(ForwardBackwardFinished(step=step, loss=read_before.loss))
+            verdict = self._guard.check(step=step, loss=read_before.loss, grad_norm=read_before.grad_norm)
         p.events.publish(OptimizerStepStarted(step=step))
         learning_rate = float(p.optimizer.param_groups[0]["lr"])
         if verdict is StepVerdict.APPLY:
@@ -487,34 +533,70 @@ class Trainer:
             )
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
+        p.instruments.lap("optimizer")
+        self._step += 1
+        in_flight = _StepInFlight(
+            figures=queued,
+            read_before=read_before,
+            verdict_before=verdict,
+            learning_rate=learning_rate,
+            metric_names=metric_names,
+            ended=p.instruments.step_finished(step),
+        )
+        if self._reads_at_end(step):
+            reported.append(self._report(in_flight))
+        else:
+            self._in_flight = in_flight
+        return reported
+
+    def _reads_at_end(self, step: int) -> bool:
+        """Whether ``step``'s figures are read at its end rather than during the next step."""
+        p = self._p
+        match p.plan.read_figures:
+            case "after_step":
+                return True
+            case "during_next_step":
+                done = step + 1
+                checkpoint_due = p.checkpointer is not None and done % p.plan.checkpoint_every_steps == 0
+                evaluation_due = p.evaluator is not None and p.evaluator.is_due(done)
+                metrics_logged = p.train_metrics is not None and self._logged(step)
+                return done == p.plan.total_steps or checkpoint_due or evaluation_due or metrics_logged
+
+    def _logged(self, step: int) -> bool:
+        return step % self._p.plan.log_every_steps == 0 or step + 1 == self._p.plan.total_steps
+
+    def _report(self, in_flight: _StepInFlight) -> dict[str, float]:
+        """Reads a step's figures, checks them, publishes its events and logs its metrics."""
+        p = self._p
+        step = in_flight.figures.step
+        verdict = in_flight.verdict_before
+        figures_read = in_flight.read_before
         if figures_read is None:
-            figures_read = StepFigures.read(sums, grad_norm_tensor, step)
+            figures_read = in_flight.figures.read()
             p.events.publish(ForwardBackwardFinished(step=step, loss=figures_read.loss))
             # A step that was not finite already went through the optimizer here: `stop` ends the
             # run and `rollback` reloads a checkpoint, so no state after it is ever saved.
             verdict = self._guard.check(step=step, loss=figures_read.loss, grad_norm=figures_read.grad_norm)
         loss, grad_norm, tokens = figures_read.loss, figures_read.grad_norm, figures_read.tokens
-        microbatches = figures_read.microbatches
         self._rollback_due = verdict is StepVerdict.ROLLBACK
-        p.events.publish(OptimizerStepFinished(step=step, learning_rate=learning_rate, grad_norm=grad_norm))
-        p.instruments.lap("optimizer")
-
-        self._step += 1
-        figures = p.instruments.step_finished(
-            step, StepWork(samples=p.plan.batch.global_batch_size, tokens=tokens)
+        p.events.publish(
+            OptimizerStepFinished(step=step, learning_rate=in_flight.learning_rate, grad_norm=grad_norm)
         )
-        metrics: dict[str, float] = {"loss": loss, "lr": learning_rate, "grad_norm": grad_norm}
+        figures = p.instruments.figures(
+            in_flight.ended, StepWork(samples=p.plan.batch.global_batch_size, tokens=tokens)
+        )
+        metrics: dict[str, float] = {"loss": loss, "lr": in_flight.learning_rate, "grad_norm": grad_norm}
         if verdict is StepVerdict.SKIP:
             metrics["skipped"] = 1.0
         metrics |= figures  # throughput (smoothed), step-time split, MFU, memory
-        for name, value in zip(metric_names, figures_read.metric_sums, strict=True):
-            metrics[name] = value / microbatches
-        logged = step % p.plan.log_every_steps == 0 or self._step == p.plan.total_steps
+        for name, value in zip(in_flight.metric_names, figures_read.metric_sums, strict=True):
+            metrics[name] = value / figures_read.microbatches
+        logged = self._logged(step)
         if p.train_metrics is not None and logged:  # collective: every rank logs the same steps
             metrics |= p.train_metrics.compute(p.dist_context.world_group())
         self._evaluation_improved = False
-        if p.evaluator is not None and p.evaluator.is_due(self._step):
-            evaluation = p.evaluator.evaluate(step=self._step)
+        if p.evaluator is not None and p.evaluator.is_due(step + 1):
+            evaluation = p.evaluator.evaluate(step=step + 1)
             metrics |= evaluation.metrics
             self._evaluation_improved, logged = evaluation.improved, True
         if p.dist_context.is_main_process and logged:
