@@ -847,7 +847,15 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
             (start.elapsed_time(optimizer) / 1e3, optimizer.elapsed_time(end) / 1e3)
             for (start, optimizer, *_), (end, *_) in itertools.pairwise(marks)
         ]
-    elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
+    # On a GPU, from the stream event at the start of the first timed step to the one at the start
+    # of the step after the last: the device's time for those steps, idle included, the same
+    # whenever the host reads the figures. (Host clocks at StepFinished are not: with
+    # read_figures=during_next_step a step's event comes when the host, held back by the full
+    # launch queue, reaches the next step's read; only the run's last step is read at its end.)
+    if marks:
+        elapsed = marks[args.warmup][0].elapsed_time(marks[args.warmup + args.steps][0]) / 1e3
+    else:
+        elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
     tokens_per_s = layout.global_batch * args.seq * args.steps / elapsed
     record: dict[str, Any] = {
         "mesh": {"pp": layout.pp, "cp": layout.cp, "dp_shard": layout.dp_shard},

@@ -139,7 +139,9 @@ def test_a_non_finite_step_read_during_the_next_one_ends_as_when_read_at_its_end
     assert max(int(name.removeprefix("step_")) for name in saved) <= failed  # none after the bad step
 
 
-def test_skip_cannot_wait_for_the_next_step() -> None:
+def test_figures_are_read_during_the_next_step_unless_skip_must_read_them_before_the_optimizer() -> None:
+    assert toy_config().trainer.read_figures == "during_next_step"
+    assert toy_config(trainer={"nonfinite": {"policy": "skip"}}).trainer.read_figures == "after_step"
     with pytest.raises(ValidationError, match=r"read_figures=during_next_step .*nonfinite.policy=skip"):
         toy_config(trainer={"logging": LATE, "nonfinite": {"policy": "skip"}})
 
@@ -161,3 +163,35 @@ def _sleep_from_a_late_event() -> str:
 def test_sleep_from_an_event_read_during_the_next_step_is_refused() -> None:
     message = run_distributed(_sleep_from_a_late_event, world_size=1)[0]
     assert "sleep() was called during step 1 (from an event of step 0" in message, message
+
+
+def _fail_in_step(step: int) -> list[tuple[str, int]]:
+    config = toy_config(trainer={"max_steps": 6, "logging": {"progress_bar": False, **LATE}})
+    events = EventBus()
+    seen: list[tuple[str, int]] = []
+    trainer = build_trainer(config, events=events)
+
+    def started(event: StepStarted) -> None:
+        seen.append(("StepStarted", event.step))
+        if event.step == step:
+            raise RuntimeError("the data service went away")
+
+    events.subscribe(StepStarted, started)
+    events.subscribe(StepFinished, lambda e: seen.append(("StepFinished", e.step)))
+    try:
+        trainer.train()
+    except Exception as e:
+        seen.append((f"{type(e).__name__}: {e}", -1))
+    finally:
+        trainer.close()
+    return seen
+
+
+def test_a_failing_step_reports_the_previous_step_before_the_error() -> None:
+    # step 2's figures were to be read during step 3, which fails before it gets there
+    seen = run_distributed(_fail_in_step, 3, world_size=1)[0]
+    assert seen[-3:] == [
+        ("StepStarted", 3),
+        ("StepFinished", 2),
+        ("StepFailedError: step 3 failed on rank 0: RuntimeError: the data service went away", -1),
+    ], seen

@@ -24,9 +24,9 @@ class StepVerdict(Enum):
 class NonFiniteGuard:
     """Checks each step's loss and gradient norm, which the trainer reads back anyway.
 
-    The loss is a host value before the optimizer step. The gradient norm is read after the
-    step (so the host does not wait before the optimizer's kernels are queued), except under
-    ``skip``, where it must be known before: then it is read before the step, still once.
+    Both are read with the step's other figures after the optimizer's kernels are queued (by
+    default during the next step), so the host does not wait before them; under ``skip`` they
+    must be known before the step: then they are read before it, still once.
     """
 
     def __init__(self, config: NonFiniteConfig, logger: logging.LoggerAdapter[logging.Logger]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -78,6 +79,18 @@ class QueuedFigures:
         copied = torch.cuda.Event()
         copied.record()
         return cls(step=step, _host=host, _copied=copied)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits at most ``timeout_s`` for the copy; whether it is there (for a failing run, where
+        the device may never finish)."""
+        if self._copied is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not self._copied.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def read(self) -> StepFigures:
         """Waits for the copy and returns the figures.

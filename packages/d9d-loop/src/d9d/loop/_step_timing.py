@@ -14,9 +14,9 @@ StepPhase = Literal["data", "forward_backward", "optimizer"]
 class StepTimes:
     """Seconds of one step by phase, read from host clocks.
 
-    The loop reads the loss and the gradient norm to the host once per step anyway, so the
-    forward-backward and optimizer phases end at a device sync they already have; no phase adds
-    one. ``checkpoint`` is the time between the previous step's end and this step's start:
+    The loop waits for the device once per step anyway, to read the step's figures (at the step's
+    end, or by default during the next step, see ``trainer.logging.read_figures``); no phase
+    adds a wait of its own. ``checkpoint`` is the time between the previous step's end and this step's start:
     saving or finalizing a checkpoint, and the (small) progress-bar update.
 
     Attributes:

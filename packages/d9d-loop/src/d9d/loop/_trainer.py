@@ -63,6 +63,10 @@ def _to_device(tree: TreeT, device: torch.device) -> TreeT:
     return map_tree(tree, lambda t, _path: t.to(device, non_blocking=True))
 
 
+# How long a failing step waits for the previous step's figures before giving up on them.
+_FAILURE_REPORT_WAIT_S = 30.0
+
+
 @dataclass(kw_only=True, frozen=True)
 class _StepInFlight:
     """A step whose work is queued and whose figures are not read yet."""
@@ -105,7 +109,7 @@ class RunPlan:
     first_step_seconds: float | None = None
     step_seconds: float | None = None
     checkpoint_trainable_only: bool = False
-    read_figures: Literal["after_step", "during_next_step"] = "after_step"
+    read_figures: Literal["after_step", "during_next_step"] = "during_next_step"
 
 
 @dataclass(kw_only=True)
@@ -385,6 +389,7 @@ class Trainer:
                 except NonFiniteError:
                     raise  # names the step already
                 except Exception as e:
+                    self._report_before_failing()
                     # e.g. a collective that timed out: say where, then let the job end
                     raise StepFailedError(
                         f"step {self._step} failed on rank {p.dist_context.rank}: {type(e).__name__}: {e}"
@@ -548,6 +553,24 @@ class Trainer:
         else:
             self._in_flight = in_flight
         return reported
+
+    def _report_before_failing(self) -> None:
+        """Reports the step whose figures were still in flight when the next step failed.
+
+        Its loss and metrics are often what explains the failure. The device may never finish
+        (a hung collective), so the wait is bounded, and an error of the report itself is logged
+        without replacing the step's own.
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None or not in_flight.figures.wait(_FAILURE_REPORT_WAIT_S):
+            return
+        try:
+            self._report(in_flight)
+        except Exception as e:
+            self._p.dist_context.logger.warning(
+                "step %d's figures could not be reported after step %d failed: %s: %s",
+                in_flight.figures.step, self._step, type(e).__name__, e,
+            )  # fmt: skip
 
     def _reads_at_end(self, step: int) -> bool:
         """Whether ``step``'s figures are read at its end rather than during the next step."""
