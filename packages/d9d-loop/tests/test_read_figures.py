@@ -139,9 +139,8 @@ def test_a_non_finite_step_read_during_the_next_one_ends_as_when_read_at_its_end
     assert max(int(name.removeprefix("step_")) for name in saved) <= failed  # none after the bad step
 
 
-def test_figures_are_read_during_the_next_step_unless_skip_must_read_them_before_the_optimizer() -> None:
-    assert toy_config().trainer.read_figures == "during_next_step"
-    assert toy_config(trainer={"nonfinite": {"policy": "skip"}}).trainer.read_figures == "after_step"
+def test_skip_cannot_wait_for_the_next_step() -> None:
+    assert toy_config().trainer.logging.read_figures == "after_step"
     with pytest.raises(ValidationError, match=r"read_figures=during_next_step .*nonfinite.policy=skip"):
         toy_config(trainer={"logging": LATE, "nonfinite": {"policy": "skip"}})
 

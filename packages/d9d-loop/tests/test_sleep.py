@@ -32,11 +32,7 @@ def _local_storage_bytes(trainer: Trainer) -> int:
 
 
 def _train(mesh: dict[str, int], sleep_between_steps: bool) -> dict[str, Any]:
-    # the handler below sleeps between steps: every step's events must come at its end
-    config = toy_config(
-        mesh=mesh,
-        trainer={"max_steps": 4, "logging": {"progress_bar": False, "read_figures": "after_step"}},
-    )
+    config = toy_config(mesh=mesh, trainer={"max_steps": 4})
     events = EventBus()
     losses: list[float] = []
     log: list[str] = []

@@ -106,15 +106,14 @@ class LoggingConfig(_Strict):
         peak_flops_per_device: The peak FLOP/s MFU divides by (None: known GPUs' dense bf16
             peak; no MFU on other devices).
         read_figures: When the host reads a step's loss, gradient norm and token count, the
-            step's one wait for the device. ``during_next_step`` (default): once the next step's
-            forward and backward are queued, so the device never waits for the host between
-            steps; the step's ``ForwardBackwardFinished``, ``OptimizerStepFinished`` and
-            ``StepFinished`` events, its tracker line and the non-finite check then come during
-            the next step. A step that saves a checkpoint, evaluates, logs training metrics or
-            ends the run is still read at its end. ``after_step``: every step at its end, so the
-            device idles while the host prepares the next step; for event handlers that act on
-            the trainer between steps (``sleep()``). ``nonfinite.policy: skip`` reads the figures
-            before the optimizer step and so always runs as ``after_step``.
+            step's one wait for the device. ``after_step`` (default): at the step's end, so its
+            events come before the next step starts; the device idles while the host prepares
+            the next step. ``during_next_step``: once the next step's forward and backward are
+            queued, so the device has work while the host waits; the step's
+            ``ForwardBackwardFinished``, ``OptimizerStepFinished`` and ``StepFinished`` events,
+            its tracker line and its non-finite check then come during the next step. A step that
+            saves a checkpoint, evaluates, logs training metrics or ends the run is still read at
+            its end. Not with ``nonfinite.policy: skip``, which reads them before the optimizer step.
     """
 
     progress_bar: bool = True
@@ -123,7 +122,7 @@ class LoggingConfig(_Strict):
     trackers: list[TrackerConfig] = Field(default_factory=list[TrackerConfig])
     throughput_window: int = Field(default=50, ge=1)
     peak_flops_per_device: float | None = Field(default=None, gt=0)
-    read_figures: Literal["after_step", "during_next_step"] = "during_next_step"
+    read_figures: Literal["after_step", "during_next_step"] = "after_step"
 
     @property
     def chosen_trackers(self) -> list[TrackerConfig]:
@@ -251,19 +250,9 @@ class TrainerConfig(_Strict):
                 f"trainer.global_batch_size={self.global_batch_size} is not divisible by "
                 f"trainer.microbatch_size={self.microbatch_size}"
             )
-        chosen = "read_figures" in self.logging.model_fields_set
-        if (
-            chosen
-            and self.logging.read_figures == "during_next_step"
-            and isinstance(self.nonfinite, SkipNonFinite)
-        ):
+        if self.logging.read_figures == "during_next_step" and isinstance(self.nonfinite, SkipNonFinite):
             raise ValueError(
                 "trainer.logging.read_figures=during_next_step cannot be combined with "
                 "trainer.nonfinite.policy=skip, which reads the gradient norm before each optimizer step"
             )
         return self
-
-    @property
-    def read_figures(self) -> Literal["after_step", "during_next_step"]:
-        """``logging.read_figures``, or ``after_step`` under ``nonfinite.policy: skip``."""
-        return "after_step" if isinstance(self.nonfinite, SkipNonFinite) else self.logging.read_figures

@@ -221,7 +221,7 @@ class TrainingConfigurator:
             first_step_seconds=config.timeouts.first_step_seconds,
             step_seconds=config.timeouts.step_seconds,
             checkpoint_trainable_only=isinstance(config.peft, LoRAConfig),
-            read_figures=config.read_figures,
+            read_figures=config.logging.read_figures,
         )
 
     def _build_program(self) -> PipelineProgram | None:

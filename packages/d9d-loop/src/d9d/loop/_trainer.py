@@ -109,7 +109,7 @@ class RunPlan:
     first_step_seconds: float | None = None
     step_seconds: float | None = None
     checkpoint_trainable_only: bool = False
-    read_figures: Literal["after_step", "during_next_step"] = "during_next_step"
+    read_figures: Literal["after_step", "during_next_step"] = "after_step"
 
 
 @dataclass(kw_only=True)
