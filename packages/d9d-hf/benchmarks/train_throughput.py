@@ -29,8 +29,9 @@ under ``--pp``, gradient accumulation without it. A reference is the last one-pr
 the run prints its speed-up and per-GPU efficiency, and under ``--pp`` the pipeline bubble: the
 simulator's prediction for the schedule, the stage imbalance of the layer split, and the measured
 bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's GPU idle time).
-The d9d rows' step split (forward-backward, optimizer) is timed on the GPU's stream with CUDA
-events (the loop's own phases are host clocks), on a CPU with the loop's clocks.
+The d9d rows' steps and their split (forward-backward, optimizer) are timed on the GPU's stream
+with CUDA events at each step's start and its optimizer step (the loop's own phases are host
+clocks), on a CPU with the host clock at the same points.
 
 Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM,
 plain loop, bf16), ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's
@@ -696,6 +697,23 @@ def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, An
     return section
 
 
+class _Mark:
+    """A point in a step: an event on the device's stream on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event: Any = None
+        self._host = time.perf_counter()
+        if device.type == "cuda":
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+
+    def seconds_to(self, later: _Mark) -> float:
+        """Seconds from this mark to ``later`` (both recorded; on a GPU, after a device sync)."""
+        if self._event is not None and later._event is not None:
+            return self._event.elapsed_time(later._event) / 1e3
+        return later._host - self._host
+
+
 def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     from d9d.hf import HFModelProvider, ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.loop import (
@@ -759,35 +777,26 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     times: list[float] = []
     losses: list[float] = []
     peaks: list[float] = []
-    phases: list[tuple[float, float]] = []
     busy: list[float] = []
     window: list[float] = []
 
     profiler: Any = None
-    # On a GPU the phases are timed on the stream (the loop's clocks are host clocks, and the host
-    # waits for the device only once per step): an event at the start of each step and one when the
-    # optimizer is about to step (forward, backward and clipping queued); a step ends where the
-    # next one starts (the events of a step whose figures are read late come during the next step).
-    marks: list[list[Any]] = []
+    # Steps and their phases are timed at marks: on a GPU events on the stream (the loop's clocks
+    # are host clocks, and the host waits for the device only once per step), on a CPU the host
+    # clock. A mark at the start of each step and one when the optimizer is about to step (forward,
+    # backward and clipping queued); a step ends where the next one starts (the events of a step
+    # whose figures are read late come during the next step).
+    marks: list[list[_Mark]] = []
 
     def mark(loop_event: object) -> None:
-        if device.type == "cuda":
-            stream_event = torch.cuda.Event(enable_timing=True)
-            stream_event.record()
-            if isinstance(loop_event, StepStarted):
-                marks.append([])
-            marks[-1].append(stream_event)
+        if isinstance(loop_event, StepStarted):
+            marks.append([])
+        marks[-1].append(_Mark(device))
 
     def on_step(event: StepFinished) -> None:
         nonlocal profiler
         times.append(time.perf_counter())
         losses.append(event.metrics["loss"])
-        phases.append(
-            (
-                event.metrics.get("time/forward_backward_s", float("nan")),
-                event.metrics.get("time/optimizer_s", float("nan")),
-            )
-        )
         # the loop reads and resets the allocator's peak every step: take its per-step figure
         peaks.append(event.metrics.get("memory/peak_gib", float("nan")))
         if not args.busy and args.trace is None and not (args.profile and rank == 0):
@@ -842,20 +851,16 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
                 gathered = [1.0 - busy[0]]
             idle = [float(i) for i in gathered]
     timed = slice(args.warmup, args.warmup + args.steps)
-    if marks:  # the device's phases (synced above): step start to optimizer, optimizer to step end
-        phases = [
-            (start.elapsed_time(optimizer) / 1e3, optimizer.elapsed_time(end) / 1e3)
-            for (start, optimizer, *_), (end, *_) in itertools.pairwise(marks)
-        ]
-    # On a GPU, from the stream event at the start of the first timed step to the one at the start
-    # of the step after the last: the device's time for those steps, idle included, the same
-    # whenever the host reads the figures. (Host clocks at StepFinished are not: with
-    # read_figures=during_next_step a step's event comes when the host, held back by the full
-    # launch queue, reaches the next step's read; only the run's last step is read at its end.)
-    if marks:
-        elapsed = marks[args.warmup][0].elapsed_time(marks[args.warmup + args.steps][0]) / 1e3
-    else:
-        elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
+    # the phases (the device synced above): step start to optimizer, optimizer to the next start
+    phases = [
+        (start.seconds_to(optimizer), optimizer.seconds_to(end))
+        for (start, optimizer, *_), (end, *_) in itertools.pairwise(marks)
+    ]
+    # From the mark at the start of the first timed step to the one after the last: on a GPU the
+    # device's time for those steps, idle included, the same whenever the host reads the figures.
+    # (The host clock at StepFinished is not: with read_figures=during_next_step a step's event
+    # comes when the host reaches the next step's read, but the run's last step is read at its end.)
+    elapsed = marks[args.warmup][0].seconds_to(marks[args.warmup + args.steps][0])
     tokens_per_s = layout.global_batch * args.seq * args.steps / elapsed
     record: dict[str, Any] = {
         "mesh": {"pp": layout.pp, "cp": layout.cp, "dp_shard": layout.dp_shard},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -76,7 +76,7 @@ class _StepInFlight:
     verdict_before: StepVerdict
     learning_rate: float
     metric_names: tuple[str, ...]
-    ended: StepEnd
+    ended: StepEnd | None = None  # measured at the step's end when its figures are read later
 
 
 class StepFailedError(RuntimeError):
@@ -538,7 +538,6 @@ class Trainer:
             )
         p.lr_scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)
-        p.instruments.lap("optimizer")
         self._step += 1
         in_flight = _StepInFlight(
             figures=queued,
@@ -546,13 +545,16 @@ class Trainer:
             verdict_before=verdict,
             learning_rate=learning_rate,
             metric_names=metric_names,
-            ended=p.instruments.step_finished(step),
         )
         if self._reads_at_end(step):
-            reported.append(self._report(in_flight))
+            reported.append(self._report(in_flight))  # the step's time includes the wait
         else:
-            self._in_flight = in_flight
+            self._in_flight = replace(in_flight, ended=self._end_step(step))
         return reported
+
+    def _end_step(self, step: int) -> StepEnd:
+        self._p.instruments.lap("optimizer")
+        return self._p.instruments.step_finished(step)
 
     def _report_before_failing(self) -> None:
         """Reports the step whose figures were still in flight when the next step failed.
@@ -601,12 +603,13 @@ class Trainer:
             # run and `rollback` reloads a checkpoint, so no state after it is ever saved.
             verdict = self._guard.check(step=step, loss=figures_read.loss, grad_norm=figures_read.grad_norm)
         loss, grad_norm, tokens = figures_read.loss, figures_read.grad_norm, figures_read.tokens
+        ended = in_flight.ended if in_flight.ended is not None else self._end_step(step)
         self._rollback_due = verdict is StepVerdict.ROLLBACK
         p.events.publish(
             OptimizerStepFinished(step=step, learning_rate=in_flight.learning_rate, grad_norm=grad_norm)
         )
         figures = p.instruments.figures(
-            in_flight.ended, StepWork(samples=p.plan.batch.global_batch_size, tokens=tokens)
+            ended, StepWork(samples=p.plan.batch.global_batch_size, tokens=tokens)
         )
         metrics: dict[str, float] = {"loss": loss, "lr": in_flight.learning_rate, "grad_norm": grad_norm}
         if verdict is StepVerdict.SKIP:

@@ -1,15 +1,17 @@
 """Split backward: input gradients now, parameter gradients later, without computing anything twice.
 
-The input backward (``I``) runs autograd from the stage outputs to the stage inputs, keeping the
-graph. It executes only the nodes on paths to the inputs (the *input path*), and on those nodes
-only the gradient slots that lead to the inputs. Parameter gradients need what flows out of
+The input backward (``I``) runs autograd from the stage outputs to the stage inputs. It executes
+only the nodes on paths to the inputs (the *input path*), and on those nodes only the gradient
+slots that lead to the inputs. Parameter gradients need what flows out of
 input-path nodes into the rest of the graph; those edges form the *frontier*. ``I`` asks autograd
 for the gradient on every frontier edge along with the input gradients (one engine run), and the
 weight backward (``W``) seeds autograd at the frontier with them and runs to the parameters. Stage
 outputs whose graph never touches an input are seeded directly in ``W``.
 
 Every node runs once in total: input-path nodes during ``I`` (computing the frontier slots as
-well), the parameter side during ``W``.
+well), the parameter side during ``W``. So ``I`` does not retain the graph: the nodes it ran free
+their saved tensors at once, and compiled regions, whose backward may donate its saved buffers and
+refuses a retained graph, split like eager code.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def _grads_and_frontier(
 ) -> list[torch.Tensor | None]:
     """One engine run for the input gradients and the frontier gradients (added to ``plan``)."""
     wanted = [*(get_gradient_edge(x) for x in inputs), *frontier]
-    result = torch.autograd.grad(targets, wanted, grads, retain_graph=True, allow_unused=True)
+    # W never runs a node of the input path again: nothing of what I ran is needed later.
+    result = torch.autograd.grad(targets, wanted, grads, retain_graph=False, allow_unused=True)
     found: list[torch.Tensor | None] = list(result)  # allow_unused: None where nothing flows
     for edge, grad in zip(frontier, found[len(inputs) :], strict=True):
         if grad is not None:
