@@ -93,7 +93,7 @@ def test_smoothed_throughput_stays_within_20_percent_of_the_mean_despite_straggl
         metrics.lap("forward_backward")
         clock.now += 0.001
         metrics.lap("optimizer")
-        records.append(metrics.finish(StepWork(samples=256, tokens=0)))
+        records.append(metrics.figures(metrics.end(), StepWork(samples=256, tokens=0)))
     steady = records[window:]  # the mean: all samples over all time, after the warm-up's window
     mean = 256 * len(steady) / sum(r["time/step_s"] for r in steady)
     rates = [r["samples_per_s"] for r in records]

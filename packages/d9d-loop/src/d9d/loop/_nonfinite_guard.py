@@ -24,8 +24,8 @@ class StepVerdict(Enum):
 class NonFiniteGuard:
     """Checks each step's loss and gradient norm, which the trainer reads back anyway.
 
-    Both are read with the step's other figures after the optimizer's kernels are queued (by
-    default during the next step), so the host does not wait before them; under ``skip`` they
+    Both are read with the step's other figures after the optimizer's kernels are queued (at the
+    step's end or during the next step), so the host does not wait before them; under ``skip`` they
     must be known before the step: then they are read before it, still once.
     """
 

@@ -96,7 +96,3 @@ class StepMetrics:
             "time/step_s": times.wall,
         }
         return metrics | ended.memory
-
-    def finish(self, work: StepWork) -> dict[str, float]:
-        """Marks the end of the step and returns its figures by metric name (``end`` + ``figures``)."""
-        return self.figures(self.end(), work)

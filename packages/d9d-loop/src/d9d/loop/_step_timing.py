@@ -15,8 +15,8 @@ class StepTimes:
     """Seconds of one step by phase, read from host clocks.
 
     The loop waits for the device once per step anyway, to read the step's figures (at the step's
-    end, or by default during the next step, see ``trainer.logging.read_figures``); no phase
-    adds a wait of its own. ``checkpoint`` is the time between the previous step's end and this step's start:
+    end, or during the next step, see ``trainer.logging.read_figures``); no phase adds a wait of
+    its own. ``checkpoint`` is the time between the previous step's end and this step's start:
     saving or finalizing a checkpoint, and the (small) progress-bar update.
 
     Attributes:

@@ -415,7 +415,7 @@ class Trainer:
         p = self._p
         if p.checkpointer is None:
             return
-        due = final or self._step % p.plan.checkpoint_every_steps == 0
+        due = final or self._checkpoint_due(self._step)
         if self._gate.should_save(step=self._step, due=due):
             p.checkpointer.save(
                 self._step, self._checkpoint_state(), self._on_checkpoint_visible, layout=self._layout()
@@ -488,6 +488,9 @@ class Trainer:
         sums = sums / p.loss_replication
         p.instruments.lap("forward_backward")
 
+        # The weight stays on the device: the host reads the step's figures once, after the
+        # optimizer's kernels are queued (before them only under `skip`, which must decide first).
+        p.gradients.finish(global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step)
         reported: list[dict[str, float]] = []
         if self._in_flight is not None:
             # The previous step's figures, read now that this step's work keeps the device busy.
@@ -500,15 +503,9 @@ class Trainer:
             if self._rollback_due:
                 # The previous step was not finite: this one is dropped; the rollback restores
                 # the data position, the metrics and the state from before the bad step.
-                p.gradients.finish(
-                    global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step
-                )
                 p.optimizer.zero_grad(set_to_none=True)
                 return reported
 
-        # The weight stays on the device: the host reads the step's figures once, after the
-        # optimizer's kernels are queued (before them only under `skip`, which must decide first).
-        p.gradients.finish(global_weight=sums[1], microbatches_per_rank=p.plan.batch.microbatches_per_step)
         p.provider.finalize_gradients(
             FinalizeGradientsContext(
                 dist_context=p.dist_context, stages=[(s.stage, s.model) for s in p.stages]
@@ -582,10 +579,14 @@ class Trainer:
                 return True
             case "during_next_step":
                 done = step + 1
-                checkpoint_due = p.checkpointer is not None and done % p.plan.checkpoint_every_steps == 0
+                checkpoint_due = p.checkpointer is not None and self._checkpoint_due(done)
                 evaluation_due = p.evaluator is not None and p.evaluator.is_due(done)
                 metrics_logged = p.train_metrics is not None and self._logged(step)
                 return done == p.plan.total_steps or checkpoint_due or evaluation_due or metrics_logged
+
+    def _checkpoint_due(self, done: int) -> bool:
+        """Whether the checkpoint interval falls after ``done`` finished steps."""
+        return done % self._p.plan.checkpoint_every_steps == 0
 
     def _logged(self, step: int) -> bool:
         return step % self._p.plan.log_every_steps == 0 or step + 1 == self._p.plan.total_steps
