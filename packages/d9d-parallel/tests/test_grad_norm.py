@@ -178,3 +178,25 @@ def _stage_without_gradients() -> list[float]:
 
 def test_a_stage_without_gradients_still_joins_the_pipeline_reduction() -> None:
     assert run_distributed(_stage_without_gradients, world_size=2, timeout_s=60) == [[5.0], [5.0]]
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("own_kernel_elements", [1, 20, 10**9])
+def test_sum_of_powers_is_the_same_with_large_tensors_reduced_alone(
+    norm_type: float, own_kernel_elements: int
+) -> None:
+    # Large gradients get one reduction each, small ones one multi-tensor norm: whichever way a
+    # tensor goes, the sum of |x|^p is that of the float64 values (bf16 ones read in float32).
+    from d9d.parallel._grad_norm import _sum_of_powers
+
+    generator = torch.Generator().manual_seed(11)
+    tensors = [
+        torch.randn(4, 6, generator=generator),
+        torch.randn(3, generator=generator).to(torch.bfloat16),
+        torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        torch.randn(2, 2, generator=generator),
+    ]
+    value = _sum_of_powers(tensors, norm_type, own_kernel_elements)
+    expected = sum(float((t.double().abs() ** norm_type).sum()) for t in tensors)
+    assert value.dtype == torch.float32
+    assert value.item() == pytest.approx(expected, rel=1e-5)

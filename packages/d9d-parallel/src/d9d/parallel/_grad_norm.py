@@ -45,6 +45,25 @@ def _local_gradients(
     return groups
 
 
+# From this many elements a gradient's norm gets its own reduction kernel, smaller ones share
+# torch's multi-tensor norm (whose launches cover a few hundred chunks of 64K elements each).
+# Measured on an H200 over 3.7B bf16 gradients (six Qwen3-30B-A3B layers): 3.29 ms all multi-tensor,
+# 2.18 ms split at 2**24 elements, 2.44 ms one kernel per tensor; Qwen3-0.6B's 310 tensors (only
+# the embedding is that large) stay at 1.1-1.2 ms.
+_OWN_KERNEL_ELEMENTS = 1 << 24
+
+
+def _sum_of_powers(
+    tensors: list[torch.Tensor], norm_type: float, own_kernel_elements: int = _OWN_KERNEL_ELEMENTS
+) -> torch.Tensor:
+    """The sum of ``|x|^p`` over all elements of ``tensors`` (any float dtype), in float32."""
+    large = [t for t in tensors if t.numel() >= own_kernel_elements]
+    small = [t for t in tensors if t.numel() < own_kernel_elements]
+    norms: list[torch.Tensor] = list(_foreach_norm(small, norm_type, dtype=torch.float32)) if small else []
+    norms += [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in large]
+    return (torch.stack(norms) ** norm_type).sum()
+
+
 def _group_device(group: ProcessGroup) -> torch.device:
     # NCCL reduces device tensors only; gloo takes CPU tensors.
     if dist.get_backend(group) == "nccl":
@@ -169,13 +188,8 @@ def gradient_clip(
         if is_max:
             part = torch.stack([g.detach().abs().max().float() for g in locals_ if g.numel() > 0] or [total])
             value = part.max()
-        elif all(g.dtype == torch.float32 for g in locals_):
-            # torch's multi-tensor norm: one kernel launch for the whole group
-            value = torch.nn.utils.get_total_norm([g.detach() for g in locals_], norm_type) ** norm_type
         else:
-            # bf16 gradients (bf16 master weights): one multi-tensor kernel, each norm in float32
-            norms = _foreach_norm([g.detach() for g in locals_], norm_type, dtype=torch.float32)
-            value = (torch.stack(list(norms)) ** norm_type).sum()
+            value = _sum_of_powers([g.detach() for g in locals_], norm_type)
         if mesh is not None:
             for dim in shard_dims:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
