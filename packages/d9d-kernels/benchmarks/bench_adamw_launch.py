@@ -2,11 +2,14 @@
 
 Run:  python packages/d9d-kernels/benchmarks/bench_adamw_launch.py   (--smoke on CPU)
 
-Steps two parameter lists in bf16 with bf16 moments (14 bytes per parameter): Qwen3-0.6B's 310
-tensors and two Qwen3-30B-A3B decoder layers (24 tensors, 1.25B parameters, mostly experts), with
-``adamw_step_multi`` under several launch shapes. Every figure is the median over ``--repeats``
-alternating rounds (CUDA events around ``--iters`` back-to-back steps) with its range, and the share
-of the copy bandwidth it reaches.
+Steps parameter lists in bf16 with bf16 moments (14 bytes per parameter): Qwen3-0.6B's 310
+tensors, two Qwen3-30B-A3B decoder layers (24 tensors, 1.25B parameters, mostly experts) and the
+whole MoE model of ``train_throughput.py --model moe`` (75 tensors, 4.4B parameters), with
+``adamw_step_multi`` under several launch shapes and a gradient scale (as d9d-loop steps it).
+Every figure is the median over ``--repeats`` alternating rounds (CUDA events around ``--iters``
+back-to-back steps) with its range, and the share of the copy bandwidth it reaches. Alone, the
+kernel may not run as it does inside a training step: check a launch shape there too
+(``train_throughput.py --profile`` prints the kernel's time per step).
 """
 
 from __future__ import annotations
@@ -38,9 +41,15 @@ def qwen3_moe_layer_shapes(layers: int) -> list[tuple[int, ...]]:
     return layer * layers
 
 
+def qwen3_moe_model_shapes() -> list[tuple[int, ...]]:
+    """The benchmark model of ``train_throughput.py --model moe``: 6 such layers, embedding and head."""
+    vocab, hidden = 151936, 2048
+    return [(vocab, hidden), *qwen3_moe_layer_shapes(6), (hidden,), (vocab, hidden)]
+
+
 LAUNCHES: dict[str, dict[str, int]] = {
-    "1 block of 1024, 4 warps (d9d)": {"block": 1024, "blocks_per_program": 1, "num_warps": 4},
-    "2 blocks of 1024, 4 warps": {"block": 1024, "blocks_per_program": 2, "num_warps": 4},
+    "2 blocks of 1024, 4 warps (d9d)": {"block": 1024, "blocks_per_program": 2, "num_warps": 4},
+    "1 block of 1024, 4 warps": {"block": 1024, "blocks_per_program": 1, "num_warps": 4},
     "1 block of 2048, 8 warps": {"block": 2048, "blocks_per_program": 1, "num_warps": 8},
     "4 blocks of 1024, 4 warps": {"block": 1024, "blocks_per_program": 4, "num_warps": 4},
 }
@@ -96,7 +105,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script only")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
-    lists = {"Qwen3-0.6B": qwen3_dense_shapes(), "2 Qwen3-30B-A3B layers": qwen3_moe_layer_shapes(2)}
+    lists = {
+        "Qwen3-0.6B": qwen3_dense_shapes(),
+        "2 Qwen3-30B-A3B layers": qwen3_moe_layer_shapes(2),
+        "the MoE benchmark model (6 layers, embedding, head)": qwen3_moe_model_shapes(),
+    }
     if args.smoke:
         lists = {"tiny": [(1500,), (8,), (3, 700)]}
     bandwidth = _copy_bandwidth_gbs(device)

@@ -24,10 +24,11 @@ _BLOCK = 2048
 # The multi-tensor kernel's programs each update up to _MULTI_BLOCKS_PER_PROGRAM blocks of one
 # tensor. Measured on an H200 (bf16 state, Qwen3-0.6B and Qwen3-30B-A3B parameter lists, block
 # 1024 to 4096, 1 to 32 blocks, 4 or 8 warps): short programs of small blocks keep the most loads in
-# flight; 32 blocks of 2048 per program took 1.3x to 1.5x as long as 2 of 1024, and since the draws
-# are paired, 2 of 1024 took 1.02x (0.6B) to 1.06x (30B-A3B layers) as long as 1 of 1024.
+# flight; 32 blocks of 2048 per program took 1.3x to 1.5x as long as 2 of 1024. One block of 1024,
+# 1.00x-0.93x of 2 alone (benchmarks/bench_adamw_launch.py), took 1.15x inside a training step of
+# the MoE benchmark model (23.9 against 20.9 ms).
 _MULTI_BLOCK = 1024
-_MULTI_BLOCKS_PER_PROGRAM = 1
+_MULTI_BLOCKS_PER_PROGRAM = 2
 _MULTI_NUM_WARPS = 4
 # Elements paired on one random draw are this far apart; blocks are multiples of twice it.
 _PAIR_SPAN_ELEMENTS = 512
