@@ -19,17 +19,10 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from _harness import copy_bandwidth_gbs
+from bench_adamw import qwen3_shapes
 
 from d9d.kernels._triton.stochastic_rounding_kernels import adamw_step_multi
-
-
-def qwen3_dense_shapes() -> list[tuple[int, ...]]:
-    """Qwen3-0.6B's parameter shapes (tied embedding)."""
-    hidden, heads, kv_heads, head_dim, ffn, layers, vocab = 1024, 16, 8, 128, 3072, 28, 151936
-    layer = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden)]
-    layer += [(hidden, heads * head_dim), (head_dim,), (head_dim,), (hidden,), (hidden,)]
-    layer += [(ffn, hidden), (ffn, hidden), (hidden, ffn)]
-    return [(vocab, hidden), *(layer * layers), (hidden,)]
 
 
 def qwen3_moe_layer_shapes(layers: int) -> list[tuple[int, ...]]:
@@ -69,12 +62,6 @@ def _time_ms(fn: Callable[[], object], device: str, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _copy_bandwidth_gbs(device: str) -> float:
-    source = torch.empty(1 << 28, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 2 / (_time_ms(lambda: target.copy_(source), device, 10) * 1e-3) / 1e9
-
-
 def _launch_times(
     shapes: list[tuple[int, ...]], device: str, repeats: int, iters: int
 ) -> dict[str, list[float]]:
@@ -106,13 +93,13 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     lists = {
-        "Qwen3-0.6B": qwen3_dense_shapes(),
+        "Qwen3-0.6B": qwen3_shapes(smoke=False),
         "2 Qwen3-30B-A3B layers": qwen3_moe_layer_shapes(2),
         "the MoE benchmark model (6 layers, embedding, head)": qwen3_moe_model_shapes(),
     }
     if args.smoke:
         lists = {"tiny": [(1500,), (8,), (3, 700)]}
-    bandwidth = _copy_bandwidth_gbs(device)
+    bandwidth = copy_bandwidth_gbs(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s")
     for list_name, shapes in lists.items():
         times = _launch_times(shapes, device, args.repeats, args.iters)
