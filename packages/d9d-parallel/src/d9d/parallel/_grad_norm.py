@@ -172,11 +172,15 @@ def gradient_clip(
     excluded = {id(p) for p in exclude_from_norm}
     parameters = list(parameters)
     groups = _local_gradients(p for p in parameters if id(p) not in excluded)
-    duplicates = [
-        g
-        for locals_ in _local_gradients(p for p in parameters if id(p) in excluded).values()
-        for g in locals_
-    ]
+    duplicates = (
+        [
+            g
+            for locals_ in _local_gradients(p for p in parameters if id(p) in excluded).values()
+            for g in locals_
+        ]
+        if excluded
+        else []
+    )
     if not groups and not duplicates and pp_group is None:
         return GradientClip(torch.zeros((), dtype=torch.float32), None)
     gradients = (*(g for locals_ in groups.values() for g in locals_), *duplicates)
