@@ -23,43 +23,31 @@ import torch
 from d9d.parallel._grad_norm import _sum_of_powers  # pyright: ignore[reportPrivateUsage]
 
 
+def _attention_and_norm_shapes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> list[tuple[int, ...]]:
+    """A Qwen3 decoder layer's q, k, v, o projections, q/k norms and its two RMSNorms."""
+    projections = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden)]
+    return [*projections, (hidden, heads * head_dim), (head_dim,), (head_dim,), (hidden,), (hidden,)]
+
+
 def qwen3_dense_shapes() -> list[tuple[int, ...]]:
     """Qwen3-0.6B's parameter shapes (tied embedding)."""
-    hidden, heads, kv_heads, head_dim, ffn, layers, vocab = 1024, 16, 8, 128, 3072, 28, 151936
-    layer = [
-        (heads * head_dim, hidden),
-        (kv_heads * head_dim, hidden),
-        (kv_heads * head_dim, hidden),
-        (hidden, heads * head_dim),
-        (head_dim,),
-        (head_dim,),
-        (hidden,),
-        (hidden,),
-        (ffn, hidden),
-        (ffn, hidden),
-        (hidden, ffn),
-    ]
+    hidden, ffn, layers, vocab = 1024, 3072, 28, 151936
+    layer = [*_attention_and_norm_shapes(hidden, 16, 8, 128), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
     return [(vocab, hidden), *(layer * layers), (hidden,)]
 
 
 def qwen3_moe_layer_shapes(layers: int) -> list[tuple[int, ...]]:
     """``layers`` decoder layers at Qwen3-30B-A3B widths (128 experts of 768, hidden 2048)."""
-    hidden, heads, kv_heads, head_dim, experts, ffn = 2048, 32, 4, 128, 128, 768
-    layer = [
-        (heads * head_dim, hidden),
-        (kv_heads * head_dim, hidden),
-        (kv_heads * head_dim, hidden),
-        (hidden, heads * head_dim),
-        (head_dim,),
-        (head_dim,),
-        (hidden,),
-        (hidden,),
+    hidden, experts, ffn = 2048, 128, 768
+    experts_shapes = [
         (experts, hidden),
         (experts, ffn, hidden),
         (experts, ffn, hidden),
         (experts, hidden, ffn),
     ]
-    return layer * layers
+    return [*_attention_and_norm_shapes(hidden, 32, 4, 128), *experts_shapes] * layers
 
 
 def _copy_bandwidth_gbs(device: str) -> float:
