@@ -43,7 +43,9 @@ class SFTEncoder:
         format: The record format.
         eos_id: Appended after prompt/completion and text samples.
         pad_id: Padding's token id.
-        template: The chat template (chat format only).
+
+    The chat format's template is the format's own `template` file when set, otherwise the
+    tokenizer directory's.
     """
 
     def __init__(
