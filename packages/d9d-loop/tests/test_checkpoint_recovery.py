@@ -145,3 +145,20 @@ def test_four_ranks_fall_back_together(tmp_path: Path) -> None:
             torch.tensor(rank["losses"]), torch.tensor(reference["losses"][3:]), rtol=1e-5, atol=1e-7
         )
     assert any("__2_0.distcp" in w for w in resumed[0]["warnings"])
+
+
+def test_an_empty_newest_step_folder_is_skipped_with_a_warning_naming_it(tmp_path: Path) -> None:
+    # An empty step_N (no manifest, no .metadata: a copy that never arrived, a folder made by
+    # hand) made every resume fail with a 32-line FileNotFoundError from DCP.
+    reference = run_distributed(run_toy, None, max_steps=4, world_size=1)[0]
+    run_distributed(run_toy, str(tmp_path), max_steps=2, world_size=1)
+    empty = tmp_path / "step_000000003"
+    empty.mkdir()
+
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=4, world_size=1)[0]
+
+    assert resumed["error"] is None, resumed["error"]
+    warning = next(w for w in resumed["warnings"] if str(empty) in w)
+    assert "neither d9d_manifest.json nor .metadata" in warning and "trying an older one" in warning
+    assert resumed["losses"] == reference["losses"][2:]  # steps 2 and 3, from step 2's checkpoint
+    assert "step_000000003.damaged" in checkpoints(tmp_path)

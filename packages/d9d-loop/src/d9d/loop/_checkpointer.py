@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from d9d.loop._checkpoint_manifest import (
+    MANIFEST_FILE,
     FileRecord,
     Manifest,
     RunLayout,
@@ -35,6 +36,7 @@ from d9d.mesh import DistributedContext
 _COMPLETE = re.compile(r"^step_(\d{9})$")
 _PARTIAL_SUFFIX = ".partial"
 _DAMAGED_SUFFIX = ".damaged"
+_DCP_METADATA = ".metadata"
 _T = TypeVar("_T")
 
 
@@ -152,6 +154,12 @@ class Checkpointer:
             if manifest is not None:
                 mine = share(manifest.files, self._dist.rank, self._dist.world_size)
                 problems = check_files(location.path, mine, mode or self._config.verify)
+            elif self._dist.is_main_process and not (location.path / _DCP_METADATA).is_file():
+                # an empty folder (a copy that never arrived, made by hand): nothing to load
+                problems = [
+                    f"{location.path} holds neither {MANIFEST_FILE} nor {_DCP_METADATA} "
+                    "(an empty or unfinished folder, not a d9d checkpoint)"
+                ]
         except ValueError as e:
             problems = [str(e)]
         return sorted({p for rank_problems in self._gather(problems) for p in rank_problems})
@@ -215,8 +223,16 @@ class Checkpointer:
 
         Raises:
             ValueError: If a required key is absent, naming it and the checkpoint.
+            CheckpointLoadError: If its ``.metadata`` is missing or unreadable, or DCP failed on
+                some rank, naming the checkpoint.
         """
-        saved = dcp.FileSystemReader(str(location.path)).read_metadata().state_dict_metadata
+        try:
+            saved = dcp.FileSystemReader(str(location.path)).read_metadata().state_dict_metadata
+        except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+            # a missing or unreadable .metadata is damage: the caller falls back to an older one
+            raise CheckpointLoadError(
+                f"loading {location.path} failed: its {_DCP_METADATA} is unreadable: {type(e).__name__}: {e}"
+            ) from e
         prefixes = {key.split(".", 1)[0] for key in saved}
         absent = [key for key in state if key not in prefixes]
         required = [key for key in absent if key not in optional]
