@@ -18,7 +18,9 @@ def assistant_spans(
     """The rendered conversation and the character spans of its assistant turns.
 
     A turn starts where the conversation before it, rendered with the generation prompt, ends
-    (so the assistant header is not learned) and ends where the conversation up to it ends (so
+    (so the assistant header is not learned; where the generation prompt holds more than the
+    conversation does at that point, as Qwen3's empty think block without thinking, after the
+    part that it holds) and ends where the conversation up to it ends (so
     the end-of-turn token is learned). Templates that render an earlier turn differently once
     later turns follow (Qwen3 drops empty think blocks of earlier turns) are handled by finding
     the turn's content after its start, then the template's text that closes the turn.
@@ -32,19 +34,14 @@ def assistant_spans(
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True, variables=variables)
-        if not full.startswith(before):
-            raise ChatTemplateError(
-                f"message {i}: the conversation before it, rendered with the generation prompt, is not a "
-                "prefix of the whole conversation: this template cannot be split into turns"
-            )
+        start = _turn_start(template, messages, i, full, variables=variables)
         last = i == len(messages) - 1
         upto = full if last else template.render(messages[: i + 1], variables=variables)
         if full.startswith(upto):
-            spans.append((len(before), len(upto)))
+            spans.append((start, len(upto)))
             continue
         content = str(message.get("content") or "")
-        found = full.find(content, len(before))
+        found = full.find(content, start)
         at = upto.rfind(content)
         if not content or found < 0 or at < 0:
             raise ChatTemplateError(
@@ -54,8 +51,45 @@ def assistant_spans(
         closing = upto[at + len(content) :]
         if full.startswith(closing, end):
             end += len(closing)
-        spans.append((len(before), end))
+        spans.append((start, end))
     return full, spans
+
+
+def _turn_start(
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    i: int,
+    full: str,
+    *,
+    variables: Mapping[str, Any] | None,
+) -> int:
+    """Where assistant message ``i``'s learned text starts in ``full``.
+
+    That is where the conversation before it, rendered with the generation prompt, ends. A
+    template may put more in the generation prompt than in the same turn once later turns follow:
+    Qwen3 without thinking prompts with an empty ``<think></think>`` block but renders earlier
+    answers without one. Then the turn starts after the longest part of the generation prompt
+    that the whole conversation holds there (the assistant header): what a prompt for generation
+    would give the model is not learned, whatever follows is.
+    """
+    before = template.render(messages[:i], add_generation_prompt=True, variables=variables)
+    if full.startswith(before):
+        return len(before)
+    plain = template.render(messages[:i], variables=variables)
+    if not (before.startswith(plain) and full.startswith(plain)):
+        raise ChatTemplateError(
+            f"message {i}: the conversation before it, rendered with or without the generation prompt, "
+            "is not a prefix of the whole conversation: this template cannot be split into turns"
+        )
+    prompt = before[len(plain) :]
+    rest = full[len(plain) : len(plain) + len(prompt)]
+    held = next((k for k, (a, b) in enumerate(zip(prompt, rest, strict=False)) if a != b), len(rest))
+    if held == 0:
+        raise ChatTemplateError(
+            f"message {i}: the whole conversation holds none of the generation prompt {prompt!r} where the "
+            "turn starts: this template cannot be split into turns"
+        )
+    return len(plain) + held
 
 
 def encode_chat(
