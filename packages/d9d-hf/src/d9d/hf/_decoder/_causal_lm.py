@@ -109,6 +109,7 @@ class DecoderCausalLM(DecoderModelBase):
         *,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean next-token loss of the whole model over positions whose target is not ``-100``.
 
@@ -117,6 +118,7 @@ class DecoderCausalLM(DecoderModelBase):
             labels: ``(batch, seq)`` per-position targets (see ``causal_lm_targets``).
             document_ids: Packed-document ids.
             position_ids: Positions (restarting per document when packed).
+            attention_mask: Nonzero on real tokens; attention skips padding (left or right).
         """
         self.require_whole_model("loss")
         inputs = DecoderInputs(
@@ -124,6 +126,7 @@ class DecoderCausalLM(DecoderModelBase):
             labels=labels,
             document_ids=document_ids,
             position_ids=position_ids,
+            attention_mask=attention_mask,
             summed_losses=True,
         )
         losses = self(inputs)
@@ -137,9 +140,15 @@ class DecoderCausalLM(DecoderModelBase):
         *,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Next-token logits ``(batch, seq, vocab)`` of the whole model (for inference)."""
+        """Next-token logits ``(batch, seq, vocab)`` of the whole model (for inference).
+
+        ``attention_mask`` (nonzero on real tokens) makes attention skip padding, left or right.
+        """
         if self.lm_head is None:
             raise RuntimeError("logits needs the last stage (it holds the LM head)")
-        hidden = self.hidden_states(input_ids, document_ids=document_ids, position_ids=position_ids)
+        hidden = self.hidden_states(
+            input_ids, document_ids=document_ids, position_ids=position_ids, attention_mask=attention_mask
+        )
         return self.lm_head.compute_logits(hidden)

@@ -11,7 +11,8 @@ from d9d.kernels.layers import document_ids_from_position_ids, position_ids_from
 StageHandoff = dict[str, torch.Tensor]
 """What a non-last pipeline stage returns and the next one takes.
 
-Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``,
+Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``
+(when the batch had them or an ``attention_mask``: pads become documents of their own),
 ``labels`` (``summed_loss_labels`` with ``DecoderInputs.summed_losses``) and ``attention_mask``
 when the batch had them; ``load_balancing_loss`` ``(batch,)``
 on MoE models with ``router_aux_loss_coef``. A plain dict of tensors, so any
@@ -44,8 +45,14 @@ class DecoderInputs:
             ``position_ids`` when only those are given.
         position_ids: Rotary positions; derived from ``document_ids`` (restarting per document)
             or ``0..seq-1`` when absent.
-        attention_mask: Nonzero on real tokens; pooling heads use it to skip padding (the
-            classification head otherwise derives it from ``pad_token_id``).
+        attention_mask: Nonzero on real tokens, zero on padding. Attention skips padding (each
+            pad token attends only to itself), so left- and right-padded rows give the real
+            tokens the same outputs as unpadded ones; positions stay ``0..seq-1`` (or those
+            given), as transformers numbers them. Padding sits at the ends of a row (left, right
+            or both); padding between real tokens is refused. With packed documents the
+            document mask still applies. Pooling heads use it to skip padding too (the
+            classification head otherwise derives a pooling mask from ``pad_token_id``, which
+            only picks the pooled token, as in transformers).
         one_document_per_row: Each row is one document even though ``position_ids`` are given
             without ``document_ids`` (a context-parallel rank's part of a row: its positions
             jump between its two chunks); no document ids are derived, so attention needs no
@@ -65,14 +72,23 @@ class DecoderInputs:
     one_document_per_row: bool = False
     summed_losses: bool = False
 
-    def handoff(self, hidden_states: torch.Tensor) -> StageHandoff:
-        """The hand-off dict of this batch with ``hidden_states``, positions resolved."""
+    def handoff(self, hidden_states: torch.Tensor, *, padding_mask: torch.Tensor | None) -> StageHandoff:
+        """The hand-off dict of this batch with ``hidden_states``, positions resolved.
+
+        Args:
+            hidden_states: The embedded tokens.
+            padding_mask: The caller's ``attention_mask`` (nonzero on real tokens), which
+                attention honours through the hand-off's ``document_ids`` (``padded_document_ids``);
+                None attends to every token.
+        """
         if self.one_document_per_row and self.position_ids is not None:
             document_ids, position_ids = None, self.position_ids
         else:
             document_ids, position_ids = resolve_positions(
                 self.input_ids, self.document_ids, self.position_ids
             )
+        if padding_mask is not None:
+            document_ids = padded_document_ids(padding_mask, document_ids, self.input_ids.shape)
         out: StageHandoff = {"hidden_states": hidden_states, "position_ids": position_ids}
         if document_ids is not None:
             out["document_ids"] = document_ids
@@ -81,6 +97,49 @@ class DecoderInputs:
         if self.attention_mask is not None:
             out["attention_mask"] = self.attention_mask
         return out
+
+
+def padded_document_ids(
+    attention_mask: torch.Tensor, document_ids: torch.Tensor | None, shape: tuple[int, ...] | torch.Size
+) -> torch.Tensor:
+    """Document ids under which attention skips padding: every pad token is a document of its own.
+
+    Real tokens keep their document (one per row without packing), each pad token gets an id no
+    real token has (``int64`` minimum plus its column), so a real token never attends to a pad
+    and a pad attends only to itself. Every attention backend honours document ids, FlashAttention's
+    varlen kernels as runs of equal ids: that is why padding must sit at the row's ends, where the
+    real tokens stay one run.
+
+    Args:
+        attention_mask: ``(batch, seq)``, nonzero on real tokens.
+        document_ids: ``(batch, seq)`` packed-document ids, or None for one document per row.
+        shape: ``input_ids``' shape, which the mask must have.
+
+    Returns:
+        ``(batch, seq)`` int64 document ids.
+
+    Raises:
+        ValueError: If the mask's shape differs from ``shape``, or a row has padding between
+            real tokens (checked on real tensors; meta tensors skip the check).
+    """
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(shape)}")
+    real = attention_mask != 0
+    if not real.is_meta:
+        run_starts = real.clone()
+        run_starts[:, 1:] &= ~real[:, :-1]
+        split = (run_starts.sum(dim=1) > 1).nonzero().flatten()
+        if split.numel() > 0:
+            row = int(split[0])
+            raise ValueError(
+                f"attention_mask row {row} has padding between real tokens; pad only on the "
+                "left or the right of a row"
+            )
+    batch, seq = real.shape
+    columns = torch.arange(seq, device=real.device, dtype=torch.int64).expand(batch, seq)
+    pads = columns + torch.iinfo(torch.int64).min
+    documents = torch.zeros_like(columns) if document_ids is None else document_ids.to(torch.int64)
+    return torch.where(real, documents, pads)
 
 
 def resolve_positions(

@@ -120,7 +120,11 @@ class DecoderModelBase(nn.Module):
                     "a non-first stage takes the previous stage's hand-off dict, not DecoderInputs"
                 )
             prepared = self.prepare_inputs(inputs)
-            handoff = prepared.handoff(self.model.embed(prepared.input_ids))
+            # attention honours the caller's mask only: a pooling mask a head derives from
+            # pad_token_id picks the pooled token, as in transformers, and leaves attention alone
+            handoff = prepared.handoff(
+                self.model.embed(prepared.input_ids), padding_mask=inputs.attention_mask
+            )
         else:
             if self.layout.is_first:
                 raise TypeError("the first stage takes DecoderInputs, not a hand-off dict")

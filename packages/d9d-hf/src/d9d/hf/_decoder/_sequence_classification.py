@@ -17,9 +17,12 @@ from d9d.pipeline import PipelineStageInfo
 class DecoderSequenceClassification(DecoderModelBase):
     """Class logits from each row's last real token; ``score.classifier.weight`` is HF's ``score.weight``.
 
-    The last real token is the rightmost one that is not ``pad_token_id`` (left or right
-    padding), as transformers does; without a ``pad_token_id`` (and no ``attention_mask``) it is
-    the row's last token. Packed rows are not supported: one sequence per row.
+    The pooled token is the last one the ``attention_mask`` marks real, or without a mask the
+    rightmost one that is not ``pad_token_id``, as transformers picks it; without either it is
+    the row's last token. Padding may be on the left or the right: attention honours a given
+    ``attention_mask`` (``DecoderInputs.attention_mask``). A left-padded batch needs that mask,
+    as in transformers, where pad tokens are otherwise attended to. Packed rows are not
+    supported: one sequence per row.
 
     Args:
         config: The model's config.json (``num_labels`` or ``id2label`` give the class count).
