@@ -71,13 +71,15 @@ def read_config_mapping(path: Path) -> dict[str, Any]:
     """A YAML config file's top-level mapping, not yet validated.
 
     Raises:
-        ConfigFileError: Naming the file, if it is missing, unreadable, empty, not YAML or not
-            a mapping.
+        ConfigFileError: Naming the file, if it is missing, unreadable, binary, empty, not YAML
+            or not a mapping.
     """
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigFileError(f"cannot read config {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"config {path} is not a text file (byte {e.start} is not UTF-8)") from e
     try:
         raw: Any = yaml.safe_load(text)
     except yaml.YAMLError as e:

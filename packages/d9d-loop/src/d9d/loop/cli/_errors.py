@@ -1,4 +1,4 @@
-"""The one error a subcommand raises on bad input: printed without a traceback, exit status 2."""
+"""The one error a subcommand raises on bad input (one line, exit status 2) and the checks raising it."""
 
 from __future__ import annotations
 
@@ -22,3 +22,16 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
         return read_config_mapping(path)
     except ConfigFileError as e:
         raise CommandError(str(e)) from e
+
+
+def check_output_file(path: Path, suffixes: tuple[str, ...]) -> None:
+    """Checks, before any work, that ``path`` can be written as one of ``suffixes``.
+
+    Raises:
+        CommandError: If its folder does not exist or its suffix is not one of ``suffixes``.
+    """
+    if path.suffix.lower() not in suffixes:
+        shown = path.suffix or "no suffix"
+        raise CommandError(f"cannot write {path}: {shown} is not one of {', '.join(suffixes)}")
+    if not path.parent.is_dir():
+        raise CommandError(f"cannot write {path}: its folder {path.parent} does not exist")

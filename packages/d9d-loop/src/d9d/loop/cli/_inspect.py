@@ -112,7 +112,7 @@ def inspect_safetensors(path: Path) -> Inspection:
     if config_file.exists():
         try:
             config: Any = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CommandError(f"{config_file} is not valid JSON: {e}") from e
         if isinstance(config, dict):
             shown = {

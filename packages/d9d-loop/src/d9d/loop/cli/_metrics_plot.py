@@ -17,13 +17,15 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     """The rows of a JSONL metrics file (the ``jsonl`` tracker's), each with its ``step``.
 
     Raises:
-        CommandError: If the file is missing, empty, or a line is not a JSON object with a
+        CommandError: If the file is missing, binary, empty, or a line is not a JSON object with a
             numeric ``step``, naming the file and line.
     """
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise CommandError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CommandError(f"{path} is not a text file (byte {e.start} is not UTF-8)") from e
     rows: list[dict[str, float]] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
