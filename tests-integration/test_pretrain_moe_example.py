@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from script_in_process import run_script_in_process
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "pretrain-qwen3-moe" / "train.py"
 
@@ -30,3 +33,24 @@ def test_a_short_run_under_torchrun_lowers_the_loss_and_exports(tmp_path: Path) 
     assert (export / "config.json").is_file()
     assert (export / "model.safetensors.index.json").is_file()
     assert (tmp_path / "runs" / "checkpoints" / "step_000000010").is_dir()
+
+
+def test_an_export_dir_holding_other_files_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The example exported with overwrite=True unchecked: a user's files in export_dir were
+    # deleted, exit status 0, nothing printed.
+    config = (REPO / "examples" / "pretrain-qwen3-moe" / "config.yaml").read_text()
+    config = config.replace("runs/pretrain-qwen3-moe", str(tmp_path / "runs"))
+    export = tmp_path / "runs" / "export"
+    export.mkdir(parents=True)
+    (export / "notes.txt").write_text("mine")
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    # Refused before any work (no process group either): in this process, see script_in_process.
+    code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
+    assert code == 2, stderr[-2000:]
+    assert f"export target {export} is a non-empty directory that is not a d9d export" in stderr
+    assert "notes.txt" in stderr and "pretrain.replace_export_dir: true" in stderr
+    assert (export / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "runs" / "checkpoints").exists()  # refused before any work

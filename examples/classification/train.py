@@ -290,7 +290,10 @@ def run(config: ClassificationConfig) -> Path:
         main = trainer.dist_context.is_main_process
         trainer.events.subscribe(StepFinished, lambda event: _report(event) if main else None)
         trainer.train()
-        export = trainer.export(config.classification.export_dir, overwrite=overwrite)
+        section = config.classification
+        export = trainer.export(
+            section.export_dir, overwrite=overwrite, replace_other=section.replace_export_dir
+        )
     if main:
         print(f"exported the merged model to {export}")
     section = config.classification

@@ -171,7 +171,9 @@ def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
         before = evaluate(trainer, data)
         trainer.train()
         after = evaluate(trainer, data)
-        export = trainer.export(config.finetune.export_dir, overwrite=overwrite)
+        export = trainer.export(
+            config.finetune.export_dir, overwrite=overwrite, replace_other=config.finetune.replace_export_dir
+        )
     return before, after, export
 
 

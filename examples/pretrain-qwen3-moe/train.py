@@ -23,9 +23,11 @@ from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
     ConfigFileError,
+    ExportTargetError,
     ForwardBackwardFinished,
     ProjectConfig,
     TrainingConfigurator,
+    check_export_target,
 )
 from d9d.mesh import DistributedContext
 
@@ -36,7 +38,9 @@ class PretrainSection(BaseModel):
     Attributes:
         num_rows: Rows of generated tokens.
         sequence_length: Tokens per row.
-        export_dir: Where the model is exported at the end (replaced if it exists).
+        export_dir: Where the model is exported at the end; a previous export there is
+            replaced, a directory holding other files stops the run before training.
+        replace_export_dir: Replace ``export_dir`` even when it holds files d9d did not write.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,6 +48,7 @@ class PretrainSection(BaseModel):
     num_rows: int = Field(default=2048, ge=1)
     sequence_length: int = Field(default=32, ge=4)
     export_dir: Path = Path("runs/pretrain-qwen3-moe/export")
+    replace_export_dir: bool = False
 
 
 class PretrainConfig(ProjectConfig):
@@ -72,6 +77,8 @@ class ProgressionRows:
 def run(config: PretrainConfig) -> tuple[list[float], Path]:
     """Trains, checkpoints and exports; returns the step losses and the export directory."""
     section = config.pretrain
+    # Before any work: an export_dir holding the user's own files is refused, not emptied.
+    overwrite = check_export_target(section.export_dir, replace_other=section.replace_export_dir)
     vocab_size = config.model.config.vocab_size
 
     def rows(_: DistributedContext) -> ProgressionRows:
@@ -95,7 +102,9 @@ def run(config: PretrainConfig) -> tuple[list[float], Path]:
     with trainer:
         trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
         trainer.train()
-        export = trainer.export(section.export_dir, overwrite=True)
+        export = trainer.export(
+            section.export_dir, overwrite=overwrite, replace_other=section.replace_export_dir
+        )
         if trainer.dist_context.is_main_process:
             print(f"loss: first {losses[0]:.3f}, last {losses[-1]:.3f}; exported to {export}")
     return losses, export
@@ -113,7 +122,11 @@ def main() -> None:
     except ConfigFileError as e:
         print(e, file=sys.stderr)
         sys.exit(2)
-    run(config)
+    try:
+        run(config)
+    except ExportTargetError as e:
+        print(f"{e} (pretrain.replace_export_dir: true)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

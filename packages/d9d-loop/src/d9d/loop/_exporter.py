@@ -57,7 +57,9 @@ class ModelExporter:
 
         Args:
             target: The directory to create.
-            overwrite: Replace an existing non-empty ``target`` (it stays intact if the export fails).
+            overwrite: Replace an existing non-empty ``target`` (it stays intact if the export
+                fails). The caller decides what may be replaced: ``Trainer.export`` and
+                ``check_export_target`` refuse a directory holding files no d9d export wrote.
 
         Raises:
             FileExistsError: If ``target`` is not empty and ``overwrite`` is False (before any work).
@@ -109,6 +111,7 @@ class ModelExporter:
             try:
                 _merge(parts, staging, files)
                 write_peft_layout(staging, self._peft, base_model=self._base_model)
+                write_export_marker(staging)  # last: it lists every file the export wrote
                 _replace(staging, target, overwrite=overwrite)
             except Exception as e:
                 errors.append(f"rank {self._dist.rank} (merging): {type(e).__name__}: {e}")
@@ -154,7 +157,6 @@ def _merge(parts: Path, staging: Path, extra_files: dict[str, bytes]) -> None:
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
     for name, content in extra_files.items():
         (staging / name).write_bytes(content)
-    write_export_marker(staging)
 
 
 def _replace(staging: Path, target: Path, *, overwrite: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, broadcast_object_list
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.loop._batch_layout import BatchLayout
@@ -31,6 +31,7 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.loop._export_target import ExportTargetError, check_replaceable
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._finite_weights import nonfinite_parameters
 from d9d.loop._gradient_manager import GradientManager, all_reduce_sum_on_device
@@ -631,7 +632,7 @@ class Trainer:
         p.events.publish(StepFinished(step=step, metrics=metrics))
         return metrics
 
-    def export(self, path: str | Path, *, overwrite: bool = False) -> Path:
+    def export(self, path: str | Path, *, overwrite: bool = False, replace_other: bool = False) -> Path:
         """Writes the model as one safetensors directory through the provider's export mapper.
 
         Collective over all ranks; works under every layout, pipeline parallelism included (see
@@ -639,11 +640,28 @@ class Trainer:
 
         Args:
             path: The target directory.
-            overwrite: Replace an existing non-empty target (it stays intact if the export fails).
+            overwrite: Replace a previous d9d export at ``path`` (it stays intact if the export
+                fails). A directory holding files no d9d export wrote is refused, naming them.
+            replace_other: With ``overwrite``, replace such a directory too (its files are lost).
 
         Returns:
             The target directory.
+
+        Raises:
+            ExportTargetError: On every rank, before any work, if ``overwrite`` would delete
+                files d9d did not write and ``replace_other`` is False.
         """
+        if overwrite and not replace_other:
+            problem: str | None = None
+            if self._p.dist_context.is_main_process:
+                try:
+                    check_replaceable(path)
+                except ExportTargetError as e:
+                    problem = str(e)
+            verdict: list[str | None] = [problem]
+            broadcast_object_list(verdict, src=0, group=self._p.dist_context.world_group())
+            if verdict[0] is not None:
+                raise ExportTargetError(verdict[0])
         return self._p.exporter.export(path, overwrite=overwrite)
 
     def close(self) -> None:
