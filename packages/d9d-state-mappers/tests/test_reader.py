@@ -221,3 +221,30 @@ def test_groups_run_as_soon_as_their_inputs_are_read(tmp_path: Path) -> None:
     # Reads run ahead on a thread, so bytes_read is at least (not exactly) what each run needed.
     assert [name for name, _ in log] == ["a", "c", "b"]
     assert [read >= need for (_, read), need in zip(log, [48, 64, 96], strict=True)] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    "hostile", ["../outside.safetensors", "/etc/outside.safetensors", "sub/../../x.safetensors"]
+)
+def test_index_pointing_outside_its_directory_is_refused_naming_the_entry(
+    tmp_path: Path, hostile: str
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"a": torch.zeros(2)}, source / "one.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "outside.safetensors")  # what "../" would reach
+    weight_map = {"a": "one.safetensors", "b": hostile}
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointFormatError, match="weight_map entry 'b'") as error:
+        SafetensorsCheckpoint(source)
+    assert hostile in str(error.value) and "points outside" in str(error.value)
+
+
+def test_index_naming_a_file_in_a_subfolder_is_read(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    (source / "shards").mkdir(parents=True)
+    save_file({"a": torch.zeros(2)}, source / "shards" / "one.safetensors")
+    (source / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "shards/one.safetensors"}})
+    )
+    assert list(SafetensorsCheckpoint(source).specs) == ["a"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -15,6 +15,23 @@ from d9d.state_mappers._safetensors_format import StoredTensor, read_header
 from d9d.state_mappers._spec import Box, TensorSpec, box_shape, full_box
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def _check_inside(index: Path, name: str, file: str) -> None:
+    """Refuses an index entry whose file is not a plain name inside the checkpoint's directory.
+
+    The check is on the written path (absolute, a drive, or a ``..`` part), not on where it
+    resolves: a Hub cache's snapshot files are symlinks into its blob store, and are fine.
+
+    Raises:
+        CheckpointFormatError: Naming the index and the entry.
+    """
+    relative = PurePosixPath(file.replace("\\", "/"))
+    if relative.is_absolute() or ".." in relative.parts or ":" in file or not relative.parts:
+        raise CheckpointFormatError(
+            f"{index}: weight_map entry {name!r} -> {file!r} points outside {index.parent}; "
+            "an index names files inside its own directory"
+        )
 
 
 class SafetensorsCheckpoint:
@@ -57,6 +74,7 @@ class SafetensorsCheckpoint:
             raise CheckpointFormatError(f"{index}: not a valid safetensors index: {error}") from error
         by_file: dict[str, set[str]] = {}
         for name, file in weight_map.items():
+            _check_inside(index, name, file)
             by_file.setdefault(file, set()).add(name)
         absent = sorted(f for f in by_file if not (self._path / f).is_file())
         if absent:
