@@ -12,12 +12,14 @@ import torch.distributed.checkpoint as dcp
 from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
 
+from d9d.loop._checkpoint_shapes import tensor_shapes
 from d9d.loop._config_trainer import InitializationConfig
 from d9d.loop._export_target import ExportTargetError, check_export_target
 from d9d.loop._exporter import ModelExporter
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import ModelStageFactory
 from d9d.loop._train_state import ModelState
+from d9d.loop.cli._checkpoint_check import check_model_fit, read_checkpoint_metadata, verify_checkpoint
 from d9d.loop.cli._errors import CommandError
 from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
 from d9d.mesh import DistributedContext, MeshParameters
@@ -116,9 +118,14 @@ def export_checkpoint(
     ``peft.export`` says whether they are merged. Memory: one copy of the model, then the
     streaming safetensors writer (one file at a time).
 
+    Before the model is built, the checkpoint's files are checked against its manifest
+    (``verify_checkpoint``); before it loads, its model tensors against the model's
+    (``check_model_fit``): a tensor missing on either side refuses the export.
+
     Raises:
-        CommandError: On a bad config section, a target holding other files, or a checkpoint
-            that does not match the model (naming the paths).
+        CommandError: On a bad config section, a target holding other files, a damaged
+            checkpoint, or a checkpoint that does not match the model (naming the paths and
+            the first tensors).
     """
     peft: PeftConfig = _trainer_section(
         config, "peft", TypeAdapter(PeftConfig), config_path, default=FullFineTuningConfig()
@@ -135,6 +142,8 @@ def export_checkpoint(
         overwrite = check_export_target(target, replace_other=replace_other)
     except ExportTargetError as e:
         raise CommandError(f"{e} (--force)") from e
+    metadata = read_checkpoint_metadata(checkpoint)
+    verify_checkpoint(checkpoint, metadata)
     try:
         provider = provider_function(config)
     except (ValueError, KeyError, TypeError) as e:
@@ -153,6 +162,13 @@ def export_checkpoint(
         except (OSError, ValueError) as e:
             raise CommandError(f"the model of {config_path} cannot be built: {type(e).__name__}: {e}") from e
         state = ModelState([built.model], trainable_only=isinstance(peft, LoRAConfig))
+        check_model_fit(
+            checkpoint,
+            metadata.state_dict_metadata,
+            tensor_shapes({"model": state}),
+            section="model",
+            model=str(config_path),
+        )
         try:
             dcp.load({"model": state}, checkpoint_id=str(checkpoint))
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException

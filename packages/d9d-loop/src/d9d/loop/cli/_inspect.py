@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from d9d.loop._checkpoint_manifest import ManifestError, read_manifest
+from d9d.loop.cli._checkpoint_check import read_checkpoint_metadata, verify_checkpoint
 from d9d.loop.cli._errors import CommandError
 
 
@@ -53,11 +52,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def inspect_dcp(path: Path) -> Inspection:
-    """A DCP checkpoint's tensors from its ``.metadata`` (a pickle: a checkpoint is trusted input)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # torch raises several kinds on a broken .metadata
-        raise CommandError(f"{path}/.metadata cannot be read: {type(e).__name__}: {e}") from e
+    """A DCP checkpoint's tensors from its ``.metadata`` (a pickle: a checkpoint is trusted input).
+
+    Raises:
+        CommandError: If ``.metadata`` is unreadable or the checkpoint is damaged (a file
+            missing, truncated or differing from its manifest record), naming the files.
+    """
+    metadata = read_checkpoint_metadata(path)
+    manifest = verify_checkpoint(path, metadata)
     tensors: list[TensorEntry] = []
     other: list[str] = []
     for name, entry in sorted(metadata.state_dict_metadata.items()):
@@ -66,15 +68,14 @@ def inspect_dcp(path: Path) -> Inspection:
         else:
             other.append(name)
     facts = {"checkpoint": str(path)}
-    try:
-        manifest = read_manifest(path)
-    except ManifestError as e:
-        raise CommandError(str(e)) from e
     if manifest is not None:
         facts["step"] = str(manifest.step)
         facts["global batch size"] = str(manifest.layout.global_batch_size)
         facts["optimizer"] = manifest.layout.optimizer
-    elif path.name.startswith("step_") and path.name.removeprefix("step_").isdigit():
+        facts["files"] = f"{len(manifest.files)}, sizes and CRC-32 as the manifest records"
+    else:
+        facts["files"] = "no manifest (an older d9d wrote it): checked for truncation only"
+    if manifest is None and path.name.startswith("step_") and path.name.removeprefix("step_").isdigit():
         facts["step"] = str(int(path.name.removeprefix("step_")))
     facts["config"] = "not stored in a DCP checkpoint: the job's YAML (d9d export reads it)"
     return Inspection(kind="DCP checkpoint", facts=facts, tensors=tensors, other=other)
