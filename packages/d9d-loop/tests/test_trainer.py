@@ -80,7 +80,8 @@ def _events_and_export(directory: str) -> tuple[list[str], list[str]]:
     trainer = build_trainer(config, events=events)
     trainer.train()
     # when train() returns, every rank sees the last asynchronous save published
-    listed = sorted(p.name for p in (Path(directory) / "ckpt").iterdir())
+    # (the job's lock, .d9d-lock, is there too until the trainer closes)
+    listed = sorted(p.name for p in (Path(directory) / "ckpt").iterdir() if p.name.startswith("step_"))
     trainer.export(Path(directory) / "export")
     params = full_parameters(trainer)
     if trainer.dist_context.is_main_process:

@@ -3,6 +3,7 @@
 from d9d.loop._auto_data import AutoDataProvider, MapDataset, ShardedBatchSource
 from d9d.loop._auto_optimizer import AutoOptimizerProvider
 from d9d.loop._batch_layout import BatchLayout
+from d9d.loop._checkpoint_lock import CheckpointDirectoryLockedError
 from d9d.loop._checkpoint_manifest import RunLayout
 from d9d.loop._checkpoint_resume import NoUsableCheckpointError, ResumeIncompatibleError
 from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation, CheckpointWriteError
@@ -139,6 +140,7 @@ __all__ = [
     "BuildForwardInputsContext",
     "BuildForwardInputsResult",
     "CheckpointConfig",
+    "CheckpointDirectoryLockedError",
     "CheckpointLoadError",
     "CheckpointLocation",
     "CheckpointSaved",

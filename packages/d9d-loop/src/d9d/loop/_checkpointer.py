@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from d9d.loop._checkpoint_lock import CheckpointLock
 from d9d.loop._checkpoint_manifest import (
     MANIFEST_FILE,
     FileRecord,
@@ -88,8 +89,12 @@ class Checkpointer:
         config: CheckpointConfig,
         dist_context: DistributedContext,
         expected_bytes: int = 0,
+        lock: CheckpointLock | None = None,
     ) -> None:
         """Checks the directory (a writable directory with room for ``expected_bytes``; collective).
+
+        ``lock``: the directory's lock this job holds (``lock_checkpoint_directory``), released
+        by ``close()``.
 
         Raises:
             DirectoryCheckError: On every rank, if the directory is unusable, naming it and why.
@@ -100,6 +105,7 @@ class Checkpointer:
         self._directory = config.directory
         self._dist = dist_context
         self._pending: tuple[int, _Waitable, RunLayout] | None = None
+        self._lock = lock
         # The context's background group: an asynchronous save finishes its collectives in a
         # background thread, which must not interleave with the training step's collectives.
         self._group: dist.ProcessGroup = dist_context.background_group()
@@ -109,6 +115,11 @@ class Checkpointer:
             required_bytes=expected_bytes * dist_context.parameters.pipeline_parallel,
             group_broadcast=self._broadcast,
         )
+
+    def close(self) -> None:
+        """Releases the directory's lock, so another job may use it (idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
 
     def _broadcast(self, value: _T) -> _T:
         box: list[_T] = [value]

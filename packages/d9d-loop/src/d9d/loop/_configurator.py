@@ -7,11 +7,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.loop._auto_data import AutoDataProvider
 from d9d.loop._batch_layout import BatchLayout
+from d9d.loop._checkpoint_lock import CheckpointLock, lock_checkpoint_directory
 from d9d.loop._checkpointer import Checkpointer
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._directory_checks import estimate_checkpoint_bytes
@@ -114,9 +116,14 @@ class TrainingConfigurator:
     def configure(self) -> Trainer:
         """Starts (or borrows) the distributed context, builds every component, returns the trainer."""
         dist_context, owns_context = self._build_context()
+        lock: CheckpointLock | None = None
         try:
-            return self._build_trainer(dist_context, owns_context)
+            # before any work: a directory another job holds is refused on every rank
+            lock = self._lock_checkpoints(dist_context)
+            return self._build_trainer(dist_context, owns_context, lock)
         except BaseException:
+            if lock is not None:
+                lock.release()
             if owns_context:
                 dist_context.close()
             raise
@@ -139,7 +146,22 @@ class TrainingConfigurator:
         self._events.publish(ConfigReady(dist_context=dist_context))
         return dist_context, owns
 
-    def _build_trainer(self, dist_context: DistributedContext, owns_context: bool) -> Trainer:
+    def _lock_checkpoints(self, dist_context: DistributedContext) -> CheckpointLock | None:
+        directory = self._config.checkpoint.directory
+        if directory is None:
+            return None
+        group = dist_context.world_group()
+
+        def broadcast(problem: str | None) -> str | None:
+            box: list[str | None] = [problem]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            return box[0]
+
+        return lock_checkpoint_directory(directory, dist_context=dist_context, broadcast=broadcast)
+
+    def _build_trainer(
+        self, dist_context: DistributedContext, owns_context: bool, lock: CheckpointLock | None
+    ) -> Trainer:
         config, layout = self._config, self._layout
         program = self._build_program()
         stages = self._build_stages(dist_context, program)
@@ -188,7 +210,7 @@ class TrainingConfigurator:
                 ),
                 train_metrics=wired.train_metrics,
                 evaluator=wired.evaluator,
-                checkpointer=self._build_checkpointer(dist_context, models, optimizer),
+                checkpointer=self._build_checkpointer(dist_context, models, optimizer, lock),
                 exporter=ModelExporter(
                     provider=self._model_provider,
                     stages=stages,
@@ -312,7 +334,11 @@ class TrainingConfigurator:
         )
 
     def _build_checkpointer(
-        self, dist_context: DistributedContext, models: Sequence[nn.Module], optimizer: torch.optim.Optimizer
+        self,
+        dist_context: DistributedContext,
+        models: Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lock: CheckpointLock | None,
     ) -> Checkpointer | None:
         config = self._config.checkpoint
         if config.directory is None:
@@ -321,6 +347,7 @@ class TrainingConfigurator:
             config=config,
             dist_context=dist_context,
             expected_bytes=estimate_checkpoint_bytes(models, optimizer),
+            lock=lock,
         )
 
     def _build_tracker(self, dist_context: DistributedContext) -> Tracker:

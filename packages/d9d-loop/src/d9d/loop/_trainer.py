@@ -665,7 +665,9 @@ class Trainer:
         return self._p.exporter.export(path, overwrite=overwrite)
 
     def close(self) -> None:
-        """Releases the trainer (idempotent): gradient hooks, and the distributed context if it owns it.
+        """Releases the trainer (idempotent): gradient hooks, the checkpoint lock, an owned context.
+
+        The checkpoint directory's lock is released so that another job may use the directory.
 
         The trainer owns the context when ``TrainingConfigurator`` created it (built from
         ``mesh=MeshParameters``); a context the user passed in is left to the user.
@@ -674,6 +676,8 @@ class Trainer:
             return
         self._closed = True
         self._p.gradients.close()
+        if self._p.checkpointer is not None:
+            self._p.checkpointer.close()  # another job may use the directory now
         if self._p.owns_context:
             atexit.unregister(self.close)
             self._p.dist_context.close()
