@@ -94,6 +94,16 @@ def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
         logits = model(torch.tensor([[3, 4, 5]])).logits
     assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
 
+    # AutoTokenizer reads the export as the job's tokenizer.json, not as Qwen2's BPE of its words
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    trained = Tokenizer.from_file(str(tmp_path / "runs" / "tiny-qwen3" / "tokenizer.json"))
+    loaded = AutoTokenizer.from_pretrained(export)
+    prompt = "what is the capital of france ?"
+    assert loaded(prompt)["input_ids"] == trained.encode(prompt).ids
+    assert len(trained.encode(prompt).ids) == 7
+
 
 def test_a_users_chat_jsonl_file_trains_from_config_alone(
     tmp_path: Path, runner: subprocess.Popen[str]

@@ -106,6 +106,9 @@ def write_tiny_checkpoint(directory: Path, *, texts: list[str], seed: int) -> No
     d9d.hf.save_pretrained(model, staging)
     tokenizer.save(str(staging / "tokenizer.json"))
     tokenizer_config = {
+        # tokenizer.json as it is: without a class, AutoTokenizer would rebuild Qwen2's BPE from its
+        # word-level vocabulary (config.json says qwen3) and read a prompt as one unknown token
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<eos>",
         "pad_token": "<pad>",
         "unk_token": "<unk>",

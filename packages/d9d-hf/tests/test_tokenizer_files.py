@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,11 @@ def _word_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _source(directory: Path) -> Path:
-    """A tiny Qwen3 checkpoint saved by d9d.hf plus a ``tokenizer.json`` written by ``tokenizers``."""
+def _source(directory: Path, tokenizer_config: dict[str, object] | None = None) -> Path:
+    """A tiny Qwen3 checkpoint saved by d9d.hf plus a ``tokenizer.json`` written by ``tokenizers``.
+
+    ``tokenizer_config`` becomes its ``tokenizer_config.json`` (None: there is none).
+    """
     tokenizer = _word_tokenizer()
     config = Qwen3DenseConfig.model_validate(
         {
@@ -55,6 +59,8 @@ def _source(directory: Path) -> Path:
     model.reset_parameters()
     d9d.hf.save_pretrained(model, directory)
     tokenizer.save(str(directory / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return directory
 
 
@@ -97,10 +103,23 @@ def _export(source: Path, target: Path) -> None:
         trainer.export(target)
 
 
-def test_autotokenizer_loads_the_export_as_the_source_tokenizer(tmp_path: Path) -> None:
+TOKENIZER_CONFIGS: dict[str, dict[str, object] | None] = {
+    # a tokenizer.json alone, as tokenizers writes it
+    "none": None,
+    # special tokens and a chat template but no class, as the finetune example's toy tokenizer had it
+    "no_class": {"eos_token": "<eos>", "pad_token": "<pad>", "chat_template": "{{ messages }}"},
+    # a model's own class that rebuilds a BPE pipeline: it would misread this word-level tokenizer
+    "qwen2_class": {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<eos>", "pad_token": "<pad>"},
+}
+
+
+@pytest.mark.parametrize("tokenizer_config", sorted(TOKENIZER_CONFIGS))
+def test_autotokenizer_loads_the_export_as_the_source_tokenizer(
+    tmp_path: Path, tokenizer_config: str
+) -> None:
     from transformers import AutoTokenizer
 
-    source = _source(tmp_path / "source")
+    source = _source(tmp_path / "source", TOKENIZER_CONFIGS[tokenizer_config])
     _export(source, tmp_path / "export")
 
     loaded = AutoTokenizer.from_pretrained(tmp_path / "export")
@@ -109,6 +128,16 @@ def test_autotokenizer_loads_the_export_as_the_source_tokenizer(tmp_path: Path) 
         assert loaded(text)["input_ids"] == original.encode(text).ids, text
     assert (loaded.eos_token, loaded.pad_token) == ("<eos>", "<pad>")
     assert loaded.decode(original.encode("the cat sat").ids) == "the cat sat"
+
+
+def test_settings_other_than_the_class_are_kept(tmp_path: Path) -> None:
+    _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    settings = {"eos_token": "<eos>", "model_max_length": 8, "chat_template": "{{ messages }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    written = json.loads(tokenizer_files(tmp_path)["tokenizer_config.json"])
+
+    assert written == {**settings, "tokenizer_class": "PreTrainedTokenizerFast"}
 
 
 def test_transformers_generates_from_the_export_with_its_tokenizer(tmp_path: Path) -> None:
@@ -126,9 +155,26 @@ def test_transformers_generates_from_the_export_with_its_tokenizer(tmp_path: Pat
     assert isinstance(tokenizer.decode(output[0], skip_special_tokens=True), str)
 
 
-def test_an_existing_tokenizer_config_is_copied_unchanged(tmp_path: Path) -> None:
-    _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    written = json.dumps({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 8})
+def _bpe_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS))
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "tokenizer_class"),
+    [
+        (_bpe_tokenizer, "Qwen2Tokenizer"),  # a checkpoint's own class on its BPE
+        (_word_tokenizer, "PreTrainedTokenizerFast"),  # the class that reads tokenizer.json as it is
+        (_word_tokenizer, "TokenizersBackend"),  # its name in transformers 5
+    ],
+)
+def test_a_tokenizer_config_that_loads_tokenizer_json_is_copied_unchanged(
+    tmp_path: Path, tokenizer: Callable[[], Tokenizer], tokenizer_class: str
+) -> None:
+    tokenizer().save(str(tmp_path / "tokenizer.json"))
+    written = json.dumps({"tokenizer_class": tokenizer_class, "model_max_length": 8})
     (tmp_path / "tokenizer_config.json").write_text(written)
     (tmp_path / "generation_config.json").write_text("{}")
 
@@ -136,6 +182,15 @@ def test_an_existing_tokenizer_config_is_copied_unchanged(tmp_path: Path) -> Non
 
     assert files["tokenizer_config.json"].decode() == written
     assert set(files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+
+
+@pytest.mark.parametrize("broken", ["{not json", "[1, 2]"])
+def test_a_broken_tokenizer_config_is_refused_naming_it(tmp_path: Path, broken: str) -> None:
+    _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(broken)
+
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
+        tokenizer_files(tmp_path)
 
 
 @pytest.mark.parametrize(
