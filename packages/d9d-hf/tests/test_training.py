@@ -356,7 +356,9 @@ TINY_MOE: dict[str, Any] = {
 }
 
 
-def _units(mesh: dict[str, int], checkpointing: bool = False, moe: bool = False) -> tuple[bool, list[bool]]:
+def _units(
+    mesh: dict[str, int], checkpointing: bool = False, moe: bool = False, stored: torch.dtype = torch.float32
+) -> tuple[bool, list[bool]]:
     context = DistributedContext(MeshParameters(**mesh), device_type="cpu")
     try:
         with torch.device("meta"):
@@ -366,7 +368,7 @@ def _units(mesh: dict[str, int], checkpointing: bool = False, moe: bool = False)
                 else Qwen3DenseConfig.model_validate(TINY_SCRATCH),
                 attention_backend="eager",
                 activation_checkpointing=checkpointing,
-            )
+            ).to(stored)
         parallelize_qwen3(model, dist_context=context, param_dtype=torch.bfloat16)
         return isinstance(model, FSDPModule), [
             isinstance(layer, FSDPModule) for layer in model.model.decoder_layers()
@@ -387,6 +389,13 @@ def test_one_rank_casts_without_fsdp_and_several_ranks_wrap_each_layer() -> None
     assert not root and layers == [False, False]
     root, layers = run_distributed(_units, {}, True, True, world_size=1, timeout_s=120)[0]
     assert root and layers == [True, True]  # recomputed: per-layer units, never all experts at once
+    # stored in the compute dtype already (bf16 master weights): nothing to cast, so no unit that
+    # would gather a second copy of the stage, recomputed or not, dense or MoE
+    for checkpointing, moe in [(True, False), (True, True), (False, False)]:
+        root, layers = run_distributed(
+            _units, {}, checkpointing, moe, torch.bfloat16, world_size=1, timeout_s=120
+        )[0]
+        assert not root and layers == [False, False]
 
 
 @pytest.mark.parametrize("shape", [TINY_SCRATCH, TINY_MOE], ids=["dense", "moe"])

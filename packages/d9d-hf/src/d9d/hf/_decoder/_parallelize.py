@@ -98,10 +98,11 @@ def parallelize_decoder(
     parameters), expert parallelism (the experts leave FSDP's care), and FSDP/HSDP last over
     the data-parallel and cp-shard ranks, per decoder layer and then the rest, so each layer's
     parameters are gathered only around it.
-    On a single data-parallel rank of a dense model there is nothing to shard: the parameters
-    are cast once per forward without FSDP (``cast_parameters_for_compute``; compiled layer
-    bodies read the cast copies as graph inputs), or, where forward reruns in backward
-    (activation checkpointing), the stage is one FSDP unit.
+    On a single data-parallel rank there is nothing to shard: parameters stored in
+    ``param_dtype`` are used as they are; others are cast once per forward without FSDP
+    (``cast_parameters_for_compute``; compiled layer bodies read the cast copies as graph
+    inputs), or, where forward reruns in backward (activation checkpointing), the stage is one
+    FSDP unit (per-layer units with experts).
 
     Args:
         model: The stage, on the meta device.
@@ -150,11 +151,17 @@ def parallelize_decoder(
     # float32 size).
     # A forward that reruns in backward must see the cast parameters as parameters. Compiled layer
     # bodies need not: the stage's hooks run outside them and the copies enter as graph inputs.
+    # Parameters stored in the compute dtype already (bf16 master weights) need no cast at all: a
+    # unit would only gather a second copy of the whole stage and reduce a third (8B LoRA on one
+    # GPU: 15 GiB of copies).
     reruns = model.model.activation_checkpointing
-    if not sharded and param_dtype is not None and mesh.tensor_parallel == 1 and not reruns:
-        if any(p.dtype != param_dtype for p in model.parameters() if p.is_floating_point()):
-            cast_parameters_for_compute(model, param_dtype)  # not when stored in it already
-        return
+    if not sharded and param_dtype is not None and mesh.tensor_parallel == 1:
+        stored = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if stored <= {param_dtype}:
+            return
+        if not reruns:
+            cast_parameters_for_compute(model, param_dtype)
+            return
     # Otherwise, experts go in per-layer units even on one rank: one unit for the stage would hold
     # every expert's gathered weights at once.
     per_layer = sharded or model.spec.has_experts
