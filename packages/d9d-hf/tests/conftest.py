@@ -68,6 +68,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         mlp_only_layers=[2],  # layers 0, 1, 3 sparse, layer 2 dense
         router_aux_loss_coef=0.05,
     )
+    # the same MoE model whose config.json asks for the load-balancing loss in the objective
+    moe_aux = Qwen3MoeConfig.from_dict({**moe.to_dict(), "output_router_logits": True})
     classifier = Qwen3Config(**TINY, num_hidden_layers=2, num_labels=3, pad_token_id=0)
 
     def init(model: nn.Module) -> nn.Module:
@@ -81,6 +83,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dense": _save(init(Qwen3ForCausalLM(dense)), root / "dense"),
         "tied": _save(init(Qwen3ForCausalLM(tied)), root / "tied"),
         "moe": _save(init(Qwen3MoeForCausalLM(moe)), root / "moe"),
+        "moe_aux": _save(init(Qwen3MoeForCausalLM(moe_aux)), root / "moe_aux"),
         "classifier": _save(init(Qwen3ForSequenceClassification(classifier)), root / "classifier"),
     }
 

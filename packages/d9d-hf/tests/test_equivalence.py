@@ -23,7 +23,8 @@ def _batch(seq: int = 12, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     [
         "dense",  # YaRN, sliding-window layers, attention biases
         "tied",  # tied embeddings: one parameter, gradients of both uses
-        "moe",  # experts, a dense layer among sparse ones, load-balancing loss per layer
+        "moe",  # experts, a dense layer among sparse ones; output_router_logits false: no aux loss
+        "moe_aux",  # output_router_logits true: the load-balancing loss pooled over the 3 sparse layers
     ],
 )
 def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
@@ -32,18 +33,17 @@ def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
     assert isinstance(model, Qwen3CausalLM)
     ids, labels = _batch()
 
-    out = hf(input_ids=ids, output_router_logits=name == "moe")
+    # transformers' own objective: cross-entropy, plus coef * aux when config.json asks for it
+    out = hf(input_ids=ids, labels=labels)
     hf_loss = F.cross_entropy(
         out.logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100
     )
-    total = hf_loss
-    if name == "moe":  # d9d adds each sparse layer's Switch loss (transformers pools the layers)
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-        aux = sum(load_balancing_loss_func((logits,), 8, 2) for logits in out.router_logits)
-        assert len(out.router_logits) == 3
-        total = hf_loss + 0.05 * aux
-    total.backward()
+    if name == "moe_aux":
+        assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+        torch.testing.assert_close(out.loss, hf_loss + 0.05 * out.aux_loss)
+    else:
+        torch.testing.assert_close(out.loss, hf_loss)
+    out.loss.backward()
 
     loss = model.loss(ids, causal_lm_targets(labels))
     loss.backward()
@@ -116,3 +116,28 @@ def test_embedding_head_is_normalized_last_token_state(checkpoints, helpers) -> 
     with torch.no_grad():
         hidden = hf.model(input_ids=ids).last_hidden_state[:, -1]
         torch.testing.assert_close(model.embed(ids), F.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_load_balancing_loss_key_overrides_config_json(checkpoints) -> None:
+    from d9d.hf import HFModelProvider, PretrainedModelConfig
+    from d9d.mesh import DistributedContext, MeshParameters
+
+    context = DistributedContext(MeshParameters(), device_type="cpu")
+    try:
+        for key, coefficient in [
+            (None, 0.0),  # config.json's output_router_logits: false
+            (True, 0.05),  # the objective gets router_aux_loss_coef * the pooled loss
+            (False, 0.0),
+        ]:
+            provider = HFModelProvider(
+                PretrainedModelConfig(source=str(checkpoints["moe"]), load_balancing_loss=key)
+            )
+            spec = provider.model_config(context).decoder_spec()
+            assert spec.load_balancing_coefficient == coefficient
+        dense = HFModelProvider(
+            PretrainedModelConfig(source=str(checkpoints["dense"]), load_balancing_loss=True)
+        )
+        with pytest.raises(ValueError, match=r"model\.load_balancing_loss applies to models with MoE layers"):
+            dense.model_config(context)
+    finally:
+        context.close()

@@ -126,6 +126,7 @@ class _ModelOptions(BaseModel):
     compile: bool = False
     last_stage_weight: float = Field(default=0.0, ge=0.0)
     expert_bias_update_rate: float | None = Field(default=None, gt=0.0)
+    load_balancing_loss: bool | None = None
     heads: tuple[HeadConfig, ...] | None = None
     float8: Float8Config | None = None
     fsdp: FsdpConfig = FsdpConfig()
@@ -206,6 +207,12 @@ class PretrainedModelConfig(_ModelOptions):
             after each step, up for experts that got fewer tokens than the mean and down for those
             that got more, counted over every rank of the stage (DeepSeek-V3 uses 0.001). None:
             off. Only for models with MoE layers; the bias is checkpointed with the model.
+        load_balancing_loss: Whether training adds the MoE load-balancing loss
+            (``router_aux_loss_coef`` times one Switch loss pooled over every sparse layer, as
+            transformers computes it). None follows config.json's ``output_router_logits``, as
+            transformers does (Qwen's own configs ship false: no auxiliary loss); true or false
+            overrides it, and the export's config.json says the same. Only for models with MoE
+            layers.
     """
 
     source: str = Field(min_length=1)

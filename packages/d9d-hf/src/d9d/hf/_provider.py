@@ -111,6 +111,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         """The config.json the model is built from (the source is fetched once, main rank first)."""
         return self._resolve(dist_context).config
 
+    def _with_load_balancing(self, config: DecoderFamily) -> DecoderFamily:
+        """``config`` with ``model.load_balancing_loss`` applied (None keeps config.json's choice)."""
+        enabled = self._config.load_balancing_loss
+        return config if enabled is None else config.with_output_router_logits(enabled)
+
     def _resolve(self, dist_context: DistributedContext) -> _Resolved:
         if self._resolved is not None:
             return self._resolved
@@ -122,11 +127,13 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
                 if self._config.num_labels is not None:
                     config = config.with_num_labels(self._config.num_labels)
                 self._resolved = _Resolved(
-                    config=config, checkpoint=SafetensorsCheckpoint(directory), files=_files_of(directory)
+                    config=self._with_load_balancing(config),
+                    checkpoint=SafetensorsCheckpoint(directory),
+                    files=_files_of(directory),
                 )
             case ScratchModelConfig():
                 self._resolved = _Resolved(
-                    config=as_family(self._config.config),
+                    config=self._with_load_balancing(as_family(self._config.config)),
                     checkpoint=None,
                     files=_files_of(self._config.tokenizer),
                 )

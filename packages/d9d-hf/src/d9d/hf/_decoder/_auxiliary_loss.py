@@ -1,12 +1,14 @@
 """The MoE load-balancing loss of a decoder model, carried from stage to stage and weighted like the loss.
 
-Each sparse layer hands over ``router_aux_loss_coef * switch_loss`` of the microbatch; a stage adds
-its layers' share to the ``load_balancing_loss`` entry of the hand-off (``(batch,)`` rows summing
-to the total, so the pipeline transports it, and its gradient, like any activation), and the last
-stage attaches the total to the head's output. The causal-LM head attaches it to the target
-tokens' losses, so the training loss (their mean) has the gradient of ``loss + aux``: the auxiliary
-loss gets the microbatch's weight like the main loss, and its share no longer depends on the
-number of microbatches per rank or on the data-parallel size.
+Each sparse layer hands over its routing's ``load_balancing_statistics`` of the microbatch (token
+counts and score sums per expert, token count); a stage adds its layers' share to the
+``load_balancing_statistics`` entry of the hand-off (``(batch, 2 * experts + 1)`` rows summing to
+the total, so the pipeline transports it, and its gradient, like any activation), and the last
+stage attaches ``coefficient * pooled_load_balancing_loss(total)`` to the head's output: one loss
+pooled over every layer, as transformers' ``load_balancing_loss_func`` computes it. The causal-LM
+head attaches it to the target tokens' losses, so the training loss (their mean) has the gradient
+of ``loss + aux``: the auxiliary loss gets the microbatch's weight like the main loss, and its
+share no longer depends on the number of microbatches per rank or on the data-parallel size.
 """
 
 from __future__ import annotations
@@ -15,18 +17,34 @@ from typing import Any
 
 import torch
 
-LOAD_BALANCING_KEY = "load_balancing_loss"
-"""Hand-off entry: ``(batch,)`` rows whose sum is the microbatch's load-balancing loss so far."""
+from d9d.kernels.layers import pooled_load_balancing_loss
+
+LOAD_BALANCING_KEY = "load_balancing_statistics"
+"""Hand-off entry: ``(batch, 2 * experts + 1)`` rows whose sum is the microbatch's routing statistics."""
 
 
-def add_stage_share(rows: torch.Tensor | None, share: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """The hand-off rows after a stage: the previous rows plus ``share`` spread over ``batch`` rows."""
+def add_stage_share(
+    rows: torch.Tensor | None, share: torch.Tensor | None, batch: int, width: int
+) -> torch.Tensor:
+    """The hand-off rows after a stage: the previous rows plus ``share`` spread over ``batch`` rows.
+
+    Args:
+        rows: The previous stage's rows, or None on the first stage.
+        share: This stage's summed statistics ``(width,)``, or None (no sparse layer, or eval).
+        batch: Rows of the microbatch.
+        width: ``2 * experts + 1``.
+    """
     if rows is None:
         device = share.device if share is not None else None
-        rows = torch.zeros(batch, dtype=torch.float32, device=device)
+        rows = torch.zeros(batch, width, dtype=torch.float32, device=device)
     if share is None:
         return rows
-    return rows + (share.to(torch.float32) / batch).expand(batch)
+    return rows + (share.to(torch.float32) / batch).expand(batch, width)
+
+
+def pooled_loss_of_rows(rows: torch.Tensor, coefficient: float) -> torch.Tensor:
+    """``coefficient`` times the load-balancing loss pooled over every layer the rows carry."""
+    return coefficient * pooled_load_balancing_loss(rows.sum(dim=0))
 
 
 class _AttachToTargets(torch.autograd.Function):

@@ -124,14 +124,19 @@ class DecoderBackbone(nn.Module):
                     layer.mlp.tokens_per_expert, dtype=torch.float32
                 )
 
-    def pop_load_balancing_loss(self) -> torch.Tensor | None:
-        """Sum of this stage's weighted load-balancing losses of the last training forward, if any."""
-        losses = [
-            loss
+    def pop_load_balancing_statistics(self) -> torch.Tensor | None:
+        """Sum of this stage's routing statistics of the last training forward, if any.
+
+        MoELayer's ``load_balancing_statistics``, summed over the stage's sparse layers: the
+        last stage pools every layer's into one loss.
+        """
+        statistics = [
+            found
             for layer in self.decoder_layers()
-            if isinstance(layer.mlp, MoELayer) and (loss := layer.mlp.pop_load_balancing_loss()) is not None
+            if isinstance(layer.mlp, MoELayer)
+            and (found := layer.mlp.pop_load_balancing_statistics()) is not None
         ]
-        return torch.stack(losses).sum() if losses else None
+        return torch.stack(statistics).sum(dim=0) if statistics else None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers in order."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
+from d9d.hf._decoder._auxiliary_loss import attach_to_target_losses
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, handoff_labels
 from d9d.hf._decoder._model_base import DecoderModelBase
@@ -20,9 +20,11 @@ class DecoderCausalLM(DecoderModelBase):
 
     Training (``forward``) returns per-token losses through the fused linear cross-entropy, so the
     ``(tokens, vocab)`` logits never exist; ``logits`` is for inference. The step's loss is
-    ``losses.sum() / (labels != -100).sum()``, as transformers computes it. On MoE layers the
-    load-balancing loss (``router_aux_loss_coef`` times each layer's Switch loss) is added to the
-    backward pass in training mode, as if added to every target token's loss: the gradient of
+    ``losses.sum() / (labels != -100).sum()``, as transformers computes it. On MoE layers whose
+    config.json sets ``output_router_logits`` (or ``model.load_balancing_loss: true``), the
+    load-balancing loss (``router_aux_loss_coef`` times one Switch loss pooled over every sparse
+    layer, as transformers' ``load_balancing_loss_func``) is added to the backward pass in
+    training mode, as if added to every target token's loss: the gradient of
     that mean is the gradient of ``loss + aux``, the microbatch's weight applies to both.
 
     Tied embeddings (``tie_word_embeddings``): when one module holds both ends, ``lm_head.weight``
@@ -97,10 +99,10 @@ class DecoderCausalLM(DecoderModelBase):
         if labels is None:
             raise ValueError("the causal-LM forward computes the loss and needs DecoderInputs.labels")
         losses = self.lm_head(handoff["hidden_states"], labels, uniform_upstream_gradient=summed)
-        rows = handoff.get(LOAD_BALANCING_KEY)
-        if rows is None or not rows.requires_grad:
+        auxiliary = self.load_balancing_loss(handoff)
+        if auxiliary is None:
             return losses
-        return attach_to_target_losses(losses, rows.sum(), labels != -100)
+        return attach_to_target_losses(losses, auxiliary, labels != -100)
 
     def loss(
         self,

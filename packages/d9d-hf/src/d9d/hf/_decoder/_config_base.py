@@ -147,3 +147,16 @@ class DecoderConfigBase(BaseModel):
     def with_num_labels(self, num_labels: int) -> Self:
         """A copy whose sequence-classification head has ``num_labels`` classes."""
         return self.model_copy(update={"num_labels": num_labels})
+
+    def with_output_router_logits(self, enabled: bool) -> Self:
+        """A copy whose training objective has (or lacks) the MoE load-balancing loss.
+
+        Raises:
+            ValueError: If this family's config.json has no ``output_router_logits`` (no router).
+        """
+        if "output_router_logits" not in type(self).model_fields:
+            raise ValueError(
+                f"model.load_balancing_loss applies to models with MoE layers; "
+                f"{type(self).__name__} has no router"
+            )
+        return self.model_copy(update={"output_router_logits": enabled})

@@ -76,3 +76,10 @@ class DecoderFamily(Protocol):
     def with_num_labels(self, num_labels: int) -> Self:
         """A copy whose sequence-classification head has ``num_labels`` classes."""
         ...
+
+    def with_output_router_logits(self, enabled: bool) -> Self:
+        """A copy whose training objective has (``enabled``) or lacks the load-balancing loss.
+
+        Raises ``ValueError`` for a family without a router.
+        """
+        ...

@@ -14,9 +14,9 @@ StageHandoff = dict[str, torch.Tensor]
 Keys: ``hidden_states`` (batch, seq, hidden) and ``position_ids`` always; ``document_ids``
 (when the batch had them or an ``attention_mask``: pads become documents of their own),
 ``labels`` (``summed_loss_labels`` with ``DecoderInputs.summed_losses``) and ``attention_mask``
-when the batch had them; ``load_balancing_loss`` ``(batch,)``
-on MoE models with ``router_aux_loss_coef``. A plain dict of tensors, so any
-pipeline transport and microbatch split can carry it.
+when the batch had them; ``load_balancing_statistics`` ``(batch, 2 * experts + 1)``
+on MoE models whose objective has the load-balancing loss (``DecoderSpec.load_balancing``).
+A plain dict of tensors, so any pipeline transport and microbatch split can carry it.
 """
 
 

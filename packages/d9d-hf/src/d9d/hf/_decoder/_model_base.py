@@ -10,7 +10,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, add_stage_share, attach_to_target_losses
+from d9d.hf._decoder._auxiliary_loss import (
+    LOAD_BALANCING_KEY,
+    add_stage_share,
+    attach_to_target_losses,
+    pooled_loss_of_rows,
+)
 from d9d.hf._decoder._backbone import DecoderBackbone
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
@@ -138,7 +143,10 @@ class DecoderModelBase(nn.Module):
         out = {**handoff, "hidden_states": hidden}
         if self.spec.load_balancing:  # the same keys in training and eval
             out[LOAD_BALANCING_KEY] = add_stage_share(
-                handoff.get(LOAD_BALANCING_KEY), self.model.pop_load_balancing_loss(), hidden.shape[0]
+                handoff.get(LOAD_BALANCING_KEY),
+                self.model.pop_load_balancing_statistics(),
+                hidden.shape[0],
+                2 * self.spec.num_experts + 1,
             )
         return out
 
@@ -147,10 +155,17 @@ class DecoderModelBase(nn.Module):
 
         For heads whose loss is not a per-token mean (the causal-LM head weights it by target).
         """
+        auxiliary = self.load_balancing_loss(handoff)
+        if auxiliary is None:
+            return output
+        return attach_to_target_losses(output, auxiliary, None)
+
+    def load_balancing_loss(self, handoff: StageHandoff) -> torch.Tensor | None:
+        """The weighted load-balancing loss pooled over every layer (last stage), None without one."""
         rows = handoff.get(LOAD_BALANCING_KEY)
         if rows is None or not rows.requires_grad:
-            return output
-        return attach_to_target_losses(output, rows.sum(), None)
+            return None
+        return pooled_loss_of_rows(rows, self.spec.load_balancing_coefficient)
 
     def require_whole_model(self, what: str) -> None:
         """Raises unless this module is the whole model (first and last stage)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.hf._decoder._auxiliary_loss import LOAD_BALANCING_KEY, attach_to_target_losses
+from d9d.hf._decoder._auxiliary_loss import attach_to_target_losses
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._head_specs import (
     ClassificationHeadSpec,
@@ -161,14 +161,14 @@ class DecoderMultiHead(DecoderModelBase):
         if not self.layout.is_last:
             return handoff
         outputs = {head.name: self._head_output(head, handoff) for head in self.head_specs}
-        rows = handoff.get(LOAD_BALANCING_KEY)
-        if rows is not None and rows.requires_grad:
+        auxiliary = self.load_balancing_loss(handoff)
+        if auxiliary is not None:
             first = self.head_specs[0]
             targets = None
             if isinstance(first, LanguageModelHeadSpec):
                 labels, _ = handoff_labels(handoff)
                 targets = None if labels is None else labels != -100
-            outputs[first.name] = attach_to_target_losses(outputs[first.name], rows.sum(), targets)
+            outputs[first.name] = attach_to_target_losses(outputs[first.name], auxiliary, targets)
         return outputs
 
     def outputs(

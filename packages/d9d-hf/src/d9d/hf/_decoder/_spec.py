@@ -29,7 +29,11 @@ class DecoderSpec:
         has_experts: Some layer's feed-forward is a mixture of experts (where FSDP wraps the
             stage, it does so per layer even on one data-parallel rank, so no unit holds every
             expert's gathered weights).
-        load_balancing: Sparse layers hand over a load-balancing loss, carried from stage to stage.
+        num_experts: Routed experts per sparse layer (0 without any).
+        load_balancing_coefficient: Weight of the load-balancing loss in the training objective
+            (0: none). Sparse layers hand over their routing statistics, carried from stage to
+            stage; the last stage adds this weight times the loss pooled over every layer, as
+            transformers' ``load_balancing_loss_func`` pools the router logits of all layers.
     """
 
     vocab_size: int
@@ -46,4 +50,10 @@ class DecoderSpec:
     num_labels: int
     initializer_range: float
     has_experts: bool = False
-    load_balancing: bool = False
+    num_experts: int = 0
+    load_balancing_coefficient: float = 0.0
+
+    @property
+    def load_balancing(self) -> bool:
+        """Whether the stages carry load-balancing statistics (a nonzero coefficient)."""
+        return self.load_balancing_coefficient != 0.0

@@ -163,6 +163,7 @@ def qwen3_spec(config: Qwen3DenseConfig | Qwen3MoeConfig) -> Qwen3Spec:
                 intermediate_size=config.moe_intermediate_size,
                 norm_topk_prob=config.norm_topk_prob,
                 router_aux_loss_coef=config.router_aux_loss_coef,
+                output_router_logits=config.output_router_logits,
             )
             moe_layers = tuple(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     return Qwen3Spec(

@@ -66,7 +66,7 @@ def _feed_forward(spec: Qwen3Spec, index: int) -> SwiGLU | MoELayer:
         moe.top_k,
         moe.intermediate_size,
         renormalize=moe.norm_topk_prob,
-        load_balancing_loss_coefficient=moe.router_aux_loss_coef or None,
-        collect_load_balancing_loss=True,  # weighted like the loss: see d9d.hf's auxiliary loss
+        load_balancing_loss_coefficient=moe.load_balancing_coefficient or None,
+        collect_load_balancing_loss=True,  # pooled over layers and weighted like the loss (d9d.hf)
         init_std=std,
     )

@@ -18,6 +18,8 @@ class Qwen3MoeSpec:
         intermediate_size: Hidden width of every expert.
         norm_topk_prob: Renormalize the chosen experts' weights to sum to one.
         router_aux_loss_coef: Weight of the load-balancing loss (0 disables it).
+        output_router_logits: Whether training adds the load-balancing loss at all
+            (transformers adds it only when config.json's ``output_router_logits`` is true).
     """
 
     num_experts: int
@@ -25,6 +27,12 @@ class Qwen3MoeSpec:
     intermediate_size: int
     norm_topk_prob: bool
     router_aux_loss_coef: float
+    output_router_logits: bool
+
+    @property
+    def load_balancing_coefficient(self) -> float:
+        """The weight the objective gives the pooled load-balancing loss (0: not added)."""
+        return self.router_aux_loss_coef if self.output_router_logits else 0.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,5 +96,6 @@ class Qwen3Spec:
             num_labels=self.num_labels,
             initializer_range=self.initializer_range,
             has_experts=self.moe is not None,
-            load_balancing=self.moe is not None and self.moe.router_aux_loss_coef != 0,
+            num_experts=0 if self.moe is None else self.moe.num_experts,
+            load_balancing_coefficient=0.0 if self.moe is None else self.moe.load_balancing_coefficient,
         )

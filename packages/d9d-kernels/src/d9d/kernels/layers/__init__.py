@@ -26,7 +26,11 @@ from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExpe
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
 from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
-from d9d.kernels.layers._load_balancing import load_balancing_loss
+from d9d.kernels.layers._load_balancing import (
+    load_balancing_loss,
+    load_balancing_statistics,
+    pooled_load_balancing_loss,
+)
 from d9d.kernels.layers._moe_layer import MoELayer
 from d9d.kernels.layers._moe_router import RouterOutput, RouterScoreFunction, TopKRouter
 from d9d.kernels.layers._pooling import Pooling, pool_hidden_states
@@ -97,7 +101,9 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
     "load_balancing_loss",
+    "load_balancing_statistics",
     "pool_hidden_states",
+    "pooled_load_balancing_loss",
     "position_ids_from_document_ids",
     "select_attention_backend",
 ]

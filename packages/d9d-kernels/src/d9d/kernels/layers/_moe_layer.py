@@ -7,7 +7,7 @@ from torch import nn
 
 from d9d.kernels.layers._auxiliary_loss import attach_auxiliary_loss
 from d9d.kernels.layers._grouped_experts import GroupedSwiGLUExperts
-from d9d.kernels.layers._load_balancing import load_balancing_loss
+from d9d.kernels.layers._load_balancing import load_balancing_statistics, pooled_load_balancing_loss
 from d9d.kernels.layers._moe_router import RouterScoreFunction, TopKRouter
 from d9d.kernels.layers._swiglu_feed_forward import SwiGLU
 from d9d.kernels.layers._token_dispatcher import LocalTokenDispatcher, TokenDispatcher
@@ -27,7 +27,9 @@ class MoELayer(nn.Module):
     ``last_load_balancing_loss`` for logging. With ``collect_load_balancing_loss=True`` the layer
     attaches nothing: ``pop_load_balancing_loss()`` hands ``coefficient * loss`` (with its graph)
     to the caller, who adds it to the objective with the weight it gives the main loss (so that
-    its share does not depend on how a batch is split into microbatches).
+    its share does not depend on how a batch is split into microbatches); or
+    ``pop_load_balancing_statistics()`` hands the routing's ``load_balancing_statistics``, for a
+    loss pooled over several layers (``pooled_load_balancing_loss`` of their sum).
 
     Auxiliary-loss-free balancing: with ``expert_bias=True`` the layer counts tokens per expert in
     ``tokens_per_expert`` (summed over training forwards) and ``update_expert_bias(rate)`` moves the
@@ -75,7 +77,7 @@ class MoELayer(nn.Module):
         self.top_k = top_k
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
         self.collect_load_balancing_loss = collect_load_balancing_loss
-        self._pending_load_balancing_loss: torch.Tensor | None = None
+        self._pending_load_balancing_statistics: torch.Tensor | None = None
         self.router = TopKRouter(
             hidden_size,
             num_experts,
@@ -125,12 +127,13 @@ class MoELayer(nn.Module):
         output = self.dispatcher.combine(self.experts(tokens, tokens_per_local_expert))
         if self.shared_expert is not None:
             output = output + self.shared_expert(hidden)
-        self._pending_load_balancing_loss = None
+        self._pending_load_balancing_statistics = None
         if self.load_balancing_loss_coefficient is not None and self.training:
-            loss = load_balancing_loss(routing.scores, routing.expert_indices, self.num_experts)
+            statistics = load_balancing_statistics(routing.scores, routing.expert_indices, self.num_experts)
+            loss = pooled_load_balancing_loss(statistics)
             self.last_load_balancing_loss = loss.detach()
             if self.collect_load_balancing_loss:
-                self._pending_load_balancing_loss = self.load_balancing_loss_coefficient * loss
+                self._pending_load_balancing_statistics = statistics
             else:
                 output = attach_auxiliary_loss(output, loss, self.load_balancing_loss_coefficient)
         return output.reshape(shape)
@@ -140,8 +143,20 @@ class MoELayer(nn.Module):
 
         None outside training, without a coefficient, or when the layer attaches the loss itself.
         """
-        loss, self._pending_load_balancing_loss = self._pending_load_balancing_loss, None
-        return loss
+        statistics = self.pop_load_balancing_statistics()
+        if statistics is None or self.load_balancing_loss_coefficient is None:
+            return None
+        return self.load_balancing_loss_coefficient * pooled_load_balancing_loss(statistics)
+
+    def pop_load_balancing_statistics(self) -> torch.Tensor | None:
+        """``load_balancing_statistics`` of the last training forward (collect mode, with their graph).
+
+        Unweighted: the caller sums them over layers and applies the coefficient to
+        ``pooled_load_balancing_loss`` of the sum. None where ``pop_load_balancing_loss`` gives
+        None; either call forgets them.
+        """
+        statistics, self._pending_load_balancing_statistics = self._pending_load_balancing_statistics, None
+        return statistics
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
