@@ -50,6 +50,40 @@ def check_layout(saved: RunLayout, current: RunLayout, options: ResumeConfig, wh
 
 
 _LISTED = 8
+SUPERSEDED_SUFFIX = ".superseded"
+
+
+def describe_missing_step(step: int, on_disk: list[CheckpointLocation]) -> str:
+    """Why ``resume.from_step`` cannot be honoured: the steps there are instead."""
+    steps = ", ".join(str(c.step) for c in on_disk) or "none"
+    where = on_disk[0].path.parent if on_disk else "the checkpoint directory"
+    return (
+        f"trainer.checkpoint.resume.from_step={step}: there is no complete checkpoint of step {step} "
+        f"in {where} (complete checkpoints there: {steps}); pick one of them, or remove from_step "
+        "to resume from the newest"
+    )
+
+
+def older_checkpoint_hint(resumed: CheckpointLocation | None, on_disk: list[CheckpointLocation]) -> str:
+    """How to resume from an older checkpoint after a run failed (empty without checkpoints)."""
+    if not on_disk:
+        return ""
+    start = (
+        f"this run resumed from {resumed.path}"
+        if resumed is not None
+        else f"the newest checkpoint is {on_disk[-1].path}"
+    )
+    reference = resumed if resumed is not None else on_disk[-1]
+    older = [c.step for c in on_disk if c.step < reference.step]
+    steps = ", ".join(str(c.step) for c in on_disk)
+    pick = (
+        f"resume from an older one with trainer.checkpoint.resume: {{from_step: {older[-1]}}}"
+        if older
+        else "there is no older checkpoint to resume from: start afresh in another directory"
+    )
+    return (
+        f"{start}; if its weights diverged already (finite but huge), {pick} (complete checkpoints: {steps})"
+    )
 
 
 def _describe_shapes(where: str, mismatched: list[str]) -> str:
@@ -87,6 +121,7 @@ def load_newest_usable(
     logger: logging.LoggerAdapter[logging.Logger],
     nonfinite_weights: Callable[[], list[str]],
     older_than: int | None = None,
+    from_step: int | None = None,
 ) -> Resumed | None:
     """Loads the newest checkpoint that verifies and loads; falls back to older ones (collective).
 
@@ -104,17 +139,34 @@ def load_newest_usable(
         logger: Receives one warning per skipped checkpoint.
         nonfinite_weights: The parameters holding NaN or infinity after a load (collective).
         older_than: Only checkpoints of fewer steps (a repeated rollback moves back).
+        from_step: Only the checkpoint of this step (``resume.from_step``); the newer ones are
+            set aside as ``step_N.superseded``, so a later restart never picks them.
 
     Returns:
         The checkpoint loaded, or None when there is none at all.
 
     Raises:
+        ValueError: If there is no checkpoint of ``from_step``, listing those there are.
         NoUsableCheckpointError: If checkpoints exist but none is usable, listing each and why.
         ResumeIncompatibleError: If the newest intact checkpoint belongs to an incompatible run
             (another optimizer, or tensors of other shapes: each named with both shapes).
     """
     skipped: list[tuple[CheckpointLocation, str]] = []
-    for location in checkpointer.candidates(older_than=older_than):
+    candidates = checkpointer.candidates(older_than=older_than)
+    if from_step is not None:
+        newer = [c for c in candidates if c.step > from_step]
+        candidates = [c for c in candidates if c.step == from_step]
+        if not candidates:
+            raise ValueError(describe_missing_step(from_step, checkpointer.on_disk()))
+        if newer:
+            moved = checkpointer.set_aside(newer, suffix=SUPERSEDED_SUFFIX)
+            logger.warning(
+                "resuming from the checkpoint of step %d (trainer.checkpoint.resume.from_step); "
+                "set aside the newer %s",
+                from_step,
+                ", ".join(str(m) for m in moved),
+            )
+    for location in candidates:
         problems = checkpointer.verify(location)
         if problems:
             reason = "; ".join(problems)

@@ -57,6 +57,18 @@ class CheckpointLocation:
     path: Path
 
 
+def complete_checkpoints(directory: Path) -> list[CheckpointLocation]:
+    """The complete checkpoints (``step_NNNNNNNNN`` directories) in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found: list[CheckpointLocation] = []
+    for entry in directory.iterdir():
+        match = _COMPLETE.match(entry.name)
+        if match and entry.is_dir():
+            found.append(CheckpointLocation(step=int(match.group(1)), path=entry))
+    return sorted(found, key=lambda c: c.step)
+
+
 class _Waitable(Protocol):
     def result(self) -> object: ...
 
@@ -175,8 +187,10 @@ class Checkpointer:
             problems = [str(e)]
         return sorted({p for rank_problems in self._gather(problems) for p in rank_problems})
 
-    def set_aside(self, locations: Sequence[CheckpointLocation]) -> list[Path]:
-        """Renames unusable checkpoints to ``step_N.damaged`` (collective).
+    def set_aside(
+        self, locations: Sequence[CheckpointLocation], *, suffix: str = _DAMAGED_SUFFIX
+    ) -> list[Path]:
+        """Renames unusable checkpoints to ``step_N.damaged`` (or another ``suffix``; collective).
 
         They stay for inspection but no longer count as complete: resume skips them and
         ``keep_last`` never deletes a usable checkpoint to keep one of them.
@@ -184,7 +198,7 @@ class Checkpointer:
         Returns:
             Their new paths.
         """
-        moved = [Path(f"{location.path}{_DAMAGED_SUFFIX}") for location in locations]
+        moved = [Path(f"{location.path}{suffix}") for location in locations]
         if self._dist.is_main_process:
             for location, target in zip(locations, moved, strict=True):
                 if target.exists():
@@ -196,14 +210,11 @@ class Checkpointer:
         return moved
 
     def _complete(self) -> list[CheckpointLocation]:
-        if not self._directory.is_dir():
-            return []
-        found: list[CheckpointLocation] = []
-        for entry in self._directory.iterdir():
-            match = _COMPLETE.match(entry.name)
-            if match and entry.is_dir():
-                found.append(CheckpointLocation(step=int(match.group(1)), path=entry))
-        return sorted(found, key=lambda c: c.step)
+        return complete_checkpoints(self._directory)
+
+    def on_disk(self) -> list[CheckpointLocation]:
+        """Complete checkpoints as this rank sees them, oldest first (not collective)."""
+        return self._complete()
 
     def shape_mismatches(self, location: CheckpointLocation, state: dict[str, Any]) -> list[str]:
         """Tensors of ``state`` whose shape in the checkpoint differs or that it lacks (collective).

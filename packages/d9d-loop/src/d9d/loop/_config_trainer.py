@@ -35,9 +35,14 @@ class ResumeConfig(_Strict):
     Attributes:
         optimizer_state: ``load`` restores the optimizer's state (a checkpoint of another
             optimizer is refused); ``reset`` starts the optimizer afresh, e.g. after switching it.
+        from_step: Resume from the checkpoint of this step instead of the newest, e.g. when the
+            newest ones hold weights that diverged already (finite but huge, NaN at the next
+            step). It must exist (checked before the model is built); the newer checkpoints are
+            set aside as ``step_N.superseded``. Remove the key once the run saved past it.
     """
 
     optimizer_state: Literal["load", "reset"] = "load"
+    from_step: int | None = Field(default=None, ge=0)
 
 
 class CheckpointConfig(_Strict):

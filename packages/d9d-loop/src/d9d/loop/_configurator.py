@@ -14,7 +14,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from d9d.loop._auto_data import AutoDataProvider
 from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._checkpoint_lock import CheckpointLock, lock_checkpoint_directory
-from d9d.loop._checkpointer import Checkpointer
+from d9d.loop._checkpoint_resume import describe_missing_step
+from d9d.loop._checkpointer import Checkpointer, complete_checkpoints
 from d9d.loop._config_trainer import TrainerConfig
 from d9d.loop._directory_checks import estimate_checkpoint_bytes
 from d9d.loop._evaluation_data import EvaluationData
@@ -157,7 +158,17 @@ class TrainingConfigurator:
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             return box[0]
 
-        return lock_checkpoint_directory(directory, dist_context=dist_context, broadcast=broadcast)
+        lock = lock_checkpoint_directory(directory, dist_context=dist_context, broadcast=broadcast)
+        resume = self._config.checkpoint.resume_options
+        if resume is not None and resume.from_step is not None:
+            on_disk = complete_checkpoints(directory) if dist_context.is_main_process else []
+            missing = all(c.step != resume.from_step for c in on_disk)
+            problem = describe_missing_step(resume.from_step, on_disk) if missing else None
+            problem = broadcast(problem)
+            if problem is not None:
+                lock.release()
+                raise ValueError(problem)
+        return lock
 
     def _build_trainer(
         self, dist_context: DistributedContext, owns_context: bool, lock: CheckpointLock | None

@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._checkpoint_gate import CheckpointGate
 from d9d.loop._checkpoint_manifest import RunLayout
-from d9d.loop._checkpoint_resume import load_newest_usable
+from d9d.loop._checkpoint_resume import load_newest_usable, older_checkpoint_hint
 from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
 from d9d.loop._config_trainer import ResumeConfig
 from d9d.loop._evaluation import Evaluator
@@ -167,6 +167,7 @@ class Trainer:
             total_steps=parts.plan.total_steps,
             global_batch_size=parts.plan.batch.global_batch_size,
         )
+        self._resumed_from: CheckpointLocation | None = None  # the checkpoint train() started from
         self._saved_total_steps: int | None = None
         self._saved_global_batch: int | None = None
         self._rollback_walk = RollbackWalk()
@@ -325,11 +326,16 @@ class Trainer:
         """Loads the newest usable checkpoint (verified, else the next older) if resume is on.
 
         A checkpoint is usable when its files match its manifest, it loads, and its weights are
-        finite; a newer unusable one is set aside as ``step_N.damaged``.
+        finite; a newer unusable one is set aside as ``step_N.damaged``. With
+        ``resume.from_step`` only that step's checkpoint is loaded and the newer ones are set
+        aside as ``step_N.superseded``.
         """
-        return self._resume(older_than=None)
+        options = self._p.plan.resume
+        from_step = options.from_step if options is not None else None
+        self._resumed_from = self._resume(older_than=None, from_step=from_step)
+        return self._resumed_from
 
-    def _resume(self, *, older_than: int | None) -> CheckpointLocation | None:
+    def _resume(self, *, older_than: int | None, from_step: int | None = None) -> CheckpointLocation | None:
         checkpointer = self._p.checkpointer
         options = self._p.plan.resume
         if checkpointer is None or options is None:
@@ -343,6 +349,7 @@ class Trainer:
             logger=self._p.dist_context.logger,
             nonfinite_weights=self._nonfinite_weights,
             older_than=older_than,
+            from_step=from_step,
         )
         if resumed is None:
             return None
@@ -387,8 +394,11 @@ class Trainer:
                 self._watchdog.arm(self._step, p.plan.first_step_seconds if first else p.plan.step_seconds)
                 try:
                     reported = self._train_step()
-                except NonFiniteError:
-                    raise  # names the step already
+                except NonFiniteError as e:
+                    hint = self._older_checkpoint_hint()
+                    if not hint:
+                        raise  # names the step already
+                    raise NonFiniteError(f"{e}; {hint}") from e
                 except Exception as e:
                     self._report_before_failing()
                     # e.g. a collective that timed out: say where, then let the job end
@@ -411,6 +421,13 @@ class Trainer:
             bar.close()
             p.tracker.close()
             p.instruments.close()
+
+    def _older_checkpoint_hint(self) -> str:
+        """Names the checkpoint the run resumed from and how to resume from an older one."""
+        checkpointer = self._p.checkpointer
+        if checkpointer is None:
+            return ""
+        return older_checkpoint_hint(self._resumed_from, checkpointer.on_disk())
 
     def _maybe_checkpoint(self, *, final: bool) -> None:
         p = self._p
