@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,15 +39,27 @@ TEMPLATES = [
 
 
 def write_toy_pairs(path: Path, *, seed: int) -> None:
-    """Writes prompt/completion JSONL: each country's capital asked in every template, shuffled."""
+    """Writes prompt/completion JSONL: each country's capital asked in every template, shuffled.
+
+    Says where, and which folders it created: a mistyped ``dataset.source`` with
+    ``finetune.toy_data: true`` would otherwise train on the toy set without a word.
+    """
     pairs = [
         {"prompt": template.format(country), "completion": capital}
         for country, capital in CAPITALS.items()
         for template in TEMPLATES
     ]
     random.Random(seed).shuffle(pairs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    target = path.absolute()
+    created = [folder for folder in reversed(target.parents) if not folder.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    folders = f", creating {', '.join(str(f) for f in created)}" if created else ""
+    print(
+        f"finetune.toy_data: {path} did not exist: wrote the toy set ({len(pairs)} pairs) to {target}"
+        f"{folders}; set finetune.toy_data: false to train on your own file",
+        file=sys.stderr,
+    )
 
 
 def record_texts(path: Path) -> list[str]:

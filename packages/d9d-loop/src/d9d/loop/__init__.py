@@ -92,6 +92,7 @@ from d9d.loop._nonfinite_guard import NonFiniteError
 from d9d.loop._optional_import import MissingExtraError
 from d9d.loop._providers import (
     BatchSource,
+    DataError,
     DataProvider,
     DataProviderContext,
     GradientScalingOptimizer,
@@ -166,6 +167,7 @@ __all__ = [
     "ConstantPhase",
     "CosinePhase",
     "DataConfig",
+    "DataError",
     "DataProvider",
     "DataProviderContext",
     "DirectoryCheckError",

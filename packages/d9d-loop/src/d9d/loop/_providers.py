@@ -15,6 +15,14 @@ from d9d.mesh import DistributedContext
 BatchT_co = TypeVar("BatchT_co", covariant=True)
 
 
+class DataError(ValueError):
+    """A batch source met input it cannot use (a malformed line, a sample without a field).
+
+    The message names the file and line. The trainer lets it through as it is, not as a failed
+    step, so bad data met mid-run (streaming) reads like bad data met while loading.
+    """
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataProviderContext:
     """What a data provider needs to shard data for this rank.
@@ -47,7 +55,11 @@ class BatchSource(Protocol[BatchT_co]):
         ...
 
     def next_batch(self) -> BatchT_co:
-        """This rank's batch for the next step."""
+        """This rank's batch for the next step.
+
+        Raises:
+            DataError: On input it cannot use (read as the batches are taken: streaming).
+        """
         ...
 
     def state_dict(self) -> dict[str, Any]:

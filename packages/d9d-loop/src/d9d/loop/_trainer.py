@@ -39,7 +39,7 @@ from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider, Op
 from d9d.loop._model_stage_factory import BuiltStage
 from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
 from d9d.loop._progress import ProgressBar
-from d9d.loop._providers import BatchSource, GradientScalingOptimizer
+from d9d.loop._providers import BatchSource, DataError, GradientScalingOptimizer
 from d9d.loop._resume_settings import capture_settings, reapply
 from d9d.loop._rollback_walk import RollbackWalk
 from d9d.loop._run_instruments import RunInstruments
@@ -399,6 +399,9 @@ class Trainer:
                     if not hint:
                         raise  # names the step already
                     raise NonFiniteError(f"{e}; {hint}") from e
+                except DataError:
+                    self._report_before_failing()
+                    raise  # names the file and line: the data's fault, not the step's
                 except Exception as e:
                     self._report_before_failing()
                     # e.g. a collective that timed out: say where, then let the job end

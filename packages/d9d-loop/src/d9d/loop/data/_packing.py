@@ -9,10 +9,21 @@ from d9d.loop.data._rows import IGNORE_INDEX, TokenRow
 def fit_length(
     row: TokenRow, *, sequence_length: int, overlong: OverlongPolicy, report: DataReport
 ) -> TokenRow | None:
-    """``row`` cut to ``sequence_length`` (or None when dropped), counted in ``report``."""
+    """``row`` cut to ``sequence_length`` (or None when dropped), counted in ``report``.
+
+    A sample whose first ``sequence_length`` tokens hold no label (a prompt longer than a row)
+    is dropped under either policy: cut, it would take a row and teach nothing.
+    """
     if len(row) <= sequence_length:
         report.samples += 1
         return row
+    if all(label == IGNORE_INDEX for label in row.labels[:sequence_length]):
+        report.dropped += 1
+        report.note(
+            f"{row.where}: {len(row)} tokens, none to learn in the first {sequence_length} "
+            "(the prompt fills the row), dropped"
+        )
+        return None
     match overlong:
         case "truncate":
             report.truncated += 1

@@ -8,7 +8,7 @@ from typing import Generic, Protocol, TypeVar
 
 from d9d.loop._auto_data import ShardedBatchSource
 from d9d.loop._config_data import DataConfig
-from d9d.loop._providers import BatchSource, DataProviderContext
+from d9d.loop._providers import BatchSource, DataError, DataProviderContext
 from d9d.loop.data._bucketed_source import BucketedBatchSource
 from d9d.loop.data._config import TokenDataConfig
 from d9d.loop.data._packing import fit_length, pack_rows
@@ -22,7 +22,7 @@ from d9d.mesh import DistributedContext
 BatchT = TypeVar("BatchT")
 
 
-class SampleError(ValueError):
+class SampleError(DataError):
     """A record cannot become a sample (a missing field, a template that fails); names the record."""
 
 
@@ -109,7 +109,15 @@ class TokenDataProvider(Generic[BatchT]):
         encode = self._encode_fn(encoder)
         if config.streaming:
             if self._order.shuffle:
-                log(f"{reader.name}: streaming reads in file order (data.shuffle applies to in-memory data)")
+                logger.warning(
+                    "%s: streaming reads the source in file order: data.shuffle is ignored "
+                    "(it applies to data read into memory, streaming: false)",
+                    reader.name,
+                )
+            log(
+                f"{reader.name}: streaming, samples are counted as they are read: the first truncated, "
+                "dropped or skipped one is logged when met, the counts after each pass over the source"
+            )
             return StreamingBatchSource(
                 reader=reader,
                 encode=encode,

@@ -6,8 +6,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from d9d.loop._providers import DataError
 
-class DataFileError(ValueError):
+
+class DataFileError(DataError):
     """A data file cannot be used; the message names the file and, where there is one, the line."""
 
 

@@ -95,6 +95,7 @@ class StreamingBatchSource(Generic[BatchT]):
         before = start
         any_row = start.index > 0
         for record in self._reader.records(start):
+            noted = len(self._report.examples)
             encoded = self._encode(record)
             sample = (
                 None
@@ -103,6 +104,8 @@ class StreamingBatchSource(Generic[BatchT]):
                     encoded, sequence_length=self._length, overlong=self._overlong, report=self._report
                 )
             )
+            if noted == 0 and self._report.examples:
+                self._log(f"{self._report.examples[0]} (the counts follow after this pass over the source)")
             if sample is not None:
                 if packer is None:
                     any_row = True
