@@ -74,3 +74,21 @@ def test_another_global_batch_is_named_with_the_position_kept_in_samples(tmp_pat
         "trainer.global_batch_size: 32 in the checkpoint, 16 in the config (the data position is kept "
         "in samples)" in _config_wins(resumed["warnings"])
     )
+
+
+def test_a_run_resumed_past_its_max_steps_is_refused(tmp_path: Path) -> None:
+    # max_steps below the resumed step trained nothing and said nothing
+    run_distributed(run_toy, str(tmp_path), max_steps=3, world_size=1)
+    shorter = run_distributed(run_toy, str(tmp_path), max_steps=2, world_size=1)[0]
+    assert shorter["error"] is not None and shorter["error"].startswith(
+        f"ValueError: resumed from {tmp_path / 'step_000000003'} at step 3, past this run's 2 steps"
+    ), shorter["error"]
+    assert shorter["losses"] == []
+
+
+def test_a_finished_run_says_so_and_trains_nothing(tmp_path: Path) -> None:
+    run_distributed(run_toy, str(tmp_path), max_steps=3, world_size=1)
+    again = run_distributed(run_toy, str(tmp_path), max_steps=3, world_size=1)[0]
+    assert again["error"] is None and again["losses"] == [] and again["step"] == 3
+    finished = f"already finished at step 3 (resumed from {tmp_path / 'step_000000003'}): nothing to train"
+    assert any(w.endswith(finished) for w in again["warnings"]), again["warnings"]

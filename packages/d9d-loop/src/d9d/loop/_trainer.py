@@ -382,7 +382,9 @@ class Trainer:
     def train(self) -> None:
         """Trains until the configured number of steps, resuming first when possible."""
         p = self._p
-        self.resume()
+        resumed = self.resume()
+        if resumed is not None:
+            self._check_steps_left(resumed)
         bar = ProgressBar(
             total=p.plan.total_steps,
             initial=self._step,
@@ -424,6 +426,21 @@ class Trainer:
             bar.close()
             p.tracker.close()
             p.instruments.close()
+
+    def _check_steps_left(self, resumed: CheckpointLocation) -> None:
+        """Says that a resumed run has nothing to train, or refuses one resumed past its end."""
+        total = self._p.plan.total_steps
+        if self._step > total:
+            raise ValueError(
+                f"resumed from {resumed.path} at step {self._step}, past this run's {total} steps "
+                "(trainer.max_steps / epochs): nothing would be trained. Raise max_steps, resume from "
+                "an older checkpoint (trainer.checkpoint.resume: {from_step: N}) or use another "
+                "trainer.checkpoint.directory"
+            )
+        if self._step == total and self._p.dist_context.is_main_process:
+            self._p.dist_context.logger.warning(
+                "already finished at step %d (resumed from %s): nothing to train", self._step, resumed.path
+            )
 
     def _older_checkpoint_hint(self) -> str:
         """Names the checkpoint the run resumed from and how to resume from an older one."""
