@@ -227,3 +227,35 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(
     assert after < before
     export = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "export", attn_implementation="eager")
     assert type(export).__name__ == ("LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM")
+
+
+def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
+    tmp_path: Path,
+    shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
+    runner: subprocess.Popen[str],
+) -> None:
+    # README: the shipped config's jsonl tracker feeds `d9d plot`; naming the generated model and
+    # adding a checkpoint directory is all `d9d export CONFIG CHECKPOINTS OUT` needs.
+    from transformers import AutoModelForCausalLM
+
+    from d9d.loop._cli import main
+
+    shipped, toy = shipped_run
+    assert toy.returncode == 0, toy.stderr[-3000:]
+    metrics = shipped / "runs" / "metrics.jsonl"
+    assert metrics.is_file()
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "metrics.png")]) == 0
+
+    config = _shipped_config(tmp_path, steps=4).replace("toy_data: true", "toy_data: false")
+    config = config.replace(
+        f"source: {tmp_path}/runs/toy_pairs.jsonl", f"source: {shipped}/runs/toy_pairs.jsonl"
+    )
+    checkpoints = tmp_path / "runs" / "checkpoints"
+    config = config.replace("trainer:\n", f"trainer:\n  checkpoint: {{directory: {checkpoints}}}\n", 1)
+    config = f"model: {{source: {shipped / 'runs' / 'tiny-qwen3'}}}\n{config}"
+    result = _run(config, tmp_path, runner)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "config.yaml"), str(checkpoints), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3ForCausalLM"

@@ -15,6 +15,7 @@ from d9d.hf.data import (
     SFTEncoder,
     TextFormatConfig,
     TokenizerFiles,
+    TokenizerFilesError,
 )
 from d9d.loop.data import Record, RecordPosition, SampleError
 
@@ -122,3 +123,16 @@ def test_the_dataset_section_takes_short_forms() -> None:
     assert isinstance(
         SFTDataConfig.model_validate({"source": "c.jsonl", "sequence_length": 8}).format, ChatFormatConfig
     )
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_config_key_that_supplies_one(
+    files: TokenizerFiles,
+) -> None:
+    bare = TokenizerFiles(
+        tokenizer=files.tokenizer,
+        special_tokens=files.special_tokens,
+        chat_template=None,
+        directory=files.directory,
+    )
+    with pytest.raises(TokenizerFilesError, match=r"set dataset\.format\.template to a \.jinja file"):
+        bare.template()

@@ -105,6 +105,6 @@ class TokenizerFiles:
         if text is None:
             raise TokenizerFilesError(
                 f"{self.directory} has no chat template (neither chat_template.jinja nor a chat_template "
-                "in tokenizer_config.json): set data.format.template to a .jinja file"
+                "in tokenizer_config.json): set dataset.format.template to a .jinja file"
             )
         return ChatTemplate(text, special_tokens=self.special_tokens)

@@ -27,7 +27,8 @@ class GroupedQueryAttention(nn.Module):
         num_heads: Query heads (global).
         num_kv_heads: Key/value heads (global); must divide ``num_heads``.
         head_dim: Per-head size; ``hidden_size // num_heads`` when None.
-        qk_norm: RMS-normalize every query and key head before RoPE (Qwen3, OLMo2-style per head).
+        qk_norm: RMS-normalize every query and key head before RoPE (Qwen3 style: one
+            norm of ``head_dim`` shared by all heads; OLMo 2 instead normalizes the whole projection).
         norm_eps: Epsilon of the q/k norms.
         bias: Biases on the q/k/v/o projections.
         causal: Causal (decoder) attention.
