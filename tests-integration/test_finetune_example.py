@@ -259,3 +259,22 @@ def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
     assert main(["export", str(tmp_path / "config.yaml"), str(checkpoints), str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     assert type(model).__name__ == "Qwen3ForCausalLM"
+
+
+def test_the_one_gpu_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/one-gpu.md points at it: it must stay a valid config of this script.
+    import importlib.util
+    import sys
+
+    import yaml
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("finetune_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "finetune_train", module)  # pydantic resolves annotations there
+    spec.loader.exec_module(module)
+    raw = yaml.safe_load((SCRIPT.parent / "qwen3-8b-lora-24gib.yaml").read_text())
+    config = module.FinetuneConfig.model_validate(raw)
+    assert config.model.master_dtype == "bfloat16" and config.model.activation_checkpointing
+    assert config.trainer.peft.kind == "lora" and config.trainer.peft.r == 16
