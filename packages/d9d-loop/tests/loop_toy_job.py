@@ -83,7 +83,8 @@ class ToyModel(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, inputs: Input, shared: None) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(inputs.x)))
+        # in the parameters' dtype (a model stored in bfloat16), the loss in float32
+        return self.fc2(torch.tanh(self.fc1(inputs.x.to(self.fc1.weight.dtype)))).float()
 
     def reset_parameters(self) -> None:
         self.fc1.reset_parameters()
@@ -117,14 +118,15 @@ class ToyTask(TrainTask[Batch, Input, None, torch.Tensor, State]):
 
 
 class ToyProvider(ModelProvider[ToyModel]):
-    def __init__(self, strategy: str = "hsdp", hidden: int = 16) -> None:
+    def __init__(self, strategy: str = "hsdp", hidden: int = 16, dtype: torch.dtype = torch.float32) -> None:
         self.strategy = strategy
         self.hidden = hidden
+        self.dtype = dtype
 
     def initialize_model_stage(
         self, context: InitializeModelStageContext
     ) -> InitializeModelStageResult[ToyModel]:
-        model = ToyModel(self.hidden)
+        model = ToyModel(self.hidden).to(self.dtype)
         return InitializeModelStageResult(model=model, state_mapper=identity_mapper_from_module(model))
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[ToyModel]) -> None:
@@ -169,14 +171,16 @@ def build_trainer(
     weighted: bool = False,
     hidden: int = 16,
     optimizer_provider: OptimizerProvider | None = None,
+    samples: int = 512,
+    dtype: torch.dtype = torch.float32,
 ) -> Trainer:
     return TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=ToyProvider(strategy, hidden),
+        model_provider=ToyProvider(strategy, hidden, dtype),
         task_provider=lambda ctx: ToyTask(weighted),
         data_provider=AutoDataProvider(
-            dataset_factory=lambda d: ToyDataset(), collator=collate, config=config.data
+            dataset_factory=lambda d: ToyDataset(samples), collator=collate, config=config.data
         ),
         optimizer_provider=optimizer_provider or AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),

@@ -32,6 +32,8 @@ def run_toy(
     lr_scheduler: dict[str, Any] | None = None,
     mesh: dict[str, int] | None = None,
     hidden: int = 16,
+    samples: int = 512,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Trains the toy job; returns losses, warnings, the error (as text) and the final parameters."""
     handler = _Collect()
@@ -58,7 +60,9 @@ def run_toy(
     error: BaseException | None = None
     built = None
     try:
-        built = build_trainer(toy_config(**sections), strategy="fsdp", hidden=hidden)
+        built = build_trainer(
+            toy_config(**sections), strategy="fsdp", hidden=hidden, samples=samples, dtype=dtype
+        )
         built.events.subscribe(ForwardBackwardFinished, lambda e: losses.append(e.loss))
         built.events.subscribe(OptimizerStepFinished, lambda e: lrs.append(e.learning_rate))
         built.train()

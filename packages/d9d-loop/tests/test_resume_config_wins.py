@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 from recovery_helpers import run_toy
 
 from d9d.mesh.testing import run_distributed
@@ -70,10 +72,48 @@ def test_another_global_batch_is_named_with_the_position_kept_in_samples(tmp_pat
         world_size=1,
     )[0]
     assert resumed["error"] is None, resumed["error"]
+    # the step counter is kept (max_steps and the schedule count steps), the data position in samples
     assert (
-        "trainer.global_batch_size: 32 in the checkpoint, 16 in the config (the data position is kept "
-        "in samples)" in _config_wins(resumed["warnings"])
+        "trainer.global_batch_size: 32 in the checkpoint, 16 in the config: the step stays 2 "
+        "(trainer.max_steps and the LR schedule count optimizer steps), the data continues at the next "
+        "unread sample (its position is kept in samples)" in _config_wins(resumed["warnings"])
     )
+    assert len(resumed["losses"]) == 4  # steps 2 to 5 of max_steps 6
+
+
+def test_other_data_is_named(tmp_path: Path) -> None:
+    # a changed dataset carried on from the old data's position without a word
+    run_distributed(run_toy, str(tmp_path), max_steps=2, world_size=1)
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=3, samples=256, world_size=1)[0]
+    assert resumed["error"] is None, resumed["error"]
+    assert _config_wins(resumed["warnings"]) == [
+        "the run's length (trainer.max_steps / epochs, the LR schedule's horizon): 2 steps in the "
+        "checkpoint, 3 in the config",
+        "the data: 512 samples in the checkpoint, 256 samples in the config (read from the saved "
+        "position: epoch and sample)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("saved", "configured"),
+    [
+        (torch.float32, torch.bfloat16),  # master_dtype: bfloat16 on a float32 run's checkpoint
+        (torch.bfloat16, torch.float32),  # and back
+    ],
+)
+def test_another_parameter_dtype_is_named(
+    tmp_path: Path, saved: torch.dtype, configured: torch.dtype
+) -> None:
+    # the checkpoint's float32 weights were cast to bfloat16 on load without a word
+    run_distributed(run_toy, str(tmp_path), max_steps=2, dtype=saved, world_size=1)
+    resumed = run_distributed(run_toy, str(tmp_path), max_steps=2, dtype=configured, world_size=1)[0]
+    assert resumed["error"] is None, resumed["error"]
+    old, new = str(saved).removeprefix("torch."), str(configured).removeprefix("torch.")
+    assert _config_wins(resumed["warnings"]) == [
+        f"model parameter dtype: {old} in the checkpoint, {new} in the config (4 tensors cast as they "
+        "load; e.g. model.master_dtype / model.param_dtype)"
+    ]
+    assert all(p.dtype == configured for p in resumed["params"].values())
 
 
 def test_a_run_resumed_past_its_max_steps_is_refused(tmp_path: Path) -> None:

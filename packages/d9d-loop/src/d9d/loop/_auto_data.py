@@ -44,7 +44,9 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
     Each epoch visits the samples in one order (seeded, the same on every rank, new per epoch when
     shuffling); step ``k`` of an epoch takes samples ``[k * G, (k + 1) * G)`` of that order for a
     global batch ``G``, and rank ``r`` of ``D`` takes the ``r``-th of ``D`` equal slices of them. A
-    partial last global batch is dropped. The saved state is ``(epoch, step in epoch)``.
+    partial last global batch is dropped. The saved state is ``(epoch, step in epoch)``, with the
+    global batch it counts in and ``source``, what the data is (``source`` when given, else its
+    number of samples), so a resume on other data says so.
     """
 
     def __init__(
@@ -56,12 +58,14 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         global_batch_size: int,
         dp_rank: int,
         dp_size: int,
+        source: str | None = None,
     ) -> None:
         if global_batch_size % dp_size != 0:
             raise ValueError(
                 f"global batch {global_batch_size} is not divisible by data-parallel size {dp_size}"
             )
         self._dataset = dataset
+        self._source = source if source is not None else f"{len(dataset)} samples"
         self._collator = collator
         self._config = config
         self._global = global_batch_size
@@ -118,8 +122,13 @@ class ShardedBatchSource(Generic[SampleT, BatchT]):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The next batch's position: ``epoch``, ``step_in_epoch`` and the global batch it counts in."""
-        return {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch, "global_batch_size": self._global}
+        """The next batch's position (``epoch``, ``step_in_epoch``), its global batch, the data."""
+        return {
+            "epoch": self._epoch,
+            "step_in_epoch": self._step_in_epoch,
+            "global_batch_size": self._global,
+            "source": self._source,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues at the saved position, converted in samples when the global batch changed.

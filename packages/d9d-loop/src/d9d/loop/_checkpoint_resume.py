@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from d9d.loop._checkpoint_manifest import ManifestError, RunLayout
@@ -23,10 +23,18 @@ class NoUsableCheckpointError(RuntimeError):
 
 @dataclass(kw_only=True, frozen=True)
 class Resumed:
-    """The checkpoint a run resumed from and the optional state keys it lacked."""
+    """The checkpoint a run resumed from, the optional state keys it lacked, and dtypes it cast.
+
+    Attributes:
+        location: The checkpoint loaded.
+        absent: Optional top-level keys it did not hold.
+        cast: One line per model-tensor dtype change (checkpoint dtype, run dtype), for the
+            trainer's "the config wins" lines.
+    """
 
     location: CheckpointLocation
     absent: list[str]
+    cast: list[str] = field(default_factory=list[str])
 
 
 def check_layout(saved: RunLayout, current: RunLayout, options: ResumeConfig, where: str) -> bool:
@@ -189,6 +197,7 @@ def load_newest_usable(
         mismatched = checkpointer.shape_mismatches(location, wanted)
         if mismatched:
             raise ResumeIncompatibleError(_describe_shapes(str(location.path), mismatched))
+        cast = checkpointer.dtype_changes(location, wanted)
         try:
             absent = checkpointer.load(location, wanted, optional=optional)
         except CheckpointLoadError as e:
@@ -208,7 +217,7 @@ def load_newest_usable(
                 location.path,
                 ", ".join(str(m) for m in moved),
             )
-        return Resumed(location=location, absent=absent)
+        return Resumed(location=location, absent=absent, cast=cast)
     if skipped:
         listing = "\n".join(f"  {loc.path}: {reason}" for loc, reason in skipped)
         raise NoUsableCheckpointError(f"no usable checkpoint to resume from:\n{listing}")

@@ -29,7 +29,13 @@ from d9d.loop._checkpoint_manifest import (
     share,
     write_manifest,
 )
-from d9d.loop._checkpoint_shapes import shape_mismatches, tensor_shapes
+from d9d.loop._checkpoint_shapes import (
+    describe_dtype_changes,
+    dtype_changes,
+    model_dtypes,
+    shape_mismatches,
+    tensor_shapes,
+)
 from d9d.loop._config_trainer import CheckpointConfig
 from d9d.loop._directory_checks import check_checkpoint_directory, describe_write_failure
 from d9d.mesh import DistributedContext
@@ -228,6 +234,21 @@ class Checkpointer:
         except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError):
             mine = []  # unreadable metadata is damage: load() reports it and resume falls back
         return sorted({p for rank_problems in self._gather(mine) for p in rank_problems})
+
+    def dtype_changes(self, location: CheckpointLocation, state: dict[str, Any]) -> list[str]:
+        """Model tensors stored in another dtype than in the checkpoint, one line per change (collective).
+
+        DCP casts them as they load; the lines are for the run to say so (the config wins).
+        """
+        try:
+            saved = dcp.FileSystemReader(str(location.path)).read_metadata().state_dict_metadata
+            mine = dtype_changes(saved, model_dtypes(state))
+        except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError):
+            mine = {}  # unreadable metadata is damage: load() reports it
+        merged: dict[str, tuple[str, str]] = {}
+        for rank_changes in self._gather(mine):  # pipeline ranks hold different tensors
+            merged.update(rank_changes)
+        return describe_dtype_changes(merged)
 
     def load(
         self, location: CheckpointLocation, state: dict[str, Any], *, optional: Sequence[str] = ()

@@ -32,16 +32,24 @@ class ConfiguredSettings:
         base_lrs: The scheduler's base learning rate per group (``optimizer.lr``).
         total_steps: Optimizer steps of the run (the schedule's horizon).
         global_batch_size: Samples per optimizer step.
+        data_source: What the batch source names its data (the ``source`` of its state; None:
+            it names none).
     """
 
     groups: tuple[Mapping[str, object], ...]
     base_lrs: tuple[float, ...]
     total_steps: int
     global_batch_size: int
+    data_source: str | None = None
 
 
 def capture_settings(
-    optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, total_steps: int, global_batch_size: int
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    *,
+    total_steps: int,
+    global_batch_size: int,
+    data_source: str | None = None,
 ) -> ConfiguredSettings:
     """Reads the configured settings; call before a checkpoint is loaded."""
     groups = tuple(
@@ -53,6 +61,7 @@ def capture_settings(
         base_lrs=tuple(float(b) for b in scheduler.base_lrs),
         total_steps=total_steps,
         global_batch_size=global_batch_size,
+        data_source=data_source,
     )
 
 
@@ -93,6 +102,7 @@ def reapply(
     scheduler: LRScheduler,
     saved_total_steps: int | None,
     saved_global_batch_size: int | None,
+    saved_data_source: str | None = None,
 ) -> list[str]:
     """Puts the configured settings back after a checkpoint loaded its own (the config wins).
 
@@ -102,7 +112,11 @@ def reapply(
         scheduler: The scheduler, its state as the checkpoint left it.
         saved_total_steps: The run length the checkpoint was written with (None: not recorded).
         saved_global_batch_size: Its samples per step (None: not recorded); the data source
-            converted its position already, this only names the change.
+            converted its position already, this only names the change: the step counter is
+            kept (``max_steps`` and the LR schedule count optimizer steps), the data position is
+            kept in samples.
+        saved_data_source: What the checkpoint's batch source named its data (None: nothing
+            recorded); a change is named, the saved position applies to the new data.
 
     Returns:
         One line per setting whose checkpoint value differs from the config's, then the learning
@@ -131,7 +145,18 @@ def reapply(
     if saved_global_batch_size is not None and saved_global_batch_size != configured.global_batch_size:
         changes.append(
             f"trainer.global_batch_size: {saved_global_batch_size} in the checkpoint, "
-            f"{configured.global_batch_size} in the config (the data position is kept in samples)"
+            f"{configured.global_batch_size} in the config: the step stays {scheduler.last_epoch} "
+            "(trainer.max_steps and the LR schedule count optimizer steps), the data continues at the "
+            "next unread sample (its position is kept in samples)"
+        )
+    if (
+        saved_data_source is not None
+        and configured.data_source is not None
+        and saved_data_source != configured.data_source
+    ):
+        changes.append(
+            f"the data: {saved_data_source} in the checkpoint, {configured.data_source} in the config "
+            "(read from the saved position: epoch and sample)"
         )
     saved_lrs = [float(lr) for lr in scheduler.get_last_lr()]
     new_lrs = _configured_lrs(scheduler, configured, saved_base)

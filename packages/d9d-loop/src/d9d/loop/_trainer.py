@@ -68,6 +68,12 @@ def _to_device(tree: TreeT, device: torch.device) -> TreeT:
 _FAILURE_REPORT_WAIT_S = 30.0
 
 
+def _data_source(state: object) -> str | None:
+    """What a batch source's state names its data (its ``source``), None where it names none."""
+    source = cast(dict[str, object], state).get("source") if isinstance(state, dict) else None
+    return source if isinstance(source, str) else None
+
+
 @dataclass(kw_only=True, frozen=True)
 class _StepInFlight:
     """A step whose work is queued and whose figures are not read yet."""
@@ -166,10 +172,12 @@ class Trainer:
             parts.lr_scheduler,
             total_steps=parts.plan.total_steps,
             global_batch_size=parts.plan.batch.global_batch_size,
+            data_source=_data_source(parts.batches.state_dict()),
         )
         self._resumed_from: CheckpointLocation | None = None  # the checkpoint train() started from
         self._saved_total_steps: int | None = None
         self._saved_global_batch: int | None = None
+        self._saved_data_source: str | None = None
         self._rollback_walk = RollbackWalk()
         self._gate = CheckpointGate(
             guard=parts.nonfinite_guard,
@@ -310,6 +318,7 @@ class Trainer:
             cast(dict[str, object], data).get("global_batch_size") if isinstance(data, dict) else None
         )
         self._saved_global_batch = saved_global if isinstance(saved_global, int) else None
+        self._saved_data_source = _data_source(state["data"])
         self._p.batches.load_state_dict(state["data"])
         scheduler = self._p.lr_scheduler
         scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
@@ -362,12 +371,13 @@ class Trainer:
         if self._p.train_metrics and self._metrics_key() in absent:
             # Fewer ranks, or a checkpoint from before metrics were saved: this rank's window starts empty.
             self._p.train_metrics.reset()
-        changed = reapply(
+        changed = resumed.cast + reapply(
             self._configured,
             optimizer=self._p.optimizer,
             scheduler=self._p.lr_scheduler,
             saved_total_steps=self._saved_total_steps,
             saved_global_batch_size=self._saved_global_batch,
+            saved_data_source=self._saved_data_source,
         )
         if self._p.dist_context.is_main_process:
             for line in changed:

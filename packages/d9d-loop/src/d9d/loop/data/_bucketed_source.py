@@ -58,6 +58,7 @@ class BucketedBatchSource(Generic[BatchT]):
         window_batches: Global batches per length-sorting window (1: no bucketing).
         shuffle: A new seeded order each epoch (False: file order, still bucketed).
         seed: Seed of the order.
+        source: What the data is, saved with the position (None: the number of rows).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class BucketedBatchSource(Generic[BatchT]):
         window_batches: int,
         shuffle: bool,
         seed: int,
+        source: str | None = None,
     ) -> None:
         if global_batch_size % dp_size != 0:
             raise ValueError(
@@ -79,6 +81,7 @@ class BucketedBatchSource(Generic[BatchT]):
         if len(rows) < global_batch_size:
             raise ValueError(f"{len(rows)} samples are fewer than the global batch ({global_batch_size})")
         self._rows = rows
+        self._source = source if source is not None else f"{len(rows)} rows"
         self._lengths = [len(row) for row in rows]
         self._collator = collator
         self._global = global_batch_size
@@ -114,8 +117,8 @@ class BucketedBatchSource(Generic[BatchT]):
         return self._collator([self._rows[i] for i in indices])
 
     def state_dict(self) -> dict[str, Any]:
-        """The next batch's position: ``epoch`` and ``step_in_epoch``."""
-        return {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch}
+        """The next batch's position: ``epoch`` and ``step_in_epoch``, and what the data is (``source``)."""
+        return {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch, "source": self._source}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues at the saved batch."""

@@ -147,6 +147,7 @@ class TokenDataProvider(Generic[BatchT]):
                 global_batch_size=context.global_batch_size,
                 dp_rank=context.dp_rank,
                 dp_size=context.dp_size,
+                source=f"{reader.name} ({len(rows)} rows)",
             )
         return BucketedBatchSource(
             rows=train,
@@ -157,6 +158,7 @@ class TokenDataProvider(Generic[BatchT]):
             window_batches=config.bucket_window,
             shuffle=self._order.shuffle,
             seed=self._order.seed,
+            source=f"{reader.name} ({len(train)} rows)",
         )
 
     def _encode_fn(self, encoder: SampleEncoder) -> Callable[[Record], TokenRow | None]:

@@ -141,8 +141,15 @@ class StreamingBatchSource(Generic[BatchT]):
         return self._collator(taken)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the record position (index, byte offset, line) the next rows start at."""
-        return {"epoch": self._resume.epoch, "position": asdict(self._resume.position)}
+        """The epoch and the record position (index, byte offset, line) the next rows start at.
+
+        ``source`` names the data read, so a resume on another source says so.
+        """
+        return {
+            "epoch": self._resume.epoch,
+            "position": asdict(self._resume.position),
+            "source": self._reader.name,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues at the saved position (the next batch is the one the saved run would take)."""
