@@ -53,6 +53,44 @@ def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
     helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
 
 
+def test_load_balancing_loss_leaves_padding_out_as_transformers(checkpoints, helpers) -> None:
+    # output_router_logits true and a left-padded batch: transformers' load_balancing_loss_func
+    # counts only the tokens its attention_mask marks real (pooled over the 3 sparse layers)
+    hf = helpers.hf_model(checkpoints["moe_aux"]).train()
+    model = d9d.hf.load_pretrained(checkpoints["moe_aux"]).train()
+    assert isinstance(model, Qwen3CausalLM)
+    ids, _ = _batch(seq=12, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :9] = 0  # mostly padding: counting pads would move the loss a lot
+    # targets only on real positions: a pad's output (it attends to itself) is not transformers'
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+
+    out = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    unmasked = hf(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    counted_pads = load_balancing_loss_func(unmasked, 8, 2)  # what counting the pads gives
+    assert isinstance(counted_pads, torch.Tensor) and out.aux_loss is not None
+    assert not torch.allclose(out.aux_loss, counted_pads, atol=1e-4, rtol=1e-4)
+    out.loss.backward()
+
+    loss = model.loss(ids, causal_lm_targets(labels), attention_mask=mask)
+    loss.backward()
+    hf_loss = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    torch.testing.assert_close(out.loss, hf_loss + 0.05 * out.aux_loss)
+    torch.testing.assert_close(loss, hf_loss, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        real = mask.bool()
+        torch.testing.assert_close(
+            model.logits(ids, attention_mask=mask)[real], out.logits[real], atol=1e-5, rtol=1e-5
+        )
+    helpers.assert_same_gradients(helpers.d9d_gradients(model), helpers.hf_gradients(hf))
+
+
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_packed_documents_match_each_document_alone(checkpoints, helpers, name) -> None:
     # eval mode: no load-balancing loss, which would see the packed batch rather than each document

@@ -1,6 +1,7 @@
 """MoE layer: balancing loss and expert bias, router variants, shared expert, the dispatcher and
 grouped-GEMM slots."""
 
+import pytest
 import torch
 
 from d9d.kernels import grouped_mm
@@ -177,3 +178,26 @@ def test_collected_load_balancing_loss_is_handed_to_the_caller_once() -> None:
     with torch.no_grad():
         collected.eval()(hidden)
     assert collected.pop_load_balancing_loss() is None  # nothing outside training
+
+
+def test_token_mask_leaves_masked_tokens_out_of_the_load_balancing_statistics() -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(
+        HIDDEN,
+        EXPERTS,
+        TOP_K,
+        INTERMEDIATE,
+        load_balancing_loss_coefficient=0.5,
+        collect_load_balancing_loss=True,
+    )
+    hidden = torch.randn(2, 5, HIDDEN)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    out = layer(hidden, mask)
+    masked = layer.pop_load_balancing_statistics()
+    real = layer(hidden[mask.bool()])  # only the real tokens, no mask
+    alone = layer.pop_load_balancing_statistics()
+    assert masked is not None and alone is not None
+    torch.testing.assert_close(masked, alone)  # counts, score sums and 7 tokens
+    torch.testing.assert_close(out[mask.bool()], real)  # the output does not depend on the mask
+    with pytest.raises(ValueError, match=r"token_mask has shape \(10,\), the tokens \(2, 5\)"):
+        layer(hidden, mask.reshape(-1))

@@ -154,6 +154,7 @@ class DecoderBackbone(nn.Module):
         *,
         position_ids: torch.Tensor,
         document_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
         run_layers: bool = True,
     ) -> torch.Tensor:
         """Runs this stage's layers (and the final norm on the last stage).
@@ -162,6 +163,9 @@ class DecoderBackbone(nn.Module):
             hidden_states: ``(batch, seq, hidden)``.
             position_ids: ``(batch, seq)`` rotary positions.
             document_ids: ``(batch, seq)`` packed-document ids, or None for one sequence per row.
+            token_mask: ``(batch, seq)``, nonzero on the tokens the MoE layers' load-balancing
+                statistics count (the caller's ``attention_mask``: padding left out); None
+                counts every token.
             run_layers: False skips the decoder layers (identity: each keeps the residual
                 stream's shape and dtype), for the pipeline's meta-device shape pass.
         """
@@ -170,13 +174,18 @@ class DecoderBackbone(nn.Module):
         for layer in layers:
             if self.activation_checkpointing and self.training:
                 output = torch.utils.checkpoint.checkpoint(
-                    layer, hidden_states, position_embeddings, document_ids, use_reentrant=False
+                    layer,
+                    hidden_states,
+                    position_embeddings,
+                    document_ids,
+                    token_mask=token_mask,
+                    use_reentrant=False,
                 )
                 if not isinstance(output, torch.Tensor):
                     raise TypeError("a checkpointed decoder layer returned no tensor")
                 hidden_states = output
             else:
-                hidden_states = layer(hidden_states, position_embeddings, document_ids)
+                hidden_states = layer(hidden_states, position_embeddings, document_ids, token_mask=token_mask)
             if self._overlap_point is not None:
                 self._overlap_point(hidden_states)
         if self.norm is not None:

@@ -61,15 +61,19 @@ class DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
         kv_cache: KeyValueCache | None = None,
+        *,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Maps ``(batch, seq, hidden)`` to ``(batch, seq, hidden)``.
 
         With ``kv_cache`` (incremental decoding), ``hidden_states`` are the new tokens, which
-        attend to the cache (eager: generation is not compiled).
+        attend to the cache (eager: generation is not compiled). ``token_mask`` ``(batch, seq)``
+        (nonzero on real tokens) tells a ``MoELayer`` which tokens its load-balancing
+        statistics count; None counts every token.
         """
         if kv_cache is not None:
-            return self._eager_block(hidden_states, position_embeddings, document_ids, kv_cache)
-        output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids)
+            return self._eager_block(hidden_states, position_embeddings, document_ids, kv_cache, token_mask)
+        output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids, None, token_mask)
         return output
 
     def _eager_block(
@@ -78,6 +82,7 @@ class DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
         kv_cache: KeyValueCache | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attended = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -86,4 +91,7 @@ class DecoderLayer(nn.Module):
             kv_cache=kv_cache,
         )
         hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        normed = self.post_attention_layernorm(hidden_states)
+        if isinstance(self.mlp, MoELayer):
+            return hidden_states + self.mlp(normed, token_mask)
+        return hidden_states + self.mlp(normed)

@@ -138,6 +138,8 @@ class DecoderModelBase(nn.Module):
             handoff["hidden_states"],
             position_ids=handoff["position_ids"],
             document_ids=handoff.get("document_ids"),
+            # the load-balancing statistics leave padding out, as transformers' attention_mask does
+            token_mask=handoff.get("attention_mask") if self.spec.load_balancing else None,
             run_layers=not self._layers_as_identity,
         )
         out = {**handoff, "hidden_states": hidden}

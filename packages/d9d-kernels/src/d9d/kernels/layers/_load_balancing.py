@@ -24,33 +24,56 @@ def load_balancing_loss(scores: torch.Tensor, expert_indices: torch.Tensor, num_
 
 
 def load_balancing_statistics(
-    scores: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+    scores: torch.Tensor,
+    expert_indices: torch.Tensor,
+    num_experts: int,
+    token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the load-balancing loss of one or more routers is computed from, summable over routers.
 
     Summing the statistics of several layers (or of the stages and micro-steps that hold them)
     and then taking ``pooled_load_balancing_loss`` gives the loss of all their routings pooled
     as one, as Hugging Face's ``load_balancing_loss_func`` computes it over the concatenated
-    router logits of every layer.
+    router logits of every layer. With ``token_mask`` only the tokens it marks count (their
+    assignments, scores and number), as ``load_balancing_loss_func`` leaves out the tokens its
+    ``attention_mask`` marks as padding.
 
     Args:
         scores: ``(tokens, num_experts)`` router probabilities.
         expert_indices: ``(tokens, top_k)`` chosen experts.
         num_experts: Number of experts.
+        token_mask: ``(tokens,)``, nonzero on the tokens that count; None counts every token.
 
     Returns:
         ``(2 * num_experts + 1,)`` fp32: the (token, slot) assignments per expert (no gradient),
         the sum of each expert's scores over the tokens (differentiable), and the token count.
+
+    Raises:
+        ValueError: If ``token_mask`` does not have one entry per token.
     """
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
+    device = scores.device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    if token_mask is None:
+        counts.scatter_add_(
+            0,
+            expert_indices.reshape(-1),
+            torch.ones(expert_indices.numel(), dtype=torch.float32, device=device),
+        )
+        score_sums = scores.to(torch.float32).sum(dim=0)
+        tokens = torch.full((1,), float(scores.shape[0]), dtype=torch.float32, device=device)
+        return torch.cat([counts, score_sums, tokens])
+    if tuple(token_mask.shape) != (scores.shape[0],):
+        raise ValueError(
+            f"token_mask has shape {tuple(token_mask.shape)}; the router scored {scores.shape[0]} tokens"
+        )
+    weights = (token_mask != 0).to(device=device, dtype=torch.float32)
     counts.scatter_add_(
         0,
         expert_indices.reshape(-1),
-        torch.ones(expert_indices.numel(), dtype=torch.float32, device=scores.device),
+        weights.unsqueeze(-1).expand(expert_indices.shape).reshape(-1),
     )
-    score_sums = scores.to(torch.float32).sum(dim=0)
-    tokens = torch.full((1,), float(scores.shape[0]), dtype=torch.float32, device=scores.device)
-    return torch.cat([counts, score_sums, tokens])
+    score_sums = (scores.to(torch.float32) * weights.unsqueeze(-1)).sum(dim=0)
+    return torch.cat([counts, score_sums, weights.sum().reshape(1)])
 
 
 def pooled_load_balancing_loss(statistics: torch.Tensor) -> torch.Tensor:

@@ -110,9 +110,22 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.zero_()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``.
+
+        Args:
+            hidden_states: ``(..., hidden_size)`` tokens; every one is routed and computed.
+            token_mask: ``(...)``, nonzero on the tokens the load-balancing loss counts (zero
+                on padding); None counts every token. The output does not depend on it.
+
+        Raises:
+            ValueError: If ``token_mask``'s shape is not ``hidden_states``' without the last dim.
+        """
         shape = hidden_states.shape
+        if token_mask is not None and tuple(token_mask.shape) != tuple(shape[:-1]):
+            raise ValueError(
+                f"MoELayer token_mask has shape {tuple(token_mask.shape)}, the tokens {tuple(shape[:-1])}"
+            )
         hidden = hidden_states.reshape(-1, shape[-1])
         routing = self.router(hidden)
         if self.router.expert_bias is not None and self.training:
@@ -129,7 +142,12 @@ class MoELayer(nn.Module):
             output = output + self.shared_expert(hidden)
         self._pending_load_balancing_statistics = None
         if self.load_balancing_loss_coefficient is not None and self.training:
-            statistics = load_balancing_statistics(routing.scores, routing.expert_indices, self.num_experts)
+            statistics = load_balancing_statistics(
+                routing.scores,
+                routing.expert_indices,
+                self.num_experts,
+                None if token_mask is None else token_mask.reshape(-1),
+            )
             loss = pooled_load_balancing_loss(statistics)
             self.last_load_balancing_loss = loss.detach()
             if self.collect_load_balancing_loss:
