@@ -6,6 +6,7 @@ FP8 grouped GEMM of MoE experts runs its CPU reference (the same quantization, f
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,17 @@ def test_exclude_keeps_chosen_layers_in_bf16(checkpoints: dict[str, Path]) -> No
     assert result["float8"] == sorted(f"model.layers.{i}.{p}" for i in range(3) for p in MLP)
 
 
-def test_default_min_features_leave_tiny_layers_in_bf16(checkpoints: dict[str, Path]) -> None:
-    # every layer of the tiny checkpoint is below the default 128 features
-    assert _run(checkpoints["dense"], {}, steps=1)[0]["float8"] == []
+def test_float8_converting_no_layer_is_refused_naming_the_filter(checkpoints: dict[str, Path]) -> None:
+    # every layer of the tiny checkpoint is below the default 128 features: it trained in bf16
+    # without a word
+    source = checkpoints["dense"]
+    with pytest.raises(
+        DistributedTestError,
+        match=rf"model.float8 converts no linear layer of {re.escape(str(source))} \(DecoderCausalLM, "
+        r"21 linear layers\): 0 match model.float8.exclude .*21 are below "
+        r"model.float8.min_features=128 \(the widest has 64 features\).*Lower min_features, narrow exclude",
+    ):
+        _run(source, {}, steps=1)
 
 
 @pytest.mark.parametrize("mesh", [{}, {"data_parallel_shard": 2}, {"tensor_parallel": 2}])

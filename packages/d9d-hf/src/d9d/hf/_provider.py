@@ -23,6 +23,7 @@ from d9d.hf._decoder import (
     parallelize_decoder,
     stage_load_mapper,
 )
+from d9d.hf._decoder._auxiliary_loss import load_balancing_groups
 from d9d.hf._decoder._expert_bias import (
     enable_expert_bias,
     expert_bias_names,
@@ -30,6 +31,7 @@ from d9d.hf._decoder._expert_bias import (
     zero_expert_bias,
 )
 from d9d.hf._families import as_family, read_decoder_config
+from d9d.hf._float8_check import refuse_float8_converting_nothing
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import CausalLMHeadConfig, head_specs
 from d9d.hf._hub import resolve_snapshot
@@ -186,6 +188,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
     def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
         """Applies FP8 (``float8``) and the decoder recipe (TP, CP, EP, FSDP/HSDP per ``fsdp``)."""
         float8 = self._config.float8
+        if float8 is not None:
+            refuse_float8_converting_nothing(context.model, float8, model_name=self._model_name())
         parallelize_decoder(
             context.model,
             dist_context=context.dist_context,
@@ -196,6 +200,14 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         )
         if self._config.compile:
             context.model.model.compile_layers()
+        context.model.set_load_balancing_groups(load_balancing_groups(context.dist_context))
+
+    def _model_name(self) -> str:
+        match self._config:
+            case PretrainedModelConfig():
+                return self._config.source
+            case ScratchModelConfig():
+                return f"the {self._config.config.model_type} model built from model.config"
 
     def load_model_stage(self, context: LoadModelStageContext[DecoderModelBase]) -> LoadModelStageResult:
         """With a source: fresh initialization, then the checkpoint's tensors (this rank's slices)."""
