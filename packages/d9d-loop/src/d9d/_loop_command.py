@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _TRUSTED = (
-    "A DCP checkpoint is trusted input: its .metadata (and the train state inside it) is a "
-    "Python pickle, and reading one can run code its author put there. Use only checkpoints "
-    "you or your infrastructure wrote; share models as safetensors exports."
+    "A DCP checkpoint is trusted input: its .metadata is a Python pickle that torch reads, and "
+    "reading one can run code its author put there (d9d's own state loads with "
+    "torch.load(weights_only=True)). Use only checkpoints you or your infrastructure wrote; "
+    "share models as safetensors exports."
 )
 
 

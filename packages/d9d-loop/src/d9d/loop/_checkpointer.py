@@ -38,6 +38,8 @@ from d9d.loop._checkpoint_shapes import (
 )
 from d9d.loop._config_trainer import CheckpointConfig
 from d9d.loop._directory_checks import check_checkpoint_directory, describe_write_failure
+from d9d.loop._train_state import refuse_pickled_state
+from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
 from d9d.mesh import DistributedContext
 
 _COMPLETE = re.compile(r"^step_(\d{9})$")
@@ -266,6 +268,8 @@ class Checkpointer:
 
         Raises:
             ValueError: If a required key is absent, naming it and the checkpoint.
+            PickledTrainStateError: If an older d9d stored its train state as a pickle, naming
+                the checkpoint and how to go on.
             CheckpointLoadError: If its ``.metadata`` is missing or unreadable, or DCP failed on
                 some rank, naming the checkpoint.
         """
@@ -282,9 +286,16 @@ class Checkpointer:
         if required:
             raise ValueError(f"checkpoint {location.path} has no {required}; it holds {sorted(prefixes)}")
         present = {key: value for key, value in state.items() if key not in absent}
+        refuse_pickled_state(location.path, saved, present)
         error = ""
         try:
-            dcp.load(present, checkpoint_id=str(location.path), process_group=self._group)
+            # non-tensor values load with weights_only=True: a crafted one is refused, not run
+            dcp.load(
+                present,
+                checkpoint_id=str(location.path),
+                process_group=self._group,
+                planner=WeightsOnlyLoadPlanner(),
+            )
         except (CheckpointException, OSError, EOFError, RuntimeError) as e:
             # CheckpointException is a BaseException: `except Exception` in user code misses it
             error = f"rank {self._dist.rank}: {type(e).__name__}: {e}"

@@ -20,6 +20,7 @@ from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._task import BuildForwardInputsContext, BuildForwardInputsResult
 from d9d.loop._train_state import ModelState
+from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
 from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
 from d9d.mesh import DistributedContext, MeshParameters, map_tree, shard_tree
 from d9d.pipeline import PipelineProgram, PipelineStageInfo, build_forward_only_program
@@ -267,6 +268,7 @@ class InferenceConfigurator:
                     )
                 },
                 checkpoint_id=str(Path(config.weights)),
+                planner=WeightsOnlyLoadPlanner(),
             )
         # As in training: collective on every rank (e.g. a tied head takes the first stage's embedding).
         self._provider.stages_ready(

@@ -161,7 +161,12 @@ class TrainTask(ABC, Generic[BatchT, InputT, SharedT, OutputT, StateT]):
         del ctx
 
     def state_dict(self) -> dict[str, Any]:
-        """State saved in checkpoints (none by default)."""
+        """State saved in checkpoints (none by default).
+
+        Tensors and plain Python values only (dict, list, tuple, set, str, int, float, bool,
+        None): checkpoints load it with ``torch.load(weights_only=True)``; anything else is
+        refused when a checkpoint is saved.
+        """
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -19,6 +19,7 @@ from d9d.loop._exporter import ModelExporter
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import ModelStageFactory
 from d9d.loop._train_state import ModelState
+from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
 from d9d.loop.cli._checkpoint_check import check_model_fit, read_checkpoint_metadata, verify_checkpoint
 from d9d.loop.cli._errors import CommandError
 from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
@@ -170,7 +171,7 @@ def export_checkpoint(
             model=str(config_path),
         )
         try:
-            dcp.load({"model": state}, checkpoint_id=str(checkpoint))
+            dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=WeightsOnlyLoadPlanner())
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CommandError(
