@@ -16,8 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from d9d.kernels.layers import pooled_load_balancing_loss
+from d9d.mesh import BATCH_DOMAIN, DistributedContext
 
 LOAD_BALANCING_KEY = "load_balancing_statistics"
 """Hand-off entry: ``(batch, 2 * experts + 1)`` rows whose sum is the microbatch's routing statistics."""
@@ -42,9 +45,54 @@ def add_stage_share(
     return rows + (share.to(torch.float32) / batch).expand(batch, width)
 
 
-def pooled_loss_of_rows(rows: torch.Tensor, coefficient: float) -> torch.Tensor:
-    """``coefficient`` times the load-balancing loss pooled over every layer the rows carry."""
-    return coefficient * pooled_load_balancing_loss(rows.sum(dim=0))
+def load_balancing_groups(dist_context: DistributedContext) -> tuple[ProcessGroup, ...]:
+    """The groups over which a stage sums its load-balancing statistics: data and context parallel.
+
+    Those ranks hold the other rows (and sequence chunks) of the same microbatch step; expert
+    parallelism splits the data-parallel ranks, so it is covered; pipeline stages hand the
+    statistics on with the activations and tensor-parallel ranks hold the same tokens.
+    """
+    batch = dist_context.mesh_for(BATCH_DOMAIN)
+    return tuple(batch[dim].get_group() for dim in ("dp", "cp") if batch[dim].size() > 1)
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """All-reduce (sum) in forward and in backward: every rank's statistics get the gradient of
+    the loss of the sum through every rank's weight of it."""
+
+    @staticmethod
+    def forward(ctx: Any, statistics: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = statistics.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad_outputs[0].contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def pooled_loss_of_rows(
+    rows: torch.Tensor, coefficient: float, groups: tuple[ProcessGroup, ...] = ()
+) -> torch.Tensor:
+    """``coefficient`` times the load-balancing loss pooled over every layer the rows carry.
+
+    Args:
+        rows: The last stage's hand-off rows ``(batch, 2 * experts + 1)``.
+        coefficient: ``router_aux_loss_coef``.
+        groups: The process groups whose ranks hold the other parts of the same microbatch step
+            (data- and context-parallel ranks): the statistics are summed over them, so the
+            loss is the one of the global microbatch, as one process computes it on that batch.
+    """
+    statistics = rows.sum(dim=0)
+    for group in groups:
+        total = _SumAcrossRanks.apply(statistics, group)
+        if not isinstance(total, torch.Tensor):
+            raise TypeError("the all-reduce of the load-balancing statistics returned no tensor")
+        statistics = total
+    return coefficient * pooled_load_balancing_loss(statistics)
 
 
 class _AttachToTargets(torch.autograd.Function):

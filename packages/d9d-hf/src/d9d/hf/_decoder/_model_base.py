@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.func import functional_call
 
 from d9d.hf._decoder._auxiliary_loss import (
@@ -64,6 +65,10 @@ class DecoderModelBase(nn.Module):
         # The dtype forward computes in when it differs from the parameters' (FSDP mixed
         # precision casts them); set by whoever parallelizes, read by ``pipeline_output_meta``.
         self.compute_dtype: torch.dtype | None = None
+        # The groups of the ranks holding the other parts of a microbatch step (data and context
+        # parallel): the load-balancing statistics are summed over them before the pooled loss,
+        # so it is the global microbatch's (``set_load_balancing_groups``).
+        self.load_balancing_groups: tuple[ProcessGroup, ...] = ()
 
     def pipeline_output_meta(self, inputs: DecoderInputs | StageHandoff, shared: Any) -> Any:
         """The forward's output for meta ``inputs``, the decoder layers taken as identity.
@@ -92,6 +97,17 @@ class DecoderModelBase(nn.Module):
             for hook in hooks:
                 hook.remove()
             self._layers_as_identity = False
+
+    def set_load_balancing_groups(self, groups: tuple[ProcessGroup, ...]) -> None:
+        """Sums the load-balancing statistics over ``groups`` (data- and context-parallel ranks).
+
+        Each rank routes its own tokens; summed over the ranks that share a microbatch step, the
+        statistics give the loss pooled over the global microbatch, as one process computes it
+        on that batch (transformers' ``load_balancing_loss_func`` on the whole batch). The
+        backward sums the gradients over the same groups. Every rank of a group must run the
+        same schedule of microbatches (the last stage calls the collective once per microbatch).
+        """
+        self.load_balancing_groups = groups
 
     def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
         """d9d-pipeline's ``OverlapPoints``: ``point`` runs after each decoder layer of the stage."""
@@ -167,7 +183,7 @@ class DecoderModelBase(nn.Module):
         rows = handoff.get(LOAD_BALANCING_KEY)
         if rows is None or not rows.requires_grad:
             return None
-        return pooled_loss_of_rows(rows, self.spec.load_balancing_coefficient)
+        return pooled_loss_of_rows(rows, self.spec.load_balancing_coefficient, self.load_balancing_groups)
 
     def require_whole_model(self, what: str) -> None:
         """Raises unless this module is the whole model (first and last stage)."""
