@@ -141,6 +141,13 @@ def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path, runner: subpr
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out loss before: n/a (no held-out split" in result.stdout
     assert (tmp_path / "runs" / "export" / "config.json").is_file()
+    # the samples read so far are counted, as for data read into memory (it printed nothing)
+    counts = re.search(
+        r"so far \(streaming, the samples read up to step 12 by this process\): .*: (\d+) "
+        r"samples used, 0 truncated, 0 dropped as too long, 0 skipped",
+        result.stdout,
+    )
+    assert counts is not None and int(counts.group(1)) > 0, result.stdout
 
 
 def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path, runner: subprocess.Popen[str]) -> None:
@@ -172,6 +179,44 @@ def test_an_export_dir_holding_other_files_is_refused_before_training(
     assert "not a d9d export" in stderr and "replace_export_dir" in stderr
     assert (export / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "runs" / "tiny-qwen3").exists()  # refused before any work
+
+
+def test_toy_data_is_written_only_inside_the_work_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a typo in dataset.source with toy_data: true silently wrote a toy file there and trained on it
+    typo = tmp_path / "data" / "my_pairs.jsonl"
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        _shipped_config(tmp_path).replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", f"source: {typo}")
+    )
+    # Refused before any work: in this process, see script_in_process.
+    code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
+    assert code == 2
+    assert (
+        f"finetune.toy_data: dataset.source {typo} does not exist and is outside finetune.work_dir "
+        f"{tmp_path / 'runs'}" in stderr
+    )
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()
+
+
+def test_rerunning_a_finished_config_says_so_without_a_before_loss(
+    tmp_path: Path, runner: subprocess.Popen[str]
+) -> None:
+    # the second run resumed at its last step, trained nothing and printed the trained model's
+    # loss as the untrained "before"
+    config = _shipped_config(tmp_path, steps=3)
+    checkpoints = tmp_path / "runs" / "checkpoints"
+    config = config.replace("trainer:\n", f"trainer:\n  checkpoint: {{directory: {checkpoints}}}\n", 1)
+    first = _run(config, tmp_path, runner)
+    assert first.returncode == 0, first.stderr[-3000:]
+    _losses(first.stdout)
+    again = _run(config, tmp_path, runner)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished at step 3: nothing trained; held-out loss: " in again.stdout
+    assert "held-out loss before" not in again.stdout
+    assert f"exported the finished model again to {tmp_path / 'runs' / 'export'}" in again.stdout
+    assert (tmp_path / "runs" / "export" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

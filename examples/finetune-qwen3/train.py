@@ -13,6 +13,7 @@ after training; the model is exported as a Hugging Face directory that transform
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,6 +74,27 @@ class FinetuneConfig(ProjectConfig):
     model: HFModelConfig | None = None
     dataset: SFTDataConfig
     finetune: FinetuneSection = FinetuneSection()
+
+
+class ToyDataPathError(ValueError):
+    """``finetune.toy_data`` would write the toy set outside ``finetune.work_dir``."""
+
+
+def check_toy_data_path(config: FinetuneConfig) -> None:
+    """Refuses, before any work, to write toy data anywhere but inside ``finetune.work_dir``.
+
+    With ``toy_data: true`` a missing ``dataset.source`` is generated; a typo in that path would
+    otherwise put a toy file next to the user's data and train on it.
+    """
+    section, source = config.finetune, config.dataset.source
+    if not section.toy_data or source.kind != "jsonl" or source.path.exists():
+        return
+    if not source.path.resolve().is_relative_to(section.work_dir.resolve()):
+        raise ToyDataPathError(
+            f"finetune.toy_data: dataset.source {source.path} does not exist and is outside "
+            f"finetune.work_dir {section.work_dir}: toy data is only written inside work_dir (a typo "
+            "in the path?); fix dataset.source, or set finetune.toy_data: false"
+        )
 
 
 def prepare_model(config: FinetuneConfig) -> HFModelConfig:
@@ -143,12 +165,33 @@ def _to(inputs: DecoderInputs, device: torch.device) -> DecoderInputs:
     )
 
 
-def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
+@dataclass(kw_only=True, frozen=True)
+class RunResult:
+    """What a run did.
+
+    Attributes:
+        before: Held-out loss before training (None: no held-out split, pipeline or context
+            parallel, or nothing left to train).
+        after: Held-out loss after training.
+        export: Where the model was exported.
+        finished_at: The step a previous run of this config had already finished at (its
+            checkpoint was resumed and nothing was trained); None when this run trained.
+    """
+
+    before: float | None
+    after: float | None
+    export: Path
+    finished_at: int | None
+
+
+def run(config: FinetuneConfig) -> RunResult:
     """Fine-tunes and exports; returns the held-out loss before and after, and the export."""
-    # Before any work: an export_dir holding the user's own files is refused, not emptied.
+    # Before any work: an export_dir holding the user's own files is refused, not emptied, and
+    # toy data is written nowhere but inside work_dir.
     overwrite = check_export_target(
         config.finetune.export_dir, replace_other=config.finetune.replace_export_dir
     )
+    check_toy_data_path(config)
     model_config = prepare_model(config)
 
     def tokenizer_dir(dist_context: DistributedContext) -> Path:
@@ -166,15 +209,26 @@ def run(config: FinetuneConfig) -> tuple[float | None, float | None, Path]:
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
     with trainer:
-        if trainer.dist_context.is_main_process and not config.dataset.streaming:
-            print(data.report.summary(data.source_name))  # streaming: logged after each pass
-        before = evaluate(trainer, data)
-        trainer.train()
+        main_process = trainer.dist_context.is_main_process
+        if main_process and not config.dataset.streaming:
+            print(data.report.summary(data.source_name))  # streaming: printed after training
+        # Resumed first: a config whose checkpoint already reached max_steps trains nothing, and
+        # its "before" would be the trained model's loss, not the untrained one's.
+        trainer.resume()
+        finished = trainer.step >= trainer.total_steps
+        before = None if finished else evaluate(trainer, data)
+        trainer.train()  # refuses a checkpoint past max_steps; a finished one trains nothing
         after = evaluate(trainer, data)
+        if main_process and config.dataset.streaming:
+            print(
+                f"so far (streaming, the samples read up to step {trainer.step} by this process): "
+                f"{data.report.summary(data.source_name)}"
+            )
         export = trainer.export(
             config.finetune.export_dir, overwrite=overwrite, replace_other=config.finetune.replace_export_dir
         )
-    return before, after, export
+    finished_at = trainer.step if finished else None
+    return RunResult(before=before, after=after, export=export, finished_at=finished_at)
 
 
 USAGE = "usage: train.py CONFIG.yaml  (e.g. examples/finetune-qwen3/config.yaml)"
@@ -190,15 +244,27 @@ def main() -> None:
         print(e, file=sys.stderr)
         sys.exit(2)
     try:
-        before, after, export = run(config)
+        result = run(config)
     except ExportTargetError as e:
         print(f"{e} (finetune.replace_export_dir: true)", file=sys.stderr)
+        sys.exit(2)
+    except ToyDataPathError as e:
+        print(e, file=sys.stderr)
         sys.exit(2)
     except (DataFileError, SampleError) as e:
         print(f"bad data: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"held-out loss before: {_show(before)}  after: {_show(after)}")
-    print(f"exported to {export}")
+    if result.finished_at is not None:
+        # The checkpoint is exported again: the same weights, and an export a killed run never
+        # finished is completed.
+        print(
+            f"already finished at step {result.finished_at}: nothing trained; held-out loss: "
+            f"{_show(result.after)}"
+        )
+        print(f"exported the finished model again to {result.export}")
+        return
+    print(f"held-out loss before: {_show(result.before)}  after: {_show(result.after)}")
+    print(f"exported to {result.export}")
 
 
 def _show(loss: float | None) -> str:

@@ -175,6 +175,7 @@ class Trainer:
             data_source=_data_source(parts.batches.state_dict()),
         )
         self._resumed_from: CheckpointLocation | None = None  # the checkpoint train() started from
+        self._resume_tried = False  # resume() ran (train() then does not load a second time)
         self._saved_total_steps: int | None = None
         self._saved_global_batch: int | None = None
         self._saved_data_source: str | None = None
@@ -342,6 +343,7 @@ class Trainer:
         options = self._p.plan.resume
         from_step = options.from_step if options is not None else None
         self._resumed_from = self._resume(older_than=None, from_step=from_step)
+        self._resume_tried = True
         return self._resumed_from
 
     def _resume(self, *, older_than: int | None, from_step: int | None = None) -> CheckpointLocation | None:
@@ -390,9 +392,13 @@ class Trainer:
         return location
 
     def train(self) -> None:
-        """Trains until the configured number of steps, resuming first when possible."""
+        """Trains until the configured number of steps, resuming first when possible.
+
+        A job that called ``resume()`` itself (to look at the resumed step first) is not loaded a
+        second time.
+        """
         p = self._p
-        resumed = self.resume()
+        resumed = self._resumed_from if self._resume_tried else self.resume()
         if resumed is not None:
             self._check_steps_left(resumed)
         bar = ProgressBar(
