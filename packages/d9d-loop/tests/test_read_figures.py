@@ -115,6 +115,8 @@ def _diverging(directory: Path, mode: str, policy: dict[str, Any]) -> dict[str, 
         world_size=1,
     )[0]
     result["warnings"] = [w.replace(str(directory / mode), "<dir>") for w in result["warnings"]]
+    if result["error"] is not None:  # it names the checkpoint the run resumed from
+        result["error"] = result["error"].replace(str(directory / mode), "<dir>")
     return result
 
 
