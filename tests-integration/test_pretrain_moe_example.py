@@ -54,3 +54,21 @@ def test_an_export_dir_holding_other_files_is_refused_before_training(
     assert "notes.txt" in stderr and "pretrain.replace_export_dir: true" in stderr
     assert (export / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "runs" / "checkpoints").exists()  # refused before any work
+
+
+def test_the_config_trains_with_the_load_balancing_loss_its_readme_promises() -> None:
+    # the README says "load-balancing loss on": config.json's output_router_logits must say so
+    # (transformers, and d9d by default, add the loss only when it is true)
+    import yaml
+
+    from d9d.hf import HFModelProvider, ScratchModelConfig
+    from d9d.mesh import DistributedContext, MeshParameters
+
+    assert "load-balancing loss on" in (SCRIPT.parent / "README.md").read_text()
+    model = yaml.safe_load((SCRIPT.parent / "config.yaml").read_text())["model"]
+    context = DistributedContext(MeshParameters(), device_type="cpu")
+    try:
+        spec = HFModelProvider(ScratchModelConfig.model_validate(model)).model_config(context).decoder_spec()
+    finally:
+        context.close()
+    assert spec.load_balancing and spec.load_balancing_coefficient == model["config"]["router_aux_loss_coef"]
