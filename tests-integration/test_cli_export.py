@@ -128,3 +128,32 @@ def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(tmp_p
         with torch.no_grad():
             logits.append(model(probe).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_d9d_export_refuses_a_config_of_another_family_naming_the_tensors_it_lacks(tmp_path: Path) -> None:
+    # Issue 42: a Llama config of the same widths on a Qwen3 checkpoint exported a Llama without
+    # Qwen3's q/k norms (logits off by 0.52) and exited 0.
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    widths: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "tie_word_embeddings": False,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**widths)).save_pretrained(tmp_path / "qwen3")
+    LlamaForCausalLM(LlamaConfig(**widths)).save_pretrained(tmp_path / "llama")
+    raw = _raw_config(tmp_path / "qwen3", tmp_path / "ckpt")
+    raw["mesh"] = {}
+    run_distributed(_train, raw, str(tmp_path / "trainer-export"), world_size=1, timeout_s=240)
+
+    raw["model"]["source"] = str(tmp_path / "llama")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "d9d.loop._cli", "export", str(config), str(tmp_path / "ckpt")]
+    result = subprocess.run(
+        [*command, str(tmp_path / "out")], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "q_norm" in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
