@@ -22,6 +22,7 @@ from d9d.hf._decoder import (
     multi_head_load_mapper,
     parallelize_decoder,
     stage_load_mapper,
+    tensor_parallel_plan_of,
 )
 from d9d.hf._decoder._auxiliary_loss import load_balancing_groups
 from d9d.hf._decoder._expert_bias import (
@@ -144,8 +145,16 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
     def initialize_model_stage(
         self, context: InitializeModelStageContext
     ) -> InitializeModelStageResult[DecoderModelBase]:
-        """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes."""
+        """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes.
+
+        Raises:
+            ValueError: Under ``tensor_parallel > 1`` for a family without a tensor-parallel plan,
+                naming its ``model_type``, before any layer is built.
+        """
         resolved = self._resolve(context.dist_context)
+        # a family without a plan would keep its layers unsplit and fail at step 0 with a shape error
+        tp = context.dist_context.parameters.tensor_parallel
+        tensor_parallel_plan_of(resolved.config, tensor_parallel=tp)
         layers = layers_of_stage(
             context.stage,
             resolved.config.decoder_spec().num_layers,

@@ -39,7 +39,8 @@ from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._decoder._stage import StageLayout, stage_layout
 from d9d.hf._decoder._stage_loading import load_stage_from_checkpoint, stage_load_mapper
 from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_mapper
-from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
+from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel, tensor_parallel_plan_of
+from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, MegatronDecoderPlan
 
 __all__ = [
     "FsdpSettings",
@@ -56,10 +57,12 @@ __all__ = [
     "DecoderMultiHead",
     "DecoderSequenceClassification",
     "DecoderSpec",
+    "DecoderTensorParallelPlan",
     "HeadSpec",
     "LanguageModelHeadSpec",
     "LayerTensor",
     "LayerType",
+    "MegatronDecoderPlan",
     "MultiHeadOutput",
     "StackedExperts",
     "StageHandoff",
@@ -93,5 +96,6 @@ __all__ = [
     "same_names",
     "stage_layout",
     "stage_load_mapper",
+    "tensor_parallel_plan_of",
     "write_config",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Protocol, Self
 
 from d9d.hf._decoder._decoder_layer import DecoderLayer
 from d9d.hf._decoder._spec import DecoderSpec
+from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan
 from d9d.hf._head import HeadName
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
@@ -46,13 +47,27 @@ class DecoderFamily(Protocol):
     """A model family, as implemented by its config.json model (one pydantic class per ``model_type``).
 
     The core owns everything a decoder-only family shares (backbone, stage layout, heads, stage
-    loading, tied stages, tensor-parallel plan, parallelize recipe, model provider); a family
-    gives only what differs: its numbers, its decoder layer, its tensor names and its config
-    export. ``d9d.hf``'s dispatch module lists the families in one discriminated union.
+    loading, tied stages, the shared part of tensor parallelism, parallelize recipe, model
+    provider); a family gives only what differs: its numbers, its decoder layer, its tensor
+    names, its layers' tensor-parallel plan and its config export. ``d9d.hf``'s dispatch module
+    lists the families in one discriminated union.
     """
+
+    @property
+    def model_type(self) -> str:
+        """config.json's ``model_type``: the family's name in messages."""
+        ...
 
     def decoder_spec(self) -> DecoderSpec:
         """The resolved numbers the core builds the model from."""
+        ...
+
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+        """How a decoder layer splits under ``tensor_parallel > 1``; None for a family without a plan.
+
+        A family without one is refused under tensor parallelism before any weight is built,
+        naming its ``model_type`` (its layers' modules would otherwise stay unsplit).
+        """
         ...
 
     def build_decoder_layer(

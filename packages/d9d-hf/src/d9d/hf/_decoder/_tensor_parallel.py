@@ -1,8 +1,9 @@
 """Tensor parallelism with sequence parallelism for one decoder stage (Megatron's layout).
 
 Between blocks the residual stream is this rank's slice of the sequence (tensor dim 1): norms run
-on it locally (``SequenceParallelNorm``); attention and the feed-forward gather the sequence on
-entry, split heads / the inner width by columns and reduce-scatter back to the slice by rows.
+on it locally (``SequenceParallelNorm``); each decoder layer is split as its family's plan says
+(``MegatronDecoderPlan`` for Qwen3, Llama, Qwen2: attention and the feed-forward gather the
+sequence on entry, split heads / the inner width by columns and reduce-scatter back by rows).
 The head gathers the sequence and computes the whole loss on every tp rank with a replicated
 weight, so every tp rank reports the same loss and token count (what d9d-loop's loss reduction
 expects of a tp group).
@@ -12,16 +13,12 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, gather_sequence
 from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import place_adapters_like_base
 from d9d.parallel import (
@@ -32,17 +29,31 @@ from d9d.parallel import (
 )
 
 
-def _gather_sequence(num_args: int) -> PrepareModuleInput:
-    """The first positional input arrives as the sequence slice and is gathered; others pass."""
-    passed: tuple[None, ...] = (None,) * (num_args - 1)
-    return PrepareModuleInput(
-        input_layouts=(Shard(1), *passed), desired_input_layouts=(Replicate(), *passed), use_local_output=True
-    )
+def tensor_parallel_plan_of(
+    family: DecoderFamily, *, tensor_parallel: int
+) -> DecoderTensorParallelPlan | None:
+    """The family's tensor-parallel plan, checked against the job's tp degree before any weight is built.
+
+    Returns:
+        The family's plan (None only for a family without one, under ``tensor_parallel`` 1).
+
+    Raises:
+        ValueError: If ``tensor_parallel > 1`` and the family declares no plan, naming its
+            ``model_type``.
+    """
+    plan = family.tensor_parallel_plan()
+    if plan is None and tensor_parallel > 1:
+        raise ValueError(
+            f"model_type {family.model_type} has no tensor-parallel plan, so mesh.tensor_parallel="
+            f"{tensor_parallel} is not supported for it; set mesh.tensor_parallel: 1 (shard with "
+            f"data_parallel_shard instead), or give the family a plan (DecoderFamily.tensor_parallel_plan)"
+        )
+    return plan
 
 
 def _replicate_head(head: nn.Module, mesh: DeviceMesh, num_args: int) -> None:
     """The whole sequence and a replicated weight on every tp rank: identical outputs and gradients."""
-    parallelize_module(head, mesh, _gather_sequence(num_args))
+    parallelize_module(head, mesh, gather_sequence(num_args))
     slots: list[LocalParameterSlot] = []
     for owner in head.modules():
         for name, parameter in list(owner.named_parameters(recurse=False)):
@@ -73,14 +84,19 @@ def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: Device
     The sequence length must be divisible by the tp degree, and so must the vocabulary and the
     query and key/value head counts.
 
+    The decoder layers are split as the family's plan (``DecoderFamily.tensor_parallel_plan``)
+    says; the embedding, the final norm and the heads as every family's.
+
     Raises:
-        ValueError: For a layout this recipe does not cover: MoE layers (use expert parallelism
-            over the same ranks), or tied embeddings (the vocabulary-sharded embedding and the
-            replicated head cannot share one parameter).
+        ValueError: For a layout this recipe does not cover: a family without a tensor-parallel
+            plan (named by ``model_type``), MoE layers (use expert parallelism over the same
+            ranks), or tied embeddings (the vocabulary-sharded embedding and the replicated head
+            cannot share one parameter).
     """
     spec = model.spec
     tp = mesh.size()
     backbone = model.model
+    layer_plan = tensor_parallel_plan_of(model.config, tensor_parallel=tp)
     if any(isinstance(layer.mlp, MoELayer) for layer in backbone.decoder_layers()):
         raise ValueError(
             f"tensor_parallel={tp} with MoE layers is not supported; use expert_parallel instead"
@@ -93,25 +109,10 @@ def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: Device
     if backbone.embed_tokens is not None:
         plan["embed_tokens"] = VocabParallelEmbedding(sequence_parallel=True)
     for index, layer in zip(model.layout.layers, backbone.decoder_layers(), strict=True):
-        prefix = f"layers.{index}"
-        plan |= {
-            f"{prefix}.input_layernorm": SequenceParallelNorm(),
-            # (hidden_states, position_embeddings); document_ids is a keyword argument
-            f"{prefix}.self_attn": _gather_sequence(2),
-            f"{prefix}.self_attn.q_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.k_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.v_proj": ColwiseParallel(),
-            f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"{prefix}.post_attention_layernorm": SequenceParallelNorm(),
-            f"{prefix}.mlp": _gather_sequence(1),
-            f"{prefix}.mlp.gate_proj": ColwiseParallel(),
-            f"{prefix}.mlp.up_proj": ColwiseParallel(),
-            f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        if layer.self_attn.q_norm is not None:
-            # per-head norms see this rank's heads: their weight gradients are partial sums
-            plan[f"{prefix}.self_attn.q_norm"] = SequenceParallelNorm()
-            plan[f"{prefix}.self_attn.k_norm"] = SequenceParallelNorm()
+        if layer_plan is not None:
+            plan |= {
+                f"layers.{index}.{name}": style for name, style in layer_plan.layer_styles(layer).items()
+            }
     if backbone.norm is not None:
         plan["norm"] = SequenceParallelNorm()
     parallelize_module(backbone, mesh, plan)

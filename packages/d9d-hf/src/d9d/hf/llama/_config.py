@@ -7,7 +7,14 @@ from typing import ClassVar, Literal
 
 from pydantic import TypeAdapter
 
-from d9d.hf._decoder import DecoderConfigBase, DecoderLayer, LayerTensor, read_config_file
+from d9d.hf._decoder import (
+    DecoderConfigBase,
+    DecoderLayer,
+    DecoderTensorParallelPlan,
+    LayerTensor,
+    MegatronDecoderPlan,
+    read_config_file,
+)
 from d9d.hf.llama._decoder_layer import LlamaDecoderLayer
 from d9d.hf.llama._layer_tensors import llama_layer_tensors
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
@@ -40,6 +47,10 @@ class LlamaConfig(DecoderConfigBase):
     def resolved_head_dim(self) -> int:
         """``head_dim``, else ``hidden_size // num_attention_heads``."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+        """Llama's layers: separate q/k/v/o and gate/up/down projections (``MegatronDecoderPlan``)."""
+        return MegatronDecoderPlan()
 
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None

@@ -10,8 +10,10 @@ from pydantic import TypeAdapter, model_validator
 from d9d.hf._decoder import (
     DecoderConfigBase,
     DecoderLayer,
+    DecoderTensorParallelPlan,
     LayerTensor,
     LayerType,
+    MegatronDecoderPlan,
     layer_windows,
     read_config_file,
 )
@@ -56,6 +58,10 @@ class Qwen2Config(DecoderConfigBase):
             max_window_layers=self.max_window_layers,
             num_layers=self.num_hidden_layers,
         )
+
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+        """Qwen2's layers: separate q/k/v/o and gate/up/down projections (``MegatronDecoderPlan``)."""
+        return MegatronDecoderPlan()
 
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None

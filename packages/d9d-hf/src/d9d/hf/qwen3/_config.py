@@ -11,8 +11,10 @@ from d9d.hf._decoder import (
     DecoderConfigBase,
     DecoderLayer,
     DecoderSpec,
+    DecoderTensorParallelPlan,
     LayerTensor,
     LayerType,
+    MegatronDecoderPlan,
     layer_windows,
     read_config_file,
     resolve_layer_types,
@@ -50,6 +52,13 @@ class _Qwen3CommonConfig(DecoderConfigBase):
     def decoder_spec(self) -> DecoderSpec:
         """The core's numbers, from the Qwen3 description."""
         return self.qwen3_spec().decoder_spec()
+
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+        """Qwen3's layers: Megatron's layout with the per-head q/k norms (``MegatronDecoderPlan``).
+
+        Qwen3-MoE's sparse layers are refused under tensor parallelism: use expert parallelism.
+        """
+        return MegatronDecoderPlan()
 
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None

@@ -1,0 +1,74 @@
+"""A family's tensor-parallel plan: how each decoder layer's modules split over the tp ranks.
+
+The core applies the parts every family shares (the vocabulary-parallel embedding, the final norm,
+replicated heads); the plan names the layer's own modules, because only the family knows them
+(a fused QKV projection, another feed-forward, extra norms need another plan). A family without
+a plan returns None from ``DecoderFamily.tensor_parallel_plan`` and is refused under
+``tensor_parallel > 1`` before any weight is built.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+)
+
+from d9d.hf._decoder._decoder_layer import DecoderLayer
+from d9d.parallel import SequenceParallelNorm
+
+
+def gather_sequence(num_args: int) -> PrepareModuleInput:
+    """The first positional input arrives as the sequence slice and is gathered; others pass."""
+    passed: tuple[None, ...] = (None,) * (num_args - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *passed), desired_input_layouts=(Replicate(), *passed), use_local_output=True
+    )
+
+
+class DecoderTensorParallelPlan(Protocol):
+    """How one decoder layer is split under tensor and sequence parallelism.
+
+    Between layers the residual stream is this rank's slice of the sequence (tensor dim 1);
+    a layer's plan must take that slice in and give it back.
+    """
+
+    def layer_styles(self, layer: DecoderLayer) -> dict[str, ParallelStyle]:
+        """The parallel style of each module of ``layer``, by its name relative to the layer."""
+        ...
+
+
+class MegatronDecoderPlan:
+    """Megatron's layout for a layer of separate q/k/v/o and gate/up/down projections.
+
+    Norms run on the sequence slice; attention and the feed-forward gather the sequence on
+    entry, split heads / the inner width by columns and reduce-scatter back to the slice by
+    rows. Per-head q/k norms (Qwen3) see this rank's heads. The plan of Qwen3, Llama and Qwen2.
+    """
+
+    def layer_styles(self, layer: DecoderLayer) -> dict[str, ParallelStyle]:
+        """The styles of ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` and the norms."""
+        styles: dict[str, ParallelStyle] = {
+            "input_layernorm": SequenceParallelNorm(),
+            # (hidden_states, position_embeddings); document_ids is a keyword argument
+            "self_attn": gather_sequence(2),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallelNorm(),
+            "mlp": gather_sequence(1),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if layer.self_attn.q_norm is not None:
+            # per-head norms see this rank's heads: their weight gradients are partial sums
+            styles["self_attn.q_norm"] = SequenceParallelNorm()
+            styles["self_attn.k_norm"] = SequenceParallelNorm()
+        return styles
