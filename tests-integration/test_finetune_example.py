@@ -283,7 +283,7 @@ def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
     # adding a checkpoint directory is all `d9d export CONFIG CHECKPOINTS OUT` needs.
     from transformers import AutoModelForCausalLM
 
-    from d9d.loop._cli import main
+    from d9d._loop_command import main
 
     shipped, toy = shipped_run
     assert toy.returncode == 0, toy.stderr[-3000:]
@@ -323,3 +323,45 @@ def test_the_one_gpu_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> N
     config = module.FinetuneConfig.model_validate(raw)
     assert config.model.master_dtype == "bfloat16" and config.model.activation_checkpointing
     assert config.trainer.peft.kind == "lora" and config.trainer.peft.r == 16
+
+
+def test_a_missing_template_file_stops_the_run_in_one_line_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _shipped_config(tmp_path).replace(
+        "format: prompt_completion", f"format: {{kind: chat, template: {tmp_path / 'missing.jinja'}}}"
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
+    assert code == 2
+    assert "missing.jinja does not exist" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "runs" / "tiny-qwen3").exists()  # refused before any work
+
+
+def test_chat_data_on_a_tokenizer_without_a_chat_template_stops_in_one_line(
+    tmp_path: Path,
+    shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
+    runner: subprocess.Popen[str],
+) -> None:
+    shipped, toy = shipped_run
+    assert toy.returncode == 0, toy.stderr[-3000:]
+    source = tmp_path / "no-template"
+    source.mkdir()
+    for file in (shipped / "runs" / "tiny-qwen3").iterdir():
+        (source / file.name).write_bytes(file.read_bytes())
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (source / "chat_template.jinja").unlink(missing_ok=True)
+    chats = tmp_path / "chats.jsonl"
+    line = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    chats.write_text(json.dumps(line) + "\n")
+    config = _shipped_config(tmp_path).replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", f"source: {chats}")
+    config = config.replace("format: prompt_completion", "format: chat").replace(
+        "toy_data: true", "toy_data: false"
+    )
+    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, runner)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "has no chat template" in result.stderr and "dataset.format.template" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

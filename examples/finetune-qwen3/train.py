@@ -37,13 +37,14 @@ from d9d.loop import (
     AutoOptimizerProvider,
     BuildForwardInputsContext,
     ConfigFileError,
+    DataError,
     ExportTargetError,
     ProjectConfig,
     Trainer,
     TrainingConfigurator,
     check_export_target,
 )
-from d9d.loop.data import DataFileError, SampleError, TokenDataProvider
+from d9d.loop.data import TokenDataProvider
 from d9d.mesh import DistributedContext
 
 
@@ -251,7 +252,7 @@ def main() -> None:
     except ToyDataPathError as e:
         print(e, file=sys.stderr)
         sys.exit(2)
-    except (DataFileError, SampleError) as e:
+    except DataError as e:  # a malformed file or sample, a tokenizer without a chat template
         print(f"bad data: {e}", file=sys.stderr)
         sys.exit(2)
     if result.finished_at is not None:

@@ -136,3 +136,10 @@ def test_a_tokenizer_without_a_chat_template_names_the_config_key_that_supplies_
     )
     with pytest.raises(TokenizerFilesError, match=r"set dataset\.format\.template to a \.jinja file"):
         bare.template()
+
+
+def test_a_missing_template_file_is_refused_when_the_config_loads(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"template file .*missing\.jinja does not exist"):
+        ChatFormatConfig(template=tmp_path / "missing.jinja")
+    (tmp_path / "mine.jinja").write_text("{{ messages }}")
+    assert ChatFormatConfig(template=tmp_path / "mine.jinja").template == tmp_path / "mine.jinja"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
@@ -27,6 +27,14 @@ class ChatFormatConfig(_Strict):
     system_prompt: str | None = None
     template: Path | None = None
     variables: dict[str, Any] = Field(default_factory=dict[str, Any])
+
+    @field_validator("template")
+    @classmethod
+    def _template_exists(cls, template: Path | None) -> Path | None:
+        # Refused at load, with the key, not when the data is first encoded.
+        if template is not None and not template.is_file():
+            raise ValueError(f"template file {template} does not exist")
+        return template
 
 
 class PromptCompletionFormatConfig(_Strict):

@@ -10,12 +10,14 @@ from typing import Any, cast
 from tokenizers import Tokenizer
 
 from d9d.hf.data._chat_template import ChatTemplate
+from d9d.loop import DataError
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-class TokenizerFilesError(ValueError):
-    """A tokenizer directory cannot be used; the message names the file."""
+class TokenizerFilesError(DataError):
+    """A tokenizer directory cannot be used (no chat template for chat data, say); the message names
+    the file. A ``DataError``: the trainer and the examples report it as bad data, in one line."""
 
 
 def _token_text(value: Any) -> str | None:
