@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _random_tokens import RandomTokens
 from _stats import spread
 
 GIB = 2**30
@@ -138,22 +139,6 @@ def _tokens(args: argparse.Namespace, vocab: int, step: int, device: torch.devic
     return torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
 
 
-class _RandomTokens:
-    """A map-style dataset of random rows (a new row per index, seeded)."""
-
-    def __init__(self, rows: int, seq: int, vocab: int) -> None:
-        self._rows, self._seq, self._vocab = rows, seq, vocab
-
-    def __len__(self) -> int:
-        return self._rows
-
-    def __getitem__(self, index: int) -> Any:
-        from d9d.hf import TokenSample
-
-        generator = torch.Generator().manual_seed(index)
-        return TokenSample(input_ids=torch.randint(0, self._vocab, (self._seq,), generator=generator))
-
-
 def run_d9d(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from d9d.hf import HFModelProvider, ScratchModelConfig, TokenBatch, causal_lm_task
     from d9d.loop import (
@@ -215,7 +200,7 @@ def run_d9d(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             model_provider=HFModelProvider(model),
             task_provider=causal_lm_task,
             data_provider=AutoDataProvider(
-                dataset_factory=lambda _ctx: _RandomTokens(steps * args.batch, args.seq, shape["vocab_size"]),
+                dataset_factory=lambda _ctx: RandomTokens(steps * args.batch, args.seq, shape["vocab_size"]),
                 collator=TokenBatch.collate,
                 config=config.data,
             ),

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _random_tokens import RandomTokens
 from _stats import spread
 
 IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "titan_amp", "d9d", "d9d_compile")
@@ -436,22 +437,6 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
     name = _row_name(args, "titan_amp" if amp else "titan")
     extra = {"seq": args.seq, "float8_linear_layers": _float8_layers(model)}
     return _report(args, name, tokens_per_s, loss, device, extra=extra)
-
-
-class _RandomTokens:
-    """A map-style dataset of random rows (a new row per index, seeded)."""
-
-    def __init__(self, rows: int, seq: int, vocab: int) -> None:
-        self._rows, self._seq, self._vocab = rows, seq, vocab
-
-    def __len__(self) -> int:
-        return self._rows
-
-    def __getitem__(self, index: int) -> Any:
-        from d9d.hf import TokenSample
-
-        generator = torch.Generator().manual_seed(index)
-        return TokenSample(input_ids=torch.randint(0, self._vocab, (self._seq,), generator=generator))
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -826,7 +811,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         model_provider=HFModelProvider(model),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
-            dataset_factory=lambda _ctx: _RandomTokens(
+            dataset_factory=lambda _ctx: RandomTokens(
                 total_steps * layout.global_batch, args.seq, shape["vocab_size"]
             ),
             collator=TokenBatch.collate,
