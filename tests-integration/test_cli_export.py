@@ -101,7 +101,7 @@ def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(tmp_p
     command = [
         sys.executable,
         "-m",
-        "d9d.loop._cli",
+        "d9d.loop.cli",
         "export",
         str(config),
         str(tmp_path / "ckpt"),
@@ -150,7 +150,7 @@ def test_d9d_export_refuses_a_config_of_another_family_naming_the_tensors_it_lac
     raw["model"]["source"] = str(tmp_path / "llama")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    command = [sys.executable, "-m", "d9d.loop._cli", "export", str(config), str(tmp_path / "ckpt")]
+    command = [sys.executable, "-m", "d9d.loop.cli", "export", str(config), str(tmp_path / "ckpt")]
     result = subprocess.run(
         [*command, str(tmp_path / "out")], capture_output=True, text=True, timeout=240, check=False
     )

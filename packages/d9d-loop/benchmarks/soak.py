@@ -48,7 +48,7 @@ from d9d.loop import (
     StepFinished,
     TrainingConfigurator,
 )
-from d9d.loop._checkpoint_manifest import MANIFEST_FILE, FileRecord, check_files, crc32_of
+from d9d.loop.checkpoint._manifest import MANIFEST_FILE, FileRecord, check_files, crc32_of
 from d9d.mesh.testing import DistributedTestError, run_distributed
 
 REPO = Path(__file__).resolve().parents[3]

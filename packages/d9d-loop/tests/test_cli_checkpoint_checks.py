@@ -15,9 +15,9 @@ import yaml
 from loop_toy_job import ToyModel, ToyProvider, build_trainer, toy_config
 from torch import nn
 
+from d9d._loop_command import main
 from d9d.loop import InitializeModelStageContext, InitializeModelStageResult
-from d9d.loop._checkpoint_manifest import MANIFEST_FILE
-from d9d.loop._cli import main
+from d9d.loop.checkpoint._manifest import MANIFEST_FILE
 from d9d.mesh.testing import run_distributed
 from d9d.state_mappers import identity_mapper_from_module
 

@@ -13,7 +13,7 @@ import yaml
 from loop_toy_job import ToyProvider, build_trainer, toy_config
 from safetensors.torch import load_file
 
-from d9d.loop._cli import main
+from d9d._loop_command import main
 from d9d.mesh.testing import run_distributed
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from d9d.loop._cli import main
+from d9d._loop_command import main
 
 BINARY = bytes(range(256)) * 4  # not UTF-8 from byte 128 on
 

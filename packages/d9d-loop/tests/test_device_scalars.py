@@ -9,10 +9,10 @@ device values are never read and land where they should.
 import pytest
 import torch
 
-from d9d.loop._device_scalars import device_scalar
-from d9d.loop._gradient_manager import all_reduce_sum_on_device
-from d9d.loop._step_runner import MicrobatchTotals
 from d9d.loop.metrics import Accuracy, WeightedMean
+from d9d.loop.step._device_scalars import device_scalar
+from d9d.loop.step._gradient_manager import all_reduce_sum_on_device
+from d9d.loop.step._runner import MicrobatchTotals
 
 META = torch.device("meta")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from recovery_helpers import run_toy
 
-from d9d.loop._directory_checks import (
+from d9d.loop.checkpoint._directory_checks import (
     DirectoryCheckError,
     DiskUsage,
     check_output_directory,

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d9d._loop_command import main
 from d9d.loop import PiecewiseLRSchedulerConfig, PiecewiseSchedule
-from d9d.loop._cli import main
 from d9d.loop._lr_plot import lr_schedule_values, plot_lr_schedule
 
 CONFIG = {

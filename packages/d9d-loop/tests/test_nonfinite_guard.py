@@ -8,7 +8,7 @@ from typing import Any
 
 from recovery_helpers import checkpoints, run_toy
 
-from d9d.loop._rollback_walk import RollbackWalk
+from d9d.loop.checkpoint._rollback_walk import RollbackWalk
 from d9d.mesh.testing import run_distributed
 
 SGD_TOO_HIGH: dict[str, Any] = {"name": "sgd", "lr": 1e4}

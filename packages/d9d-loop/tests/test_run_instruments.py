@@ -8,10 +8,10 @@ import pytest
 from loop_toy_job import build_trainer, toy_config
 
 from d9d.loop import GarbageCollectionConfig
-from d9d.loop._gc_control import GarbageCollection
-from d9d.loop._step_metrics import StepMetrics, StepWork
-from d9d.loop._step_timing import StepTimer
-from d9d.loop._throughput import SmoothedThroughput
+from d9d.loop.observability._gc_control import GarbageCollection
+from d9d.loop.observability._step_metrics import StepMetrics, StepWork
+from d9d.loop.observability._step_timing import StepTimer
+from d9d.loop.observability._throughput import SmoothedThroughput
 from d9d.mesh.testing import run_distributed
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from d9d.loop import StageOutputMeta
-from d9d.loop._pipelined_step_runner import PipelineStageAdapter
+from d9d.loop.step._pipelined_runner import PipelineStageAdapter
 
 
 class _DataDependentStage(nn.Module):

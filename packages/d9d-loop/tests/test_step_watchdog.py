@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from d9d.loop._step_watchdog import StepWatchdog
+from d9d.loop.observability._step_watchdog import StepWatchdog
 
 
 def _hang(stderr_path: str, disarm: bool) -> None:

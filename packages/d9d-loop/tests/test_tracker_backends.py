@@ -18,8 +18,8 @@ from d9d.loop import (
     WandbTrackerConfig,
 )
 from d9d.loop._optional_import import import_extra
-from d9d.loop._tracker_group import TrackerGroup, build_trackers
-from d9d.loop._trackers import build_tracker
+from d9d.loop.observability._tracker_group import TrackerGroup, build_trackers
+from d9d.loop.observability._trackers import build_tracker
 
 METADATA = {"trainer": {"max_steps": 4}, "mesh": {"data_parallel_shard": 1}, "git_revision": "abc"}
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation
-from d9d.loop._config_trainer import CheckpointConfig
-from d9d.loop._train_state import ObjectState, RandomState
-from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
+from d9d.loop.checkpoint._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation
+from d9d.loop.checkpoint._train_state import ObjectState, RandomState
+from d9d.loop.checkpoint._weights_only_planner import WeightsOnlyLoadPlanner
+from d9d.loop.config._trainer import CheckpointConfig
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.mesh.testing import run_distributed
 

@@ -1,54 +1,8 @@
 """d9d-loop: the training job, from a validated config to a resumable run."""
 
-from d9d.loop._auto_data import AutoDataProvider, MapDataset, ShardedBatchSource
 from d9d.loop._auto_optimizer import AutoOptimizerProvider
 from d9d.loop._batch_layout import BatchLayout
-from d9d.loop._checkpoint_lock import CheckpointDirectoryLockedError
-from d9d.loop._checkpoint_manifest import RunLayout
-from d9d.loop._checkpoint_resume import NoUsableCheckpointError, ResumeIncompatibleError
-from d9d.loop._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation, CheckpointWriteError
-from d9d.loop._config_data import DataConfig
-from d9d.loop._config_evaluation import BestEvaluationConfig, EvaluationConfig
-from d9d.loop._config_lr import (
-    ConstantLRSchedulerConfig,
-    ConstantPhase,
-    CosinePhase,
-    ExponentialPhase,
-    LinearPhase,
-    LRPhaseConfig,
-    LRSchedulerConfig,
-    PiecewiseLRSchedulerConfig,
-    WarmupConfig,
-)
-from d9d.loop._config_observability import GarbageCollectionConfig, ProfilingConfig
-from d9d.loop._config_optimizer import (
-    AdamConfig,
-    AdamWConfig,
-    OptimizerConfig,
-    SGDConfig,
-    StochasticAdamWConfig,
-)
-from d9d.loop._config_project import ConfigFileError, ProjectConfig, check_batch_layout
-from d9d.loop._config_trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
-from d9d.loop._config_trainer import (
-    CheckpointConfig,
-    GradientClippingConfig,
-    InitializationConfig,
-    JsonlTrackerConfig,
-    LoggingConfig,
-    NonFiniteConfig,
-    NoTrackerConfig,
-    ResumeConfig,
-    RollbackOnNonFinite,
-    SkipNonFinite,
-    StopOnNonFinite,
-    TimeoutConfig,
-    TrackerConfig,
-    TrainerConfig,
-)
 from d9d.loop._configurator import TrainingConfigurator
-from d9d.loop._directory_checks import DirectoryCheckError
-from d9d.loop._evaluation_data import EvaluationData
 from d9d.loop._events import (
     CheckpointSaved,
     ConfigReady,
@@ -62,9 +16,6 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
-from d9d.loop._export_target import ExportTargetError, check_export_target, is_d9d_export
-from d9d.loop._exporter import ExportError, ModelExporter
-from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.loop._inference import (
     Inference,
     InferenceConfig,
@@ -88,7 +39,6 @@ from d9d.loop._model_provider import (
     StagesReadyContext,
     StagesReadyResult,
 )
-from d9d.loop._nonfinite_guard import NonFiniteError
 from d9d.loop._optional_import import MissingExtraError
 from d9d.loop._providers import (
     BatchSource,
@@ -116,12 +66,67 @@ from d9d.loop._task import (
     TrainTask,
     UpdateMetricsContext,
 )
-from d9d.loop._tracker_group import TrackerGroup
-from d9d.loop._trackers import JsonlTracker, NoTracker, Tracker
-from d9d.loop._trackers_aim import AimTracker
-from d9d.loop._trackers_tensorboard import TensorBoardTracker
-from d9d.loop._trackers_wandb import WandbTracker
 from d9d.loop._trainer import StepFailedError, Trainer
+from d9d.loop.checkpoint._checkpointer import (
+    Checkpointer,
+    CheckpointLoadError,
+    CheckpointLocation,
+    CheckpointWriteError,
+)
+from d9d.loop.checkpoint._directory_checks import DirectoryCheckError
+from d9d.loop.checkpoint._lock import CheckpointDirectoryLockedError
+from d9d.loop.checkpoint._manifest import RunLayout
+from d9d.loop.checkpoint._resume import NoUsableCheckpointError, ResumeIncompatibleError
+from d9d.loop.config._data import DataConfig
+from d9d.loop.config._evaluation import BestEvaluationConfig, EvaluationConfig
+from d9d.loop.config._lr import (
+    ConstantLRSchedulerConfig,
+    ConstantPhase,
+    CosinePhase,
+    ExponentialPhase,
+    LinearPhase,
+    LRPhaseConfig,
+    LRSchedulerConfig,
+    PiecewiseLRSchedulerConfig,
+    WarmupConfig,
+)
+from d9d.loop.config._observability import GarbageCollectionConfig, ProfilingConfig
+from d9d.loop.config._optimizer import (
+    AdamConfig,
+    AdamWConfig,
+    OptimizerConfig,
+    SGDConfig,
+    StochasticAdamWConfig,
+)
+from d9d.loop.config._project import ConfigFileError, ProjectConfig, check_batch_layout
+from d9d.loop.config._trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
+from d9d.loop.config._trainer import (
+    CheckpointConfig,
+    GradientClippingConfig,
+    InitializationConfig,
+    JsonlTrackerConfig,
+    LoggingConfig,
+    NonFiniteConfig,
+    NoTrackerConfig,
+    ResumeConfig,
+    RollbackOnNonFinite,
+    SkipNonFinite,
+    StopOnNonFinite,
+    TimeoutConfig,
+    TrackerConfig,
+    TrainerConfig,
+)
+from d9d.loop.data._auto_data import AutoDataProvider, MapDataset, ShardedBatchSource
+from d9d.loop.data._evaluation_data import EvaluationData
+from d9d.loop.export._exporter import ExportError, ModelExporter
+from d9d.loop.export._target import ExportTargetError, check_export_target, is_d9d_export
+from d9d.loop.observability._flops import EstimateFlopsContext, EstimateFlopsResult
+from d9d.loop.observability._tracker_group import TrackerGroup
+from d9d.loop.observability._trackers import JsonlTracker, NoTracker, Tracker
+from d9d.loop.observability._trackers_aim import AimTracker
+from d9d.loop.observability._trackers_tensorboard import TensorBoardTracker
+from d9d.loop.observability._trackers_wandb import WandbTracker
+from d9d.loop.step._nonfinite_guard import NonFiniteError
 
 __all__ = [
     "FinalizeGradientsContext",

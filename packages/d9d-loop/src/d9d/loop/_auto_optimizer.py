@@ -9,14 +9,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from d9d.loop._config_optimizer import (
+from d9d.loop._providers import OptimizerProviderContext
+from d9d.loop.config._optimizer import (
     AdamConfig,
     AdamWConfig,
     OptimizerConfig,
     SGDConfig,
     StochasticAdamWConfig,
 )
-from d9d.loop._providers import OptimizerProviderContext
 
 
 def _trainable(context: OptimizerProviderContext) -> list[nn.Parameter]:

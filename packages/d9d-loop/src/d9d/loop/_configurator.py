@@ -11,22 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from d9d.loop._auto_data import AutoDataProvider
 from d9d.loop._batch_layout import BatchLayout
-from d9d.loop._checkpoint_lock import CheckpointLock, lock_checkpoint_directory
-from d9d.loop._checkpoint_resume import describe_missing_step
-from d9d.loop._checkpointer import Checkpointer, complete_checkpoints
-from d9d.loop._config_trainer import TrainerConfig
-from d9d.loop._directory_checks import estimate_checkpoint_bytes
-from d9d.loop._evaluation_data import EvaluationData
-from d9d.loop._evaluation_wiring import wire_metrics
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
-from d9d.loop._exporter import ModelExporter
-from d9d.loop._gradient_manager import GradientManager
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
-from d9d.loop._nonfinite_guard import NonFiniteGuard
-from d9d.loop._pipelined_step_runner import PipelinedStepRunner, PipelineStageAdapter
 from d9d.loop._providers import (
     BatchSource,
     DataProvider,
@@ -36,14 +24,26 @@ from d9d.loop._providers import (
     OptimizerProvider,
     OptimizerProviderContext,
 )
-from d9d.loop._run_instruments import build_run_instruments
-from d9d.loop._run_metadata import run_metadata
-from d9d.loop._step_runner import SequentialStepRunner, StepRunner
 from d9d.loop._task import TaskFactory, TaskProvider, TaskProviderContext, TrainTask
-from d9d.loop._tracker_group import build_trackers
-from d9d.loop._trackers import NoTracker, Tracker
 from d9d.loop._trainer import RunPlan, Trainer, TrainerParts
+from d9d.loop.checkpoint._checkpointer import Checkpointer, complete_checkpoints
+from d9d.loop.checkpoint._directory_checks import estimate_checkpoint_bytes
+from d9d.loop.checkpoint._lock import CheckpointLock, lock_checkpoint_directory
+from d9d.loop.checkpoint._resume import describe_missing_step
+from d9d.loop.config._trainer import TrainerConfig
+from d9d.loop.data._auto_data import AutoDataProvider
+from d9d.loop.data._evaluation_data import EvaluationData
+from d9d.loop.evaluation._wiring import wire_metrics
+from d9d.loop.export._exporter import ModelExporter
+from d9d.loop.observability._run_instruments import build_run_instruments
+from d9d.loop.observability._run_metadata import run_metadata
+from d9d.loop.observability._tracker_group import build_trackers
+from d9d.loop.observability._trackers import NoTracker, Tracker
 from d9d.loop.peft import LoRAConfig
+from d9d.loop.step._gradient_manager import GradientManager
+from d9d.loop.step._nonfinite_guard import NonFiniteGuard
+from d9d.loop.step._pipelined_runner import PipelinedStepRunner, PipelineStageAdapter
+from d9d.loop.step._runner import SequentialStepRunner, StepRunner
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.pipeline import PipelineExecutor, PipelineProgram, PipelineScheduleBuilder, PipelineStageInfo
 

@@ -12,16 +12,21 @@ import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.loop._batch_layout import BatchLayout
-from d9d.loop._config_trainer import InitializationConfig, NonEmptyPath
-from d9d.loop._evaluation_data import EvaluationData, first_rows, padded_batches, real_rows_per_microbatch
-from d9d.loop._evaluation_wiring import counts_metrics, forward_runner
-from d9d.loop._forward_runner import ForwardRunner
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._task import BuildForwardInputsContext, BuildForwardInputsResult
-from d9d.loop._train_state import ModelState
-from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
+from d9d.loop.checkpoint._train_state import ModelState
+from d9d.loop.checkpoint._weights_only_planner import WeightsOnlyLoadPlanner
+from d9d.loop.config._trainer import InitializationConfig, NonEmptyPath
+from d9d.loop.data._evaluation_data import (
+    EvaluationData,
+    first_rows,
+    padded_batches,
+    real_rows_per_microbatch,
+)
+from d9d.loop.evaluation._wiring import counts_metrics, forward_runner
 from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.step._forward_runner import ForwardRunner
 from d9d.mesh import DistributedContext, MeshParameters, map_tree, shard_tree
 from d9d.pipeline import PipelineProgram, PipelineStageInfo, build_forward_only_program
 

@@ -9,10 +9,10 @@ import torch
 from pydantic import TypeAdapter
 from torch.optim.lr_scheduler import LambdaLR
 
-from d9d.loop._config_lr import ConstantLRSchedulerConfig, LRSchedulerConfig, PiecewiseLRSchedulerConfig
-from d9d.loop._config_optimizer import OptimizerConfig
 from d9d.loop._lr_schedule import PiecewiseSchedule
 from d9d.loop._optional_import import import_extra
+from d9d.loop.config._lr import ConstantLRSchedulerConfig, LRSchedulerConfig, PiecewiseLRSchedulerConfig
+from d9d.loop.config._optimizer import OptimizerConfig
 
 
 def lr_schedule_values(raw: dict[str, Any], *, steps: int | None = None) -> list[float]:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from d9d.loop._config_lr import (
+from d9d.loop._providers import LRSchedulerProviderContext
+from d9d.loop.config._lr import (
     ConstantLRSchedulerConfig,
     ConstantPhase,
     CosinePhase,
@@ -17,7 +18,6 @@ from d9d.loop._config_lr import (
     LRSchedulerConfig,
     PiecewiseLRSchedulerConfig,
 )
-from d9d.loop._providers import LRSchedulerProviderContext
 
 
 @dataclass(kw_only=True, frozen=True)

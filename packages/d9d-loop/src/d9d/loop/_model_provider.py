@@ -9,8 +9,8 @@ from typing import Generic, TypeVar
 
 from torch import nn
 
-from d9d.loop._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.loop._rank_stages import RankStagesContext
+from d9d.loop.observability._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.mesh import DistributedContext
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import StateMapper

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from d9d.loop._config_trainer import InitializationConfig
 from d9d.loop._model_provider import (
     InitializeModelStageContext,
     LoadModelStageContext,
@@ -19,6 +18,7 @@ from d9d.loop._model_provider import (
     ModelT,
     ParallelizeModelStageContext,
 )
+from d9d.loop.config._trainer import InitializationConfig
 from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters, without_adapters
 from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo

@@ -14,12 +14,6 @@ from torch.distributed import ProcessGroup, broadcast_object_list
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.loop._batch_layout import BatchLayout
-from d9d.loop._checkpoint_gate import CheckpointGate
-from d9d.loop._checkpoint_manifest import RunLayout
-from d9d.loop._checkpoint_resume import load_newest_usable, older_checkpoint_hint
-from d9d.loop._checkpointer import Checkpointer, CheckpointLocation
-from d9d.loop._config_trainer import ResumeConfig
-from d9d.loop._evaluation import Evaluator
 from d9d.loop._events import (
     CheckpointSaved,
     EventBus,
@@ -31,27 +25,39 @@ from d9d.loop._events import (
     StepStarted,
     TrainingFinished,
 )
-from d9d.loop._export_target import ExportTargetError, check_replaceable
-from d9d.loop._exporter import ModelExporter
-from d9d.loop._finite_weights import nonfinite_parameters
-from d9d.loop._gradient_manager import GradientManager, all_reduce_sum_on_device
 from d9d.loop._model_provider import FinalizeGradientsContext, ModelProvider, OptimizerSteppedContext
 from d9d.loop._model_stage_factory import BuiltStage
-from d9d.loop._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
-from d9d.loop._progress import ProgressBar
 from d9d.loop._providers import BatchSource, DataError, GradientScalingOptimizer
-from d9d.loop._resume_settings import capture_settings, reapply
-from d9d.loop._rollback_walk import RollbackWalk
-from d9d.loop._run_instruments import RunInstruments
 from d9d.loop._sleep import TrainerSleeper, training_state_tensors
-from d9d.loop._step_figures import QueuedFigures, StepFigures
-from d9d.loop._step_metrics import StepEnd, StepWork
-from d9d.loop._step_runner import StepRunner
-from d9d.loop._step_watchdog import StepWatchdog
 from d9d.loop._task import BuildForwardInputsContext, TrainTask
-from d9d.loop._trackers import Tracker
-from d9d.loop._train_state import ModelState, ObjectState, OptimizerState, RandomState, scheduler_state
+from d9d.loop.checkpoint._checkpointer import Checkpointer, CheckpointLocation
+from d9d.loop.checkpoint._finite_weights import nonfinite_parameters
+from d9d.loop.checkpoint._gate import CheckpointGate
+from d9d.loop.checkpoint._manifest import RunLayout
+from d9d.loop.checkpoint._resume import load_newest_usable, older_checkpoint_hint
+from d9d.loop.checkpoint._resume_settings import capture_settings, reapply
+from d9d.loop.checkpoint._rollback_walk import RollbackWalk
+from d9d.loop.checkpoint._train_state import (
+    ModelState,
+    ObjectState,
+    OptimizerState,
+    RandomState,
+    scheduler_state,
+)
+from d9d.loop.config._trainer import ResumeConfig
+from d9d.loop.evaluation._evaluation import Evaluator
+from d9d.loop.export._exporter import ModelExporter
+from d9d.loop.export._target import ExportTargetError, check_replaceable
 from d9d.loop.metrics import MetricSet
+from d9d.loop.observability._progress import ProgressBar
+from d9d.loop.observability._run_instruments import RunInstruments
+from d9d.loop.observability._step_metrics import StepEnd, StepWork
+from d9d.loop.observability._step_watchdog import StepWatchdog
+from d9d.loop.observability._trackers import Tracker
+from d9d.loop.step._figures import QueuedFigures, StepFigures
+from d9d.loop.step._gradient_manager import GradientManager, all_reduce_sum_on_device
+from d9d.loop.step._nonfinite_guard import NonFiniteError, NonFiniteGuard, StepVerdict
+from d9d.loop.step._runner import StepRunner
 from d9d.mesh import DistributedContext, map_tree
 
 TreeT = TypeVar("TreeT")

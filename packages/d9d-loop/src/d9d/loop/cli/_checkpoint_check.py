@@ -16,8 +16,8 @@ from typing import Any, cast
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from d9d.loop._checkpoint_manifest import Manifest, ManifestError, check_files, read_manifest
-from d9d.loop._checkpoint_shapes import shape_mismatches
+from d9d.loop.checkpoint._manifest import Manifest, ManifestError, check_files, read_manifest
+from d9d.loop.checkpoint._shapes import shape_mismatches
 from d9d.loop.cli._errors import CommandError
 
 _LISTED = 3

@@ -12,16 +12,16 @@ import torch.distributed.checkpoint as dcp
 from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from d9d.loop._checkpoint_shapes import tensor_shapes
-from d9d.loop._config_trainer import InitializationConfig
-from d9d.loop._export_target import ExportTargetError, check_export_target
-from d9d.loop._exporter import ModelExporter
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
 from d9d.loop._model_stage_factory import ModelStageFactory
-from d9d.loop._train_state import ModelState
-from d9d.loop._weights_only_planner import WeightsOnlyLoadPlanner
+from d9d.loop.checkpoint._shapes import tensor_shapes
+from d9d.loop.checkpoint._train_state import ModelState
+from d9d.loop.checkpoint._weights_only_planner import WeightsOnlyLoadPlanner
 from d9d.loop.cli._checkpoint_check import check_model_fit, read_checkpoint_metadata, verify_checkpoint
 from d9d.loop.cli._errors import CommandError
+from d9d.loop.config._trainer import InitializationConfig
+from d9d.loop.export._exporter import ModelExporter
+from d9d.loop.export._target import ExportTargetError, check_export_target
 from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.pipeline import PipelineStageInfo

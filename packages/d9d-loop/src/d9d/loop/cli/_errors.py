@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from d9d.loop._config_project import ConfigFileError, read_config_mapping
+from d9d.loop.config._project import ConfigFileError, read_config_mapping
 
 
 class CommandError(Exception):

@@ -6,9 +6,9 @@ import random
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from d9d.loop._auto_data import ShardedBatchSource
-from d9d.loop._config_data import DataConfig
 from d9d.loop._providers import BatchSource, DataError, DataProviderContext
+from d9d.loop.config._data import DataConfig
+from d9d.loop.data._auto_data import ShardedBatchSource
 from d9d.loop.data._bucketed_source import BucketedBatchSource
 from d9d.loop.data._config import TokenDataConfig
 from d9d.loop.data._packing import fit_length, pack_rows

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from d9d.loop._device_scalars import device_scalar
 from d9d.loop.metrics._metric import SummedStateMetric, check_labels, raise_if_bad, safe_divide
+from d9d.loop.step._device_scalars import device_scalar
 
 _F64 = torch.float64
 

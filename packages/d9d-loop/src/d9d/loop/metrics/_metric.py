@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from d9d.loop._device_scalars import device_scalar
+from d9d.loop.step._device_scalars import device_scalar
 
 MetricValue = torch.Tensor | Mapping[str, torch.Tensor]
 """What ``Metric.compute`` returns: a tensor (a scalar, or one value per class) or named tensors."""
