@@ -1,0 +1,267 @@
+"""Two nodes for real on one machine: two ``torchrun`` agents (CPU, gloo) joined by a c10d rendezvous.
+
+Each agent is one "node" of 2 ranks; the quickstart runs with HSDP replicating across the nodes and
+sharding within each (``data_parallel_replicate: 2, data_parallel_shard: 2``). The tests check that
+the two nodes give the single-process losses, that a node killed mid-run ends the other node's
+ranks instead of hanging them, and that the checkpoint the 4 ranks wrote resumes bit-exactly, on
+the two nodes again and on one node of 4 ranks. docs/multi-node.md shows the same commands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from quickstart_job import quickstart_config, run_quickstart
+
+from d9d.mesh.testing import run_distributed
+
+JOB = Path(__file__).resolve().parent / "multi_node_job.py"
+HSDP_ACROSS_NODES = {"data_parallel_replicate": 2, "data_parallel_shard": 2}
+STEPS = 12
+PAUSE_AFTER_CHECKPOINT = 5  # node 1 stops once the checkpoint of this step is saved, and is killed
+COLLECTIVE_TIMEOUT_S = 60.0  # trainer.timeouts.collective_seconds of the two-node runs
+RUN_TIMEOUT_S = 240.0  # a 4-rank job on a busy 2-core machine takes about a minute
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (torchrun starts each worker in a session of its own, so a
+    process-group kill of the agent does not reach them)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_node(agent: subprocess.Popen[bytes]) -> None:
+    """SIGKILL an agent and its workers at once, as a node that loses power."""
+    workers = _children(agent.pid)
+    for target in [agent.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(target), signal.SIGKILL)
+    agent.wait()
+
+
+@dataclass
+class Nodes:
+    agents: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+
+    def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        codes: list[int] = []
+        for agent, log in zip(self.agents, self.logs, strict=True):
+            try:
+                codes.append(agent.wait(timeout=max(deadline - time.monotonic(), 1.0)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node still running after {timeout_s} s:\n{log.read_text()[-3000:]}")
+        return codes
+
+    def output(self, node: int) -> str:
+        return self.logs[node].read_text()
+
+
+def torchrun(nnodes: int, nproc_per_node: int, port: int, rdzv_id: str, node_rank: int) -> list[str]:
+    """The launcher command of one node (docs/multi-node.md shows it with real host names)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--max-restarts",
+        "0",
+    ]
+
+
+def _wait_listening(port: int, agent: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the first agent hosts the rendezvous store on ``port`` (so that it, node 0, is the
+    store's host, as on a cluster where the endpoint names node 0)."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("localhost", port)) == 0:
+                return
+        assert agent.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the first agent never opened the rendezvous port"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Any]:
+    """Starts ``nnodes`` agents of ``nproc_per_node`` ranks each, node 0 first (it hosts the
+    rendezvous store); every agent and worker still alive at the end of the test is killed."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(config: dict[str, Any], out: Path, *, pause_node: int | None = None) -> Nodes:
+        out.mkdir(parents=True, exist_ok=True)
+        config_path = out / "config.json"
+        config_path.write_text(json.dumps(config))
+        port, rdzv_id = _free_port(), f"d9d-{uuid.uuid4().hex[:8]}"
+        job = [str(JOB), str(config_path), str(out), str(PAUSE_AFTER_CHECKPOINT)]
+        agents: list[subprocess.Popen[bytes]] = []
+        logs: list[Path] = []
+        for node in range(2):
+            log = out / f"node{node}.log"
+            env = dict(os.environ, D9D_TEST_PAUSE_THIS_NODE="1" if node == pause_node else "0")
+            with log.open("wb") as sink:
+                agent = subprocess.Popen(
+                    [*torchrun(2, 2, port, rdzv_id, node), *job],
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # one process group per node
+                    cwd=out,
+                )
+            started.append(agent)
+            agents.append(agent)
+            logs.append(log)
+            if node == 0:
+                _wait_listening(port, agent, log)
+        return Nodes(agents, logs)
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            if agent.poll() is None:
+                _kill_node(agent)
+        _kill_orphans(tmp_path)
+
+
+def _kill_orphans(tmp_path: Path) -> None:
+    """Workers whose agent was killed keep running in their own session: end those of this test."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(JOB) in cmdline and str(tmp_path) in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _config(directory: Path) -> dict[str, Any]:
+    return quickstart_config(
+        mesh=HSDP_ACROSS_NODES,
+        trainer={
+            "max_steps": STEPS,
+            "checkpoint": {"directory": str(directory), "every_steps": 1, "keep_last": 3},
+            "timeouts": {"collective_seconds": COLLECTIVE_TIMEOUT_S},
+        },
+    )
+
+
+def _losses(out: Path, rank: int) -> list[float]:
+    return [json.loads(line) for line in (out / f"losses-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _run(config: dict[str, Any]) -> dict[str, Any]:
+    return run_quickstart(config)
+
+
+def _assert_bit_exact(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
+    start = resumed["start_step"]
+    assert start == PAUSE_AFTER_CHECKPOINT, "not resumed from the newest complete checkpoint"
+    assert resumed["losses"] == reference["losses"][start:]
+    for name, value in reference["params"].items():
+        assert torch.equal(resumed["params"][name], value), f"{name} differs after resume"
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_node_ends_the_job_and_its_checkpoint_resumes_bit_exactly(
+    tmp_path: Path, launch: Any
+) -> None:
+    # 1. Two nodes train; node 1 dies (agent and workers SIGKILLed) once the checkpoint of step 5
+    #    is saved, while node 0's ranks wait on it in step 6's collectives.
+    killed = tmp_path / "killed"
+    directory = killed / "ckpt"
+    nodes = launch(_config(directory), killed, pause_node=1)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    paused = [killed / "paused-rank2.json", killed / "paused-rank3.json"]
+    while not all(p.exists() for p in paused):
+        assert nodes.agents[0].poll() is None, nodes.output(0)[-3000:]
+        assert time.monotonic() < deadline, "node 1 never reached the checkpoint of step 5"
+        time.sleep(0.2)
+    _kill_node(nodes.agents[1])
+    # Node 0's ranks end with an error naming what was lost, not a hang: Nodes.wait fails the test
+    # if they still run after the collective timeout plus a generous margin.
+    assert nodes.wait(COLLECTIVE_TIMEOUT_S + RUN_TIMEOUT_S)[0] != 0
+    survivor = nodes.output(0)
+    # e.g. "step 5 failed on rank 1: RuntimeError: [.../gloo/transport/tcp/pair.cc:545] Read error
+    # [127.0.0.1]:61577: Connection reset by peer": the step, the rank, and the lost peer's address
+    assert re.search(r"step 5 failed on rank [01]: .*\[127\.0\.0\.1\]:\d+", survivor), survivor[-6000:]
+    one_node = tmp_path / "one-node"
+    shutil.copytree(directory, one_node)  # before the rerun below goes on in `directory`
+
+    # 2. A rerun on the two nodes resumes from the newest complete checkpoint (step 5).
+    rerun = tmp_path / "rerun"
+    nodes = launch(_config(directory), rerun)
+    assert nodes.wait() == [0, 0], nodes.output(0)[-3000:] + nodes.output(1)[-3000:]
+
+    # The uninterrupted run (4 forked ranks, the same mesh): the two nodes' losses before the
+    # kill and after the resume are its losses, bit for bit, and close to one process's.
+    reference = run_distributed(_run, _config(tmp_path / "ref"), world_size=4, timeout_s=RUN_TIMEOUT_S)
+    single = run_distributed(_run, quickstart_config(), world_size=1, timeout_s=RUN_TIMEOUT_S)[0]
+    for rank in range(4):
+        before_kill = _losses(killed, rank)
+        assert before_kill == reference[rank]["losses"][: len(before_kill)]
+        assert len(before_kill) >= PAUSE_AFTER_CHECKPOINT
+        resumed = torch.load(rerun / f"rank{rank}.pt")
+        _assert_bit_exact(resumed, reference[rank])
+        two_nodes = before_kill[:PAUSE_AFTER_CHECKPOINT] + resumed["losses"]
+        torch.testing.assert_close(torch.tensor(two_nodes), torch.tensor(single["losses"]), rtol=1e-4, atol=0)
+
+    # 3. The same checkpoint (written by 2 nodes x 2 ranks) resumes on one node of 4 ranks.
+    resumed_one_node = run_distributed(_run, _config(one_node), world_size=4, timeout_s=RUN_TIMEOUT_S)
+    for rank in range(4):
+        _assert_bit_exact(resumed_one_node[rank], reference[rank])
