@@ -22,7 +22,11 @@ def main() -> None:
         MeshParameters(data_parallel_shard=2), device_type="cpu", timeout=timedelta(seconds=2)
     )
     tensor = torch.ones(1)
-    dist.all_reduce(tensor)  # both ranks: the group works
+    # Both ranks meet once in a group of their own with a generous timeout: on a busy machine one
+    # rank may reach this line seconds after the other, which the 2 s group must not mistake for
+    # the skipped collective below.
+    patient = dist.new_group(timeout=timedelta(seconds=600))
+    dist.all_reduce(tensor, group=patient)
     if context.rank == 1:
         print("JOB rank 1 skips the next collective", flush=True)
         time.sleep(SLEEPER_S)
