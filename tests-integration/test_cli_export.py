@@ -18,8 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
-from d9d.hf.qwen3 import Qwen3ModelProvider
+from d9d.hf import HFModelProvider, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -65,7 +64,7 @@ def _train(raw: dict[str, Any], export: str) -> None:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(PretrainedModelConfig.model_validate(raw["model"])),
+        model_provider=HFModelProvider(PretrainedModelConfig.model_validate(raw["model"])),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data

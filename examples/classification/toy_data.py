@@ -14,7 +14,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import d9d.hf
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig
+from d9d.hf import DecoderCausalLM
+from d9d.hf.qwen3 import Qwen3DenseConfig
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
 POSITIVE = ["good", "great", "love", "nice", "happy", "fine"]
@@ -71,7 +72,7 @@ def write_tiny_checkpoint(directory: Path, *, seed: int) -> None:
         eos_token_id=tokenizer.token_to_id("<eos>"),
     )
     torch.manual_seed(seed)
-    model = Qwen3CausalLM(config)
+    model = DecoderCausalLM(config)
     model.reset_parameters()
     staging = directory.parent / f".{directory.name}.partial"
     d9d.hf.save_pretrained(model, staging)

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 from toy_data import LabelledText, generate_texts, write_tiny_checkpoint
 
-from d9d.hf import HFModelConfig, PretrainedModelConfig, resolve_snapshot
-from d9d.hf.qwen3 import Qwen3Inputs, Qwen3ModelProvider
+from d9d.hf import DecoderInputs, HFModelConfig, HFModelProvider, PretrainedModelConfig, resolve_snapshot
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -150,14 +149,14 @@ def _probabilities(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().softmax(-1)[:, 1]
 
 
-class ClassificationTask(TrainTask[RowBatch, Qwen3Inputs, None, torch.Tensor, torch.Tensor]):
+class ClassificationTask(TrainTask[RowBatch, DecoderInputs, None, torch.Tensor, torch.Tensor]):
     """Cross-entropy of the two class logits; AUROC and F1 of the positive class's probability."""
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[RowBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, torch.Tensor]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, torch.Tensor]:
         return BuildForwardInputsResult(
-            input=Qwen3Inputs(input_ids=ctx.batch.input_ids), shared=None, state=ctx.batch.labels
+            input=DecoderInputs(input_ids=ctx.batch.input_ids), shared=None, state=ctx.batch.labels
         )
 
     def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, torch.Tensor]) -> ComputeLossResult:
@@ -173,7 +172,7 @@ class ClassificationTask(TrainTask[RowBatch, Qwen3Inputs, None, torch.Tensor, to
         ctx.metrics["f1"].update(probabilities, ctx.state)
 
 
-class PredictionWriter(InferenceTask[RowBatch, Qwen3Inputs, None, torch.Tensor]):
+class PredictionWriter(InferenceTask[RowBatch, DecoderInputs, None, torch.Tensor]):
     """Collects ``(id, label, score)`` on the ranks whose outputs count; the main rank writes them."""
 
     def __init__(self, path: Path) -> None:
@@ -182,10 +181,10 @@ class PredictionWriter(InferenceTask[RowBatch, Qwen3Inputs, None, torch.Tensor])
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[RowBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, RowKeys]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, RowKeys]:
         batch = ctx.batch
         return BuildForwardInputsResult(
-            input=Qwen3Inputs(input_ids=batch.input_ids),
+            input=DecoderInputs(input_ids=batch.input_ids),
             shared=None,
             state=RowKeys(ids=batch.ids, labels=batch.labels),
         )
@@ -277,7 +276,7 @@ def run(config: ClassificationConfig) -> Path:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(model_config),
+        model_provider=HFModelProvider(model_config),
         task_provider=lambda _: ClassificationTask(),
         data_provider=AutoDataProvider(
             dataset_factory=data.train, collator=RowBatch.collate, config=config.data
@@ -309,7 +308,7 @@ def run(config: ClassificationConfig) -> Path:
             seed=config.trainer.seed,
             device=config.trainer.device,
         ),
-        model_provider=Qwen3ModelProvider(model_config),  # the base backbone from its source
+        model_provider=HFModelProvider(model_config),  # the base backbone from its source
         task=writer,
         data=held_out,
     ).configure()

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9d.hf import ScratchModelConfig, TokenBatch, TokenSample, causal_lm_task
-from d9d.hf.qwen3 import Qwen3ModelProvider
+from d9d.hf import HFModelProvider, ScratchModelConfig, TokenBatch, TokenSample, causal_lm_task
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -92,7 +91,7 @@ def run(config: PretrainConfig) -> tuple[list[float], Path]:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(config.model),
+        model_provider=HFModelProvider(config.model),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(dataset_factory=rows, collator=TokenBatch.collate, config=config.data),
         optimizer_provider=AutoOptimizerProvider(config.optimizer),

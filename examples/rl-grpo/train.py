@@ -30,8 +30,8 @@ from arithmetic import (
 )
 from pydantic import BaseModel, ConfigDict
 
-from d9d.hf import ScratchModelConfig
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider
+from d9d.hf import DecoderCausalLM, HFModelProvider, ScratchModelConfig
+from d9d.hf.qwen3 import Qwen3DenseConfig
 from d9d.loop import AutoLRSchedulerProvider, AutoOptimizerProvider, ProjectConfig, TrainingConfigurator
 from d9d.rl import (
     ColocatedRollouts,
@@ -92,7 +92,7 @@ def run(config: GRPOProjectConfig) -> RunResult:
     device = torch.device(config.trainer.device or "cpu")
     torch.manual_seed(config.trainer.seed + 1)  # the engine's model is overwritten by the first stream
     engine = EmbeddedRolloutEngine(
-        Qwen3CausalLM(config.model, attention_backend="sdpa").to(device),
+        DecoderCausalLM(config.model, attention_backend="sdpa").to(device),
         seed=config.trainer.seed,
         pad_token_id=PAD,
     )
@@ -108,7 +108,7 @@ def run(config: GRPOProjectConfig) -> RunResult:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(ScratchModelConfig(config=config.model, attention_backend="sdpa")),
+        model_provider=HFModelProvider(ScratchModelConfig(config=config.model, attention_backend="sdpa")),
         task_provider=lambda _: GRPOTask(config.rl.loss),
         data_provider=rollouts,
         optimizer_provider=AutoOptimizerProvider(config.optimizer),

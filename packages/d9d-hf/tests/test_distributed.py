@@ -8,8 +8,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import d9d.hf
-from d9d.hf import sum_tied_gradients
-from d9d.hf.qwen3 import Qwen3Inputs, build_qwen3, causal_lm_targets, load_qwen3_weights, read_qwen3_config
+from d9d.hf import DecoderInputs, build_decoder, causal_lm_targets, load_weights, sum_tied_gradients
+from d9d.hf.qwen3 import read_qwen3_config
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import parallelize_fsdp
 from d9d.state_mappers import SafetensorsCheckpoint
@@ -19,14 +19,14 @@ def _fsdp_load(directory) -> tuple[int, int]:
     world = dist.get_world_size()
     mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_shard",))
     with torch.device("meta"):
-        model = build_qwen3(read_qwen3_config(directory), "causal_lm")
+        model = build_decoder(read_qwen3_config(directory), "causal_lm")
     for layer in model.model.decoder_layers():
         parallelize_fsdp(layer, mesh=mesh)
     parallelize_fsdp(model, mesh=mesh)
     model.to_empty(device="cpu")
     model.reset_buffers()
     reader = SafetensorsCheckpoint(directory)
-    load_qwen3_weights(model, reader, show_progress=False)
+    load_weights(model, reader, show_progress=False)
 
     reference = d9d.hf.load_pretrained(directory)
     expected = dict(reference.named_parameters())
@@ -34,7 +34,7 @@ def _fsdp_load(directory) -> tuple[int, int]:
         assert isinstance(parameter, DTensor), name
         torch.testing.assert_close(parameter.full_tensor(), expected[name], atol=0, rtol=0, msg=name)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    inputs = Qwen3Inputs(input_ids=ids, labels=causal_lm_targets(ids))
+    inputs = DecoderInputs(input_ids=ids, labels=causal_lm_targets(ids))
     with torch.no_grad():
         torch.testing.assert_close(model(inputs), reference(inputs), atol=1e-5, rtol=1e-5)
     total = sum(spec.nbytes for spec in reader.specs.values())

@@ -16,8 +16,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
-from d9d.hf.qwen3 import Qwen3ModelProvider
+from d9d.hf import HFModelProvider, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
 from d9d.kernels.layers import MoELayer
 from d9d.loop import (
     AutoDataProvider,
@@ -96,7 +95,7 @@ def _train(
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(model_config),
+        model_provider=HFModelProvider(model_config),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data

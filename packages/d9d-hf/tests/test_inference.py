@@ -8,8 +8,16 @@ from typing import Any
 import pytest
 import torch
 
-from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3ModelProvider, causal_lm_targets
+from d9d.hf import (
+    DecoderCausalLM,
+    DecoderInputs,
+    HFModelProvider,
+    PretrainedModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_targets,
+    causal_lm_task,
+)
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -41,7 +49,7 @@ class _Rows:
         return TokenSample(input_ids=self.ids[index], labels=self.ids[index].clone())
 
 
-class _TokenLosses(InferenceTask[TokenBatch, Qwen3Inputs, None, torch.Tensor]):
+class _TokenLosses(InferenceTask[TokenBatch, DecoderInputs, None, torch.Tensor]):
     """Per-token losses of each row, in order."""
 
     def __init__(self) -> None:
@@ -49,9 +57,9 @@ class _TokenLosses(InferenceTask[TokenBatch, Qwen3Inputs, None, torch.Tensor]):
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[TokenBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, torch.Tensor]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, torch.Tensor]:
         ids = ctx.batch.input_ids
-        inputs = Qwen3Inputs(input_ids=ids, labels=causal_lm_targets(ids))
+        inputs = DecoderInputs(input_ids=ids, labels=causal_lm_targets(ids))
         return BuildForwardInputsResult(input=inputs, shared=None, state=ids)
 
     def process_outputs(self, ctx: ProcessOutputsContext[torch.Tensor]) -> None:
@@ -74,7 +82,7 @@ def _train_and_export(source: str, export: str, probe: torch.Tensor) -> torch.Te
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(PretrainedModelConfig(source=source, attention_backend="eager")),
+        model_provider=HFModelProvider(PretrainedModelConfig(source=source, attention_backend="eager")),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _: _Rows(16, seed=3), collator=TokenBatch.collate, config=config.data
@@ -86,10 +94,10 @@ def _train_and_export(source: str, export: str, probe: torch.Tensor) -> torch.Te
         trainer.train()
         trainer.export(export)
         model = trainer.model_stages[0]
-        assert isinstance(model, Qwen3CausalLM)
+        assert isinstance(model, DecoderCausalLM)
         model.eval()
         with torch.no_grad():
-            losses = model(Qwen3Inputs(input_ids=probe, labels=causal_lm_targets(probe)))
+            losses = model(DecoderInputs(input_ids=probe, labels=causal_lm_targets(probe)))
     assert isinstance(losses, torch.Tensor)
     return losses.reshape(probe.shape[0], -1)
 
@@ -99,7 +107,7 @@ def _infer(export: str, weights: str | None) -> torch.Tensor:
     with InferenceConfigurator(
         mesh=MeshParameters(),
         parameters=InferenceConfig(global_batch_size=4, microbatch_size=2, weights=weights, device="cpu"),
-        model_provider=Qwen3ModelProvider(PretrainedModelConfig(source=export, attention_backend="eager")),
+        model_provider=HFModelProvider(PretrainedModelConfig(source=export, attention_backend="eager")),
         task=task,
         data=EvaluationData(dataset_factory=lambda _: _Rows(6, seed=9), collator=TokenBatch.collate),
     ).configure() as inference:

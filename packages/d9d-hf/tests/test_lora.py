@@ -1,4 +1,4 @@
-"""LoRA (d9d.loop.peft) on Qwen3ModelProvider: the base checkpoint loads, step 0 is the base model,
+"""LoRA (d9d.loop.peft) on HFModelProvider: the base checkpoint loads, step 0 is the base model,
 training moves the adapters, and the merged export is a plain transformers checkpoint.
 
 Two heads: the causal LM of its checkpoint, and a fresh two-class head on the same causal-LM
@@ -17,8 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3ModelProvider, Qwen3SequenceClassification
+from d9d.hf import (
+    DecoderCausalLM,
+    DecoderInputs,
+    DecoderSequenceClassification,
+    HFModelProvider,
+    PretrainedModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_task,
+)
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -60,15 +68,15 @@ class _Classes:
     labels: torch.Tensor
 
 
-class _ClassifyTask(TrainTask[TokenBatch, Qwen3Inputs, None, torch.Tensor, _Classes]):
+class _ClassifyTask(TrainTask[TokenBatch, DecoderInputs, None, torch.Tensor, _Classes]):
     """Cross-entropy of the class logits against the first token's parity."""
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[TokenBatch]
-    ) -> BuildForwardInputsResult[Qwen3Inputs, None, _Classes]:
+    ) -> BuildForwardInputsResult[DecoderInputs, None, _Classes]:
         ids = ctx.batch.input_ids
         return BuildForwardInputsResult(
-            input=Qwen3Inputs(input_ids=ids), shared=None, state=_Classes(labels=ids[:, 0] % 2)
+            input=DecoderInputs(input_ids=ids), shared=None, state=_Classes(labels=ids[:, 0] % 2)
         )
 
     def compute_loss(self, ctx: ComputeLossContext[torch.Tensor, _Classes]) -> ComputeLossResult:
@@ -116,7 +124,7 @@ def _train(
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(model_config),
+        model_provider=HFModelProvider(model_config),
         task_provider=_classify_task if classify else causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data
@@ -133,10 +141,10 @@ def _train(
         with torch.no_grad():
             if mesh:  # the probe calls the stage's methods directly, outside the TP hooks
                 logits = None
-            elif isinstance(model, Qwen3SequenceClassification):
+            elif isinstance(model, DecoderSequenceClassification):
                 logits = model.classify(PROBE)
             else:
-                assert isinstance(model, Qwen3CausalLM)
+                assert isinstance(model, DecoderCausalLM)
                 logits = model.logits(PROBE)
         adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
         if export is not None:

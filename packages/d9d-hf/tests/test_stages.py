@@ -6,31 +6,25 @@ import pytest
 import torch
 
 import d9d.hf
-from d9d.hf.qwen3 import (
-    Qwen3CausalLM,
-    Qwen3Inputs,
-    build_qwen3,
-    causal_lm_targets,
-    load_qwen3_weights,
-    read_qwen3_config,
-)
+from d9d.hf import DecoderCausalLM, DecoderInputs, build_decoder, causal_lm_targets, load_weights
+from d9d.hf.qwen3 import read_qwen3_config
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import SafetensorsCheckpoint
 
 
-def _load(directory, checkpoint=None, **kwargs) -> Qwen3CausalLM:
+def _load(directory, checkpoint=None, **kwargs) -> DecoderCausalLM:
     with torch.device("meta"):
-        model = build_qwen3(read_qwen3_config(directory), "causal_lm", **kwargs)
+        model = build_decoder(read_qwen3_config(directory), "causal_lm", **kwargs)
     model.to_empty(device="cpu")
     model.reset_buffers()
-    load_qwen3_weights(model, checkpoint or directory, show_progress=False)
-    assert isinstance(model, Qwen3CausalLM)
+    load_weights(model, checkpoint or directory, show_progress=False)
+    assert isinstance(model, DecoderCausalLM)
     return model
 
 
-def _inputs() -> Qwen3Inputs:
+def _inputs() -> DecoderInputs:
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(5))
-    return Qwen3Inputs(input_ids=ids, labels=causal_lm_targets(ids))
+    return DecoderInputs(input_ids=ids, labels=causal_lm_targets(ids))
 
 
 def test_two_stages_hold_their_parts_read_their_bytes_and_chain_to_the_whole(checkpoints) -> None:
@@ -71,13 +65,13 @@ def test_explicit_layer_range() -> None:
         head_dim=4,
     )
     with torch.device("meta"):
-        model = Qwen3CausalLM(
+        model = DecoderCausalLM(
             config, stage=PipelineStageInfo(current_stage=1, num_stages=3), layers=range(1, 4)
         )
     assert list(model.model.layers) == ["1", "2", "3"]
     assert model.lm_head is None and model.model.embed_tokens is None
     with pytest.raises(ValueError, match="contiguous part"):
-        Qwen3CausalLM(config, layers=range(2, 6))
+        DecoderCausalLM(config, layers=range(2, 6))
 
 
 def test_tied_head_on_the_last_stage_loads_the_embedding(checkpoints) -> None:
@@ -104,7 +98,7 @@ def test_activation_checkpointing_gives_the_same_gradients(checkpoints, helpers)
 def test_meta_build_and_reset_parameters(checkpoints) -> None:
     config = read_qwen3_config(checkpoints["moe"])
     with torch.device("meta"):
-        model = build_qwen3(config, "causal_lm")
+        model = build_decoder(config, "causal_lm")
     assert all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -130,12 +124,12 @@ def test_materialized_stages_run_under_a_pipeline_executor_as_the_whole_model(ch
     labels = causal_lm_targets(ids)
     targets = int((labels != -100).sum())
     losses = LocalPipelineExecutor(program, stages).step(
-        Qwen3Inputs(input_ids=ids, labels=labels), loss_fn=lambda out, m: out.sum() / targets
+        DecoderInputs(input_ids=ids, labels=labels), loss_fn=lambda out, m: out.sum() / targets
     )
     whole = _load(directory).train()
     expected = []
     for m in range(4):  # the load-balancing loss is per microbatch, as in the pipeline
-        loss = whole(Qwen3Inputs(input_ids=ids[m : m + 1], labels=labels[m : m + 1])).sum() / targets
+        loss = whole(DecoderInputs(input_ids=ids[m : m + 1], labels=labels[m : m + 1])).sum() / targets
         loss.backward()
         expected.append(loss.detach())
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), atol=1e-6, rtol=1e-5)

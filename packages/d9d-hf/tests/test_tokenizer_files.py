@@ -11,9 +11,16 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import d9d.hf
-from d9d.hf import PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+from d9d.hf import (
+    DecoderCausalLM,
+    HFModelProvider,
+    PretrainedModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_task,
+)
 from d9d.hf._tokenizer_files import tokenizer_files
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider
+from d9d.hf.qwen3 import Qwen3DenseConfig
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -55,7 +62,7 @@ def _source(directory: Path, tokenizer_config: dict[str, object] | None = None) 
         }
     )
     torch.manual_seed(0)
-    model = Qwen3CausalLM(config, attention_backend="eager")
+    model = DecoderCausalLM(config, attention_backend="eager")
     model.reset_parameters()
     d9d.hf.save_pretrained(model, directory)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -89,9 +96,7 @@ def _export(source: Path, target: Path) -> None:
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=Qwen3ModelProvider(
-            PretrainedModelConfig(source=str(source), attention_backend="eager")
-        ),
+        model_provider=HFModelProvider(PretrainedModelConfig(source=str(source), attention_backend="eager")),
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _: _Rows(), collator=TokenBatch.collate, config=config.data

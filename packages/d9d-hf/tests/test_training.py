@@ -1,4 +1,4 @@
-"""Qwen3ModelProvider + CausalLMTask through d9d-loop on 4 CPU ranks equal one process.
+"""HFModelProvider + CausalLMTask through d9d-loop on 4 CPU ranks equal one process.
 
 Every layout trains 3 steps from a tiny transformers checkpoint and must report the losses of
 the same job in one process (fp32). The pipeline run also exports; transformers loads the
@@ -17,19 +17,16 @@ from torch.distributed.fsdp import FSDPModule
 
 from d9d.hf import (
     CausalLMTask,
+    DecoderCausalLM,
+    HFModelProvider,
     PretrainedModelConfig,
     ScratchModelConfig,
     TokenBatch,
     TokenSample,
     causal_lm_task,
+    parallelize_decoder,
 )
-from d9d.hf.qwen3 import (
-    Qwen3CausalLM,
-    Qwen3DenseConfig,
-    Qwen3ModelProvider,
-    Qwen3MoeConfig,
-    parallelize_qwen3,
-)
+from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 from d9d.kernels.layers import MoELayer
 from d9d.loop import (
     AutoDataProvider,
@@ -124,7 +121,7 @@ def _train(
         if isinstance(directory, ScratchModelConfig | PretrainedModelConfig)
         else PretrainedModelConfig(source=str(directory), attention_backend="eager", param_dtype=param_dtype)
     )
-    provider = Qwen3ModelProvider(model)
+    provider = HFModelProvider(model)
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
@@ -165,7 +162,7 @@ def _train(
             trainer.export(export)
         if mesh == {}:
             model = trainer.model_stages[0]
-            assert isinstance(model, Qwen3CausalLM)
+            assert isinstance(model, DecoderCausalLM)
             with torch.no_grad():
                 result["logits"] = model.logits(PROBE)
     return result
@@ -362,14 +359,14 @@ def _units(
     context = DistributedContext(MeshParameters(**mesh), device_type="cpu")
     try:
         with torch.device("meta"):
-            model = Qwen3CausalLM(
+            model = DecoderCausalLM(
                 Qwen3MoeConfig.model_validate(TINY_MOE)
                 if moe
                 else Qwen3DenseConfig.model_validate(TINY_SCRATCH),
                 attention_backend="eager",
                 activation_checkpointing=checkpointing,
             ).to(stored)
-        parallelize_qwen3(model, dist_context=context, param_dtype=torch.bfloat16)
+        parallelize_decoder(model, dist_context=context, param_dtype=torch.bfloat16)
         return isinstance(model, FSDPModule), [
             isinstance(layer, FSDPModule) for layer in model.model.decoder_layers()
         ]

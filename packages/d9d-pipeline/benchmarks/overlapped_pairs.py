@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "d9d-hf" / "benchma
 from _stats import spread
 from train_throughput import MOE_30B_A3B_6_LAYERS
 
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3Inputs, Qwen3MoeConfig
+from d9d.hf import DecoderCausalLM, DecoderInputs
+from d9d.hf.qwen3 import Qwen3MoeConfig
 from d9d.pipeline import (
     DualPipeVScheduleConfig,
     LocalPipelineExecutor,
@@ -130,7 +131,7 @@ def _qwen3_moe(args: argparse.Namespace, program: PipelineProgram) -> _Run:
     config = Qwen3MoeConfig.model_validate({**MOE_30B_A3B_6_LAYERS, "num_hidden_layers": 4 * args.layers})
     torch.manual_seed(0)
     stages: list[nn.Module] = [
-        Qwen3CausalLM(config, stage=PipelineStageInfo(s, 4), attention_backend="sdpa")
+        DecoderCausalLM(config, stage=PipelineStageInfo(s, 4), attention_backend="sdpa")
         .cuda()
         .to(torch.bfloat16)
         for s in range(4)
@@ -141,7 +142,7 @@ def _qwen3_moe(args: argparse.Namespace, program: PipelineProgram) -> _Run:
             stage.model.compile_layers()
     executor = LocalPipelineExecutor(program, dict(enumerate(stages)), device=torch.device("cuda"))
     ids = torch.randint(0, 151936, (args.microbatches, args.seq), device="cuda")
-    batch = Qwen3Inputs(input_ids=ids, labels=ids.clone(), summed_losses=True)
+    batch = DecoderInputs(input_ids=ids, labels=ids.clone(), summed_losses=True)
     tokens = ids.numel()
     return _Run(executor, stages, batch, lambda losses, m: losses.float().sum() / tokens)
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from d9d.hf import ScratchModelConfig
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig, Qwen3ModelProvider
+from d9d.hf import DecoderCausalLM, HFModelProvider, ScratchModelConfig
+from d9d.hf.qwen3 import Qwen3DenseConfig
 from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -129,12 +129,12 @@ def _train(directory: str | None, kill: str | None, kill_step: int) -> dict[str,
 
         threading.Thread(target=watch, daemon=True).start()
     torch.manual_seed(99)  # the engine's weights are overwritten by the first stream
-    engine = EmbeddedRolloutEngine(Qwen3CausalLM(_model_config(), attention_backend="eager"), seed=5)
+    engine = EmbeddedRolloutEngine(DecoderCausalLM(_model_config(), attention_backend="eager"), seed=5)
     reward = _Reward(kill_call=kill_call)
     rollouts = ColocatedRollouts(
         engine=engine, prompts=_prompts, reward=reward, sampling=SAMPLING, prompts_per_step=2, seed=7
     )
-    provider = Qwen3ModelProvider(ScratchModelConfig(config=_model_config(), attention_backend="eager"))
+    provider = HFModelProvider(ScratchModelConfig(config=_model_config(), attention_backend="eager"))
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3DenseConfig
+from d9d.hf import DecoderCausalLM
+from d9d.hf.qwen3 import Qwen3DenseConfig
 
 VOCAB = 48
 
@@ -28,8 +29,8 @@ def tiny_config(*, sliding_window: bool = True) -> Qwen3DenseConfig:
     )
 
 
-def tiny_model(seed: int = 0, *, sliding_window: bool = True) -> Qwen3CausalLM:
+def tiny_model(seed: int = 0, *, sliding_window: bool = True) -> DecoderCausalLM:
     torch.manual_seed(seed)
-    model = Qwen3CausalLM(tiny_config(sliding_window=sliding_window), attention_backend="eager")
+    model = DecoderCausalLM(tiny_config(sliding_window=sliding_window), attention_backend="eager")
     model.reset_parameters()
     return model

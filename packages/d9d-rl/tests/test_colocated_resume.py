@@ -15,8 +15,7 @@ import pytest
 import torch
 from rl_tiny_model import VOCAB, tiny_config
 
-from d9d.hf import ScratchModelConfig
-from d9d.hf.qwen3 import Qwen3CausalLM, Qwen3ModelProvider
+from d9d.hf import DecoderCausalLM, HFModelProvider, ScratchModelConfig
 from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
@@ -79,12 +78,12 @@ def _attempt(directory: Path, mesh: dict[str, int], *, crash_at: int | None, run
         }
     )
     torch.manual_seed(99)  # the engine's weights are overwritten by the first stream
-    engine = EmbeddedRolloutEngine(Qwen3CausalLM(tiny_config(), attention_backend="eager"), seed=5)
+    engine = EmbeddedRolloutEngine(DecoderCausalLM(tiny_config(), attention_backend="eager"), seed=5)
     reward = _Reward(crash_at=crash_at, per_step=2 * SAMPLING.samples_per_prompt)
     rollouts = ColocatedRollouts(
         engine=engine, prompts=_prompts, reward=reward, sampling=SAMPLING, prompts_per_step=2, seed=7
     )
-    provider = Qwen3ModelProvider(ScratchModelConfig(config=tiny_config(), attention_backend="eager"))
+    provider = HFModelProvider(ScratchModelConfig(config=tiny_config(), attention_backend="eager"))
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
@@ -153,7 +152,7 @@ def test_every_step_and_rank_samples_with_its_own_seed() -> None:
 def test_a_sampling_seed_is_refused_with_the_way_to_seed_rollouts() -> None:
     with pytest.raises(ValueError, match=r"sampling.seed=1: .*ColocatedRollouts.seed"):
         ColocatedRollouts(
-            engine=EmbeddedRolloutEngine(Qwen3CausalLM(tiny_config(), attention_backend="eager")),
+            engine=EmbeddedRolloutEngine(DecoderCausalLM(tiny_config(), attention_backend="eager")),
             prompts=_prompts,
             reward=_Reward(crash_at=None, per_step=1),
             sampling=SAMPLING.model_copy(update={"seed": 1}),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from rl_tiny_model import VOCAB, tiny_model
 
-from d9d.hf.qwen3 import Qwen3Inputs
+from d9d.hf import DecoderInputs
 from d9d.rl import EmbeddedRolloutEngine, SamplingParams
 
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6], [11, 12]]  # ragged: left padding matters
@@ -19,7 +19,7 @@ def _trainer_log_probs(prompt: list[int], completion: tuple[int, ...]) -> torch.
     targets = torch.full_like(ids, -100)
     targets[0, len(prompt) - 1 : -1] = torch.tensor(completion)
     with torch.no_grad():
-        losses = model(Qwen3Inputs(input_ids=ids, labels=targets))
+        losses = model(DecoderInputs(input_ids=ids, labels=targets))
     assert isinstance(losses, torch.Tensor)
     return -losses[0, len(prompt) - 1 : -1]
 

@@ -63,7 +63,7 @@ def stream_weights(
         module: A model stage (plain tensors or DTensors under any placement).
         receiver: The rollout engine (anything with ``update_weights``).
         mapper: Maps the module's state-dict names to the receiver's names (e.g. d9d-hf's
-            ``qwen3_export_mapper`` for an engine that takes Hugging Face names); None is the
+            ``decoder_export_mapper`` for an engine that takes Hugging Face names); None is the
             identity.
         batch_bytes: Send once this many bytes are pending (a larger single tensor goes alone).
 

@@ -50,8 +50,8 @@ class _Qwen3CommonConfig(DecoderConfigBase):
                 raise TypeError(f"{type(self).__name__} is neither Qwen3DenseConfig nor Qwen3MoeConfig")
 
     def decoder_spec(self) -> DecoderSpec:
-        """The core's numbers, from the Qwen3 description."""
-        return self.qwen3_spec().decoder_spec()
+        """The core's numbers: the Qwen3 description (a ``DecoderSpec``)."""
+        return self.qwen3_spec()
 
     def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
         """Qwen3's layers: Megatron's layout with the per-head q/k norms (``MegatronDecoderPlan``).
@@ -194,6 +194,9 @@ def qwen3_spec(config: Qwen3DenseConfig | Qwen3MoeConfig) -> Qwen3Spec:
         pad_token_id=config.pad_token_id,
         num_labels=config.resolved_num_labels,
         initializer_range=config.initializer_range,
+        has_experts=moe is not None,
+        num_experts=0 if moe is None else moe.num_experts,
+        load_balancing_coefficient=0.0 if moe is None else moe.load_balancing_coefficient,
     )
 
 

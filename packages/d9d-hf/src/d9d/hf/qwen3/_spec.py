@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from d9d.hf._decoder import DecoderSpec
-from d9d.kernels.layers import RopeScaling
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,66 +35,22 @@ class Qwen3MoeSpec:
 
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen3Spec:
-    """Every number a Qwen3 (dense or MoE) model needs.
+class Qwen3Spec(DecoderSpec):
+    """Every number a Qwen3 (dense or MoE) model needs: the core's ``DecoderSpec`` and Qwen3's own.
+
+    The core's fields (widths, heads, rotary, head and initialization) are ``DecoderSpec``'s;
+    ``has_experts``, ``num_experts`` and ``load_balancing_coefficient`` are set from ``moe``.
 
     Attributes:
-        vocab_size: Vocabulary size.
-        hidden_size: Model width.
         intermediate_size: Hidden width of the dense feed-forwards.
-        num_layers: Decoder layers.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads.
-        head_dim: Per-head size.
-        rms_norm_eps: Epsilon of every RMSNorm.
-        rope_theta: Rotary base.
-        rope_scaling: Rotary context extension, None for plain RoPE.
         attention_bias: Biases on q/k/v/o.
         sliding_windows: Per layer, the attention window (None: full attention).
-        tie_word_embeddings: The LM head shares the embedding's weight.
         moe: The experts; None for a dense model.
         moe_layers: Per layer, whether its feed-forward is the MoE (else dense SwiGLU).
-        pad_token_id: Padding token (sequence classification pools the last other token).
-        num_labels: Classes of a sequence-classification head.
-        initializer_range: Standard deviation of the initialization.
     """
 
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
     attention_bias: bool
     sliding_windows: tuple[int | None, ...]
-    tie_word_embeddings: bool
     moe: Qwen3MoeSpec | None
     moe_layers: tuple[bool, ...]
-    pad_token_id: int | None
-    num_labels: int
-    initializer_range: float
-
-    def decoder_spec(self) -> DecoderSpec:
-        """The numbers the decoder core reads."""
-        return DecoderSpec(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            tie_word_embeddings=self.tie_word_embeddings,
-            pad_token_id=self.pad_token_id,
-            num_labels=self.num_labels,
-            initializer_range=self.initializer_range,
-            has_experts=self.moe is not None,
-            num_experts=0 if self.moe is None else self.moe.num_experts,
-            load_balancing_coefficient=0.0 if self.moe is None else self.moe.load_balancing_coefficient,
-        )
