@@ -33,6 +33,7 @@ from d9d.hf._decoder import (
     layer_windows,
     load_weights,
     parallelize_decoder,
+    same_names,
 )
 from d9d.hf._families import DecoderConfig, read_decoder_config
 from d9d.hf._head import HeadName
@@ -124,6 +125,7 @@ __all__ = [
     "provider_from_config",
     "read_decoder_config",
     "resolve_snapshot",
+    "same_names",
     "save_pretrained",
     "sum_tied_gradients",
 ]

@@ -14,8 +14,12 @@ class DecoderLayer(nn.Module):
     """One decoder layer whose submodule names follow Hugging Face's.
 
     A family's layer subclasses this and builds the parts its config asks for (q/k norms,
-    biases, a sliding window, a dense ``SwiGLU`` or a ``MoELayer``); the computation, the
-    regional compilation and the resets are the same for every family.
+    biases, a sliding window, a dense ``SwiGLU`` or a ``MoELayer``). The computation is
+    ``block``, the pre-norm ``x + attn(norm(x))`` then ``x + mlp(norm(x))``: a family whose layer
+    computes otherwise (OLMo 2's norms after attention and after the feed-forward, say) overrides
+    ``block`` and composes ``attend`` and ``feed_forward``; the regional compilation, the
+    incremental decoding and the resets stay the core's. A family that adds modules extends
+    ``reset_parameters`` too.
 
     Args:
         input_layernorm: The norm before attention.
@@ -37,7 +41,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
-        self._block: Callable[..., torch.Tensor] = self._eager_block
+        self._block: Callable[..., torch.Tensor] = self.block
 
     def reset_parameters(self) -> None:
         """Resets the norms, the attention and the feed-forward."""
@@ -53,7 +57,7 @@ class DecoderLayer(nn.Module):
         activation checkpointing around it) stay outside the compiled region, and parameter
         names do not change.
         """
-        self._block = torch.compile(self._eager_block)
+        self._block = torch.compile(self.block)
 
     def forward(
         self,
@@ -72,11 +76,30 @@ class DecoderLayer(nn.Module):
         statistics count; None counts every token.
         """
         if kv_cache is not None:
-            return self._eager_block(hidden_states, position_embeddings, document_ids, kv_cache, token_mask)
+            return self.block(hidden_states, position_embeddings, document_ids, kv_cache, token_mask)
         output: torch.Tensor = self._block(hidden_states, position_embeddings, document_ids, None, token_mask)
         return output
 
-    def _eager_block(
+    def attend(
+        self,
+        normed: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+        kv_cache: KeyValueCache | None = None,
+    ) -> torch.Tensor:
+        """``self_attn`` of ``normed`` (no residual): a part for ``block``."""
+        attended: torch.Tensor = self.self_attn(
+            normed, position_embeddings, document_ids=document_ids, kv_cache=kv_cache
+        )
+        return attended
+
+    def feed_forward(self, normed: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mlp`` of ``normed`` (no residual), a ``MoELayer`` told the real tokens: a part for ``block``."""
+        if isinstance(self.mlp, MoELayer):
+            return self.mlp(normed, token_mask)
+        return self.mlp(normed)
+
+    def block(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -84,14 +107,21 @@ class DecoderLayer(nn.Module):
         kv_cache: KeyValueCache | None = None,
         token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings,
-            document_ids=document_ids,
-            kv_cache=kv_cache,
+        """The layer's computation, the extension point of a family: pre-norm attention, then
+        pre-norm feed-forward, each added to the residual.
+
+        ``forward`` calls it (compiled after ``compile_block``, eager with a ``kv_cache``). An
+        override keeps this signature and computes from ``attend`` and ``feed_forward``; for
+        OLMo 2's post-norms, with a ``post_feedforward_layernorm`` the family's layer adds::
+
+            hidden_states = hidden_states + self.post_attention_layernorm(
+                self.attend(hidden_states, position_embeddings, document_ids, kv_cache)
+            )
+            fed = self.feed_forward(hidden_states, token_mask)
+            return hidden_states + self.post_feedforward_layernorm(fed)
+        """
+        attended = self.attend(
+            self.input_layernorm(hidden_states), position_embeddings, document_ids, kv_cache
         )
         hidden_states = hidden_states + attended
-        normed = self.post_attention_layernorm(hidden_states)
-        if isinstance(self.mlp, MoELayer):
-            return hidden_states + self.mlp(normed, token_mask)
-        return hidden_states + self.mlp(normed)
+        return hidden_states + self.feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
