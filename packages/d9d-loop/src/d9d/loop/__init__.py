@@ -99,6 +99,7 @@ from d9d.loop.config._optimizer import (
     StochasticAdamWConfig,
 )
 from d9d.loop.config._project import ConfigFileError, ProjectConfig, check_batch_layout
+from d9d.loop.config._rank_agreement import RankDisagreementError
 from d9d.loop.config._trackers import AimTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from d9d.loop.config._trainer import (
     CheckpointConfig,
@@ -220,6 +221,7 @@ __all__ = [
     "PrepareExportModelStageResult",
     "ProfilingConfig",
     "ProjectConfig",
+    "RankDisagreementError",
     "ResumeConfig",
     "ResumeIncompatibleError",
     "RollbackOnNonFinite",

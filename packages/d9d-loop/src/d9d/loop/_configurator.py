@@ -30,6 +30,7 @@ from d9d.loop.checkpoint._checkpointer import Checkpointer, complete_checkpoints
 from d9d.loop.checkpoint._directory_checks import estimate_checkpoint_bytes
 from d9d.loop.checkpoint._lock import CheckpointLock, lock_checkpoint_directory
 from d9d.loop.checkpoint._resume import describe_missing_step
+from d9d.loop.config._rank_agreement import check_ranks_agree
 from d9d.loop.config._trainer import TrainerConfig
 from d9d.loop.data._auto_data import AutoDataProvider
 from d9d.loop.data._evaluation_data import EvaluationData
@@ -119,7 +120,11 @@ class TrainingConfigurator:
         dist_context, owns_context = self._build_context()
         lock: CheckpointLock | None = None
         try:
-            # before any work: a directory another job holds is refused on every rank
+            # before any work: ranks started with other settings, and a directory another job
+            # holds, are refused on every rank
+            check_ranks_agree(
+                {"mesh": dist_context.parameters, "trainer": self._config}, group=dist_context.world_group()
+            )
             lock = self._lock_checkpoints(dist_context)
             return self._build_trainer(dist_context, owns_context, lock)
         except BaseException:
