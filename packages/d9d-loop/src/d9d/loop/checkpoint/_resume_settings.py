@@ -122,6 +122,23 @@ def reapply(
         One line per setting whose checkpoint value differs from the config's, then the learning
         rate of the resumed step when it changed; empty when the config matches the checkpoint.
     """
+    saved_base = [float(b) for b in scheduler.base_lrs]
+    return [
+        *_restore_groups(optimizer, configured),
+        *_base_lr_changes(saved_base, configured.base_lrs),
+        *_run_changes(
+            configured,
+            saved_total_steps=saved_total_steps,
+            saved_global_batch_size=saved_global_batch_size,
+            saved_data_source=saved_data_source,
+            step=scheduler.last_epoch,
+        ),
+        *_restore_schedule(optimizer, scheduler, configured, saved_base),
+    ]
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, configured: ConfiguredSettings) -> list[str]:
+    """Puts each param group's configured hyperparameters back; one line per reported change."""
     changes: list[str] = []
     count = len(optimizer.param_groups)
     for index, (group, wanted) in enumerate(zip(optimizer.param_groups, configured.groups, strict=True)):
@@ -131,12 +148,29 @@ def reapply(
                     f"{_name(key, index, count)}: {group.get(key)} in the checkpoint, {value} in the config"
                 )
             group[key] = value
-    saved_base = [float(b) for b in scheduler.base_lrs]
-    for index, (old, new) in enumerate(zip(saved_base, configured.base_lrs, strict=True)):
-        if old != new:
-            changes.append(
-                f"{_name('lr', index, count)}: {old:.6g} in the checkpoint, {new:.6g} in the config"
-            )
+    return changes
+
+
+def _base_lr_changes(saved_base: Sequence[float], configured_base: Sequence[float]) -> list[str]:
+    """One line per param group whose base learning rate the checkpoint had otherwise."""
+    count = len(saved_base)
+    return [
+        f"{_name('lr', index, count)}: {old:.6g} in the checkpoint, {new:.6g} in the config"
+        for index, (old, new) in enumerate(zip(saved_base, configured_base, strict=True))
+        if old != new
+    ]
+
+
+def _run_changes(
+    configured: ConfiguredSettings,
+    *,
+    saved_total_steps: int | None,
+    saved_global_batch_size: int | None,
+    saved_data_source: str | None,
+    step: int,
+) -> list[str]:
+    """Lines naming a changed run length, global batch or data (the checkpoint recorded them)."""
+    changes: list[str] = []
     if saved_total_steps is not None and saved_total_steps != configured.total_steps:
         changes.append(
             f"the run's length (trainer.max_steps / epochs, the LR schedule's horizon): "
@@ -145,7 +179,7 @@ def reapply(
     if saved_global_batch_size is not None and saved_global_batch_size != configured.global_batch_size:
         changes.append(
             f"trainer.global_batch_size: {saved_global_batch_size} in the checkpoint, "
-            f"{configured.global_batch_size} in the config: the step stays {scheduler.last_epoch} "
+            f"{configured.global_batch_size} in the config: the step stays {step} "
             "(trainer.max_steps and the LR schedule count optimizer steps), the data continues at the "
             "next unread sample (its position is kept in samples)"
         )
@@ -158,8 +192,23 @@ def reapply(
             f"the data: {saved_data_source} in the checkpoint, {configured.data_source} in the config "
             "(read from the saved position: epoch and sample)"
         )
+    return changes
+
+
+def _restore_schedule(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    configured: ConfiguredSettings,
+    saved_base: Sequence[float],
+) -> list[str]:
+    """Sets the configured base lrs and the resumed step's lr from the configured schedule.
+
+    Returns:
+        The line naming the resumed step's learning rate when the config's schedule changes it.
+    """
     saved_lrs = [float(lr) for lr in scheduler.get_last_lr()]
     new_lrs = _configured_lrs(scheduler, configured, saved_base)
+    changes: list[str] = []
     if new_lrs != saved_lrs:
         changes.append(
             f"learning rate at step {scheduler.last_epoch}: {_listed(saved_lrs)} in the checkpoint, "
