@@ -76,7 +76,8 @@ from d9d.loop.checkpoint._checkpointer import (
 from d9d.loop.checkpoint._directory_checks import DirectoryCheckError
 from d9d.loop.checkpoint._lock import CheckpointDirectoryLockedError
 from d9d.loop.checkpoint._manifest import RunLayout
-from d9d.loop.checkpoint._resume import NoUsableCheckpointError, ResumeIncompatibleError
+from d9d.loop.checkpoint._resume import NoUsableCheckpointError
+from d9d.loop.checkpoint._resume_attempt import ResumeIncompatibleError
 from d9d.loop.config._data import DataConfig
 from d9d.loop.config._evaluation import BestEvaluationConfig, EvaluationConfig
 from d9d.loop.config._lr import (

@@ -1,63 +1,21 @@
-"""Resume from the newest usable checkpoint: verify, check compatibility, fall back, explain."""
+"""Resume from the newest usable checkpoint: pick the candidates, fall back past unusable ones, explain."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from d9d.loop.checkpoint._checkpointer import Checkpointer, CheckpointLoadError, CheckpointLocation
-from d9d.loop.checkpoint._finite_weights import describe_nonfinite
-from d9d.loop.checkpoint._manifest import ManifestError, RunLayout
+from d9d.loop.checkpoint._checkpointer import Checkpointer, CheckpointLocation
+from d9d.loop.checkpoint._manifest import RunLayout
+from d9d.loop.checkpoint._resume_attempt import ResumeAttempt, Resumed, Unusable
 from d9d.loop.config._trainer import ResumeConfig
-
-
-class ResumeIncompatibleError(ValueError):
-    """The checkpoint was written by a run this one cannot continue; names both values."""
 
 
 class NoUsableCheckpointError(RuntimeError):
     """Checkpoints exist but none can be loaded; lists each and why."""
 
 
-@dataclass(kw_only=True, frozen=True)
-class Resumed:
-    """The checkpoint a run resumed from, the optional state keys it lacked, and dtypes it cast.
-
-    Attributes:
-        location: The checkpoint loaded.
-        absent: Optional top-level keys it did not hold.
-        cast: One line per model-tensor dtype change (checkpoint dtype, run dtype), for the
-            trainer's "the config wins" lines.
-    """
-
-    location: CheckpointLocation
-    absent: list[str]
-    cast: list[str] = field(default_factory=list[str])
-
-
-def check_layout(saved: RunLayout, current: RunLayout, options: ResumeConfig, where: str) -> bool:
-    """Whether to load the optimizer state; raises if the run cannot continue the checkpoint.
-
-    A different global batch is allowed here: the data source converts its position in samples
-    (and refuses where that is impossible). A different optimizer is refused unless
-    ``resume.optimizer_state`` is ``reset``.
-    """
-    match options.optimizer_state:
-        case "reset":
-            return False
-        case "load":
-            if saved.optimizer != current.optimizer:
-                raise ResumeIncompatibleError(
-                    f"{where} holds the state of optimizer {saved.optimizer}, this run uses "
-                    f"{current.optimizer}; set trainer.checkpoint.resume: {{optimizer_state: reset}} "
-                    f"to start the optimizer afresh"
-                )
-            return True
-
-
-_LISTED = 8
 SUPERSEDED_SUFFIX = ".superseded"
 
 
@@ -92,31 +50,6 @@ def older_checkpoint_hint(resumed: CheckpointLocation | None, on_disk: list[Chec
     return (
         f"{start}; if its weights diverged already (finite but huge), {pick} (complete checkpoints: {steps})"
     )
-
-
-def _describe_shapes(where: str, mismatched: list[str]) -> str:
-    listed = "\n".join(f"  {m}" for m in mismatched[:_LISTED])
-    more = f"\n  ... and {len(mismatched) - _LISTED} more" if len(mismatched) > _LISTED else ""
-    return (
-        f"{where} was written by another model ({len(mismatched)} tensors differ):\n{listed}{more}\n"
-        f"resume with the model that wrote it, or point trainer.checkpoint.directory elsewhere"
-    )
-
-
-def _explain_nonfinite(checkpointer: Checkpointer, location: CheckpointLocation, found: list[str]) -> str:
-    """Why a checkpoint holds NaN or infinite weights: damaged on disk, or saved so (collective)."""
-    what = f"holds non-finite weights ({describe_nonfinite(found)})"
-    match checkpointer.verify_mode:
-        case "sizes":
-            damage = checkpointer.verify(location, mode="checksums")
-            if damage:
-                return (
-                    f"{what}: its files changed after it was written ({damage[0]}); "
-                    f"trainer.checkpoint.verify: checksums finds such damage before loading"
-                )
-        case "checksums":
-            pass
-    return f"{what}: it was saved so (its files match their manifest)"
 
 
 def load_newest_usable(
@@ -159,66 +92,62 @@ def load_newest_usable(
         ResumeIncompatibleError: If the newest intact checkpoint belongs to an incompatible run
             (another optimizer, or tensors of other shapes: each named with both shapes).
     """
+    candidates = _candidates(checkpointer, logger=logger, older_than=older_than, from_step=from_step)
+    attempt = ResumeAttempt(
+        checkpointer=checkpointer,
+        state=state,
+        optional=optional,
+        layout=layout,
+        options=options,
+        logger=logger,
+        nonfinite_weights=nonfinite_weights,
+    )
+    return _fall_back(candidates, attempt)
+
+
+def _fall_back(candidates: list[CheckpointLocation], attempt: ResumeAttempt) -> Resumed | None:
+    """Tries the candidates newest first; once one loads, the unusable newer ones are set aside."""
     skipped: list[tuple[CheckpointLocation, str]] = []
-    candidates = checkpointer.candidates(older_than=older_than)
-    if from_step is not None:
-        newer = [c for c in candidates if c.step > from_step]
-        candidates = [c for c in candidates if c.step == from_step]
-        if not candidates:
-            raise ValueError(describe_missing_step(from_step, checkpointer.on_disk()))
-        if newer:
-            moved = checkpointer.set_aside(newer, suffix=SUPERSEDED_SUFFIX)
-            logger.warning(
-                "resuming from the checkpoint of step %d (trainer.checkpoint.resume.from_step); "
-                "set aside the newer %s",
-                from_step,
-                ", ".join(str(m) for m in moved),
-            )
     for location in candidates:
-        problems = checkpointer.verify(location)
-        if problems:
-            reason = "; ".join(problems)
-            logger.warning("checkpoint %s is damaged, trying an older one: %s", location.path, reason)
-            skipped.append((location, reason))
-            continue
-        try:
-            manifest = checkpointer.manifest(location)
-        except ManifestError as e:
-            skipped.append((location, str(e)))
-            continue
-        with_optimizer = True
-        if manifest is None:
-            logger.warning(
-                "checkpoint %s has no manifest (an older d9d wrote it): not verified", location.path
-            )
-        else:
-            with_optimizer = check_layout(manifest.layout, layout, options, str(location.path))
-        wanted = state(with_optimizer)
-        mismatched = checkpointer.shape_mismatches(location, wanted)
-        if mismatched:
-            raise ResumeIncompatibleError(_describe_shapes(str(location.path), mismatched))
-        cast = checkpointer.dtype_changes(location, wanted)
-        try:
-            absent = checkpointer.load(location, wanted, optional=optional)
-        except CheckpointLoadError as e:
-            logger.warning("checkpoint %s failed to load, trying an older one: %s", location.path, e)
-            skipped.append((location, str(e)))
-            continue
-        nonfinite = nonfinite_weights()
-        if nonfinite:
-            reason = _explain_nonfinite(checkpointer, location, nonfinite)
-            logger.warning("checkpoint %s %s; trying an older one", location.path, reason)
-            skipped.append((location, reason))
-            continue
-        if skipped:
-            moved = checkpointer.set_aside([loc for loc, _ in skipped])
-            logger.warning(
-                "resumed from %s; set aside the unusable newer checkpoints as %s",
-                location.path,
-                ", ".join(str(m) for m in moved),
-            )
-        return Resumed(location=location, absent=absent, cast=cast)
+        match attempt.load(location):
+            case Resumed() as resumed:
+                if skipped:
+                    moved = attempt.checkpointer.set_aside([loc for loc, _ in skipped])
+                    attempt.logger.warning(
+                        "resumed from %s; set aside the unusable newer checkpoints as %s",
+                        location.path,
+                        ", ".join(str(m) for m in moved),
+                    )
+                return resumed
+            case Unusable(reason=reason):
+                skipped.append((location, reason))
     if skipped:
         listing = "\n".join(f"  {loc.path}: {reason}" for loc, reason in skipped)
         raise NoUsableCheckpointError(f"no usable checkpoint to resume from:\n{listing}")
     return None
+
+
+def _candidates(
+    checkpointer: Checkpointer,
+    *,
+    logger: logging.LoggerAdapter[logging.Logger],
+    older_than: int | None,
+    from_step: int | None,
+) -> list[CheckpointLocation]:
+    """The checkpoints to try, newest first; with ``from_step`` only its own, the newer set aside."""
+    candidates = checkpointer.candidates(older_than=older_than)
+    if from_step is None:
+        return candidates
+    newer = [c for c in candidates if c.step > from_step]
+    candidates = [c for c in candidates if c.step == from_step]
+    if not candidates:
+        raise ValueError(describe_missing_step(from_step, checkpointer.on_disk()))
+    if newer:
+        moved = checkpointer.set_aside(newer, suffix=SUPERSEDED_SUFFIX)
+        logger.warning(
+            "resuming from the checkpoint of step %d (trainer.checkpoint.resume.from_step); "
+            "set aside the newer %s",
+            from_step,
+            ", ".join(str(m) for m in moved),
+        )
+    return candidates
