@@ -97,9 +97,9 @@ class TokenDataProvider(Generic[BatchT]):
         )
 
     def build(self, context: DataProviderContext) -> BatchSource[BatchT]:
-        config = self._config
+        """Opens the source and builds this rank's batches: streamed, or read into memory first."""
         encoder = self.encoder(context.dist_context)
-        reader = open_source(config.source)
+        reader = open_source(self._config.source)
         self.source_name = reader.name
         logger = context.dist_context.logger
 
@@ -107,58 +107,81 @@ class TokenDataProvider(Generic[BatchT]):
             logger.info(text)
 
         encode = self._encode_fn(encoder)
-        if config.streaming:
+        if self._config.streaming:
             if self._order.shuffle:
                 logger.warning(
                     "%s: streaming reads the source in file order: data.shuffle is ignored "
                     "(it applies to data read into memory, streaming: false)",
                     reader.name,
                 )
-            log(
-                f"{reader.name}: streaming, samples are counted as they are read: the first truncated, "
-                "dropped or skipped one is logged when met, the counts after each pass over the source"
-            )
-            return StreamingBatchSource(
-                reader=reader,
-                encode=encode,
-                collator=self.collate,
-                sequence_length=config.sequence_length,
-                overlong=config.overlong,
-                packing=config.packing,
-                pad_id=encoder.pad_id,
-                global_batch_size=context.global_batch_size,
-                dp_rank=context.dp_rank,
-                dp_size=context.dp_size,
-                report=self.report,
-                log=log,
-            )
+            return self._streamed(context, reader, encode, encoder.pad_id, log)
         samples = self._read_all(reader, encode)
         log(self.report.summary(reader.name))
         train = self._split(samples)
-        if config.packing:
-            rows = pack_rows(train, sequence_length=config.sequence_length, pad_id=encoder.pad_id)
-            self.held_out = pack_rows(
-                self.held_out, sequence_length=config.sequence_length, pad_id=encoder.pad_id
-            )
-            return ShardedBatchSource(
-                dataset=_Rows(rows),
-                collator=self.collate,
-                config=self._order,
-                global_batch_size=context.global_batch_size,
-                dp_rank=context.dp_rank,
-                dp_size=context.dp_size,
-                source=f"{reader.name} ({len(rows)} rows)",
-            )
+        if self._config.packing:
+            return self._packed(context, reader.name, train, encoder.pad_id)
+        return self._bucketed(context, reader.name, train)
+
+    def _streamed(
+        self,
+        context: DataProviderContext,
+        reader: RecordReader,
+        encode: Callable[[Record], TokenRow | None],
+        pad_id: int,
+        log: Callable[[str], None],
+    ) -> BatchSource[BatchT]:
+        """Batches encoded as the source is read (counts are logged as they are met)."""
+        config = self._config
+        log(
+            f"{reader.name}: streaming, samples are counted as they are read: the first truncated, "
+            "dropped or skipped one is logged when met, the counts after each pass over the source"
+        )
+        return StreamingBatchSource(
+            reader=reader,
+            encode=encode,
+            collator=self.collate,
+            sequence_length=config.sequence_length,
+            overlong=config.overlong,
+            packing=config.packing,
+            pad_id=pad_id,
+            global_batch_size=context.global_batch_size,
+            dp_rank=context.dp_rank,
+            dp_size=context.dp_size,
+            report=self.report,
+            log=log,
+        )
+
+    def _packed(
+        self, context: DataProviderContext, name: str, train: list[TokenRow], pad_id: int
+    ) -> BatchSource[BatchT]:
+        """The samples packed into rows (the held-out share too), sharded over the ranks."""
+        length = self._config.sequence_length
+        rows = pack_rows(train, sequence_length=length, pad_id=pad_id)
+        self.held_out = pack_rows(self.held_out, sequence_length=length, pad_id=pad_id)
+        return ShardedBatchSource(
+            dataset=_Rows(rows),
+            collator=self.collate,
+            config=self._order,
+            global_batch_size=context.global_batch_size,
+            dp_rank=context.dp_rank,
+            dp_size=context.dp_size,
+            source=f"{name} ({len(rows)} rows)",
+        )
+
+    def _bucketed(
+        self, context: DataProviderContext, name: str, train: list[TokenRow]
+    ) -> BatchSource[BatchT]:
+        """The samples unpacked, batched by length bucket."""
         return BucketedBatchSource(
             rows=train,
             collator=self.collate,
             global_batch_size=context.global_batch_size,
             dp_rank=context.dp_rank,
             dp_size=context.dp_size,
-            window_batches=config.bucket_window,
+            window_batches=self._config.bucket_window,
             shuffle=self._order.shuffle,
             seed=self._order.seed,
-            source=f"{reader.name} ({len(train)} rows)",
+            source=f"{name} ({len(train)} rows)",
         )
 
     def _encode_fn(self, encoder: SampleEncoder) -> Callable[[Record], TokenRow | None]:
