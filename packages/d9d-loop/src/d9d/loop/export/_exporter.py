@@ -73,13 +73,27 @@ class ModelExporter:
             )
         parts = target.parent / f".{target.name}.parts"
         staging = target.parent / f".{target.name}.partial-export"
-        world = self._dist.world_group()
         if self._dist.is_main_process:
             target.parent.mkdir(parents=True, exist_ok=True)
             for stale in (parts, staging):
                 shutil.rmtree(stale, ignore_errors=True)
-        dist.barrier(group=world)
-        error: str | None = None
+        dist.barrier(group=self._dist.world_group())
+        errors, files = self._gather(self._save_stages(parts))
+        if not errors and self._dist.is_main_process:
+            errors += self._assemble(parts, staging, target, files, overwrite=overwrite)
+        if self._dist.is_main_process:
+            shutil.rmtree(parts, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        verdict: list[list[str] | None] = [errors]
+        dist.broadcast_object_list(verdict, src=0, group=self._dist.world_group())
+        if verdict[0]:
+            raise ExportError(
+                f"export to {target} failed; nothing was written there ({'; '.join(verdict[0])})"
+            )
+        return target
+
+    def _save_stages(self, parts: Path) -> tuple[str | None, dict[str, bytes]]:
+        """Saves this rank's stages under ``parts``: the error that stopped it, the provider's files."""
         extra_files: dict[str, bytes] = {}
         try:
             for built in self._stages:
@@ -99,32 +113,32 @@ class ModelExporter:
                     show_progress=self._dist.is_main_process,
                 )
         except Exception as e:
-            error = f"rank {self._dist.rank}: {type(e).__name__}: {e}"
+            return f"rank {self._dist.rank}: {type(e).__name__}: {e}", extra_files
+        return None, extra_files
+
+    def _gather(self, outcome: tuple[str | None, dict[str, bytes]]) -> tuple[list[str], dict[str, bytes]]:
+        """Every rank's error and extra files (collective): the errors, and the files of all ranks."""
         outcomes: list[tuple[str | None, dict[str, bytes]] | None] = [None] * self._dist.world_size
-        dist.all_gather_object(outcomes, (error, extra_files), group=world)
+        dist.all_gather_object(outcomes, outcome, group=self._dist.world_group())
         errors = [o[0] for o in outcomes if o is not None and o[0] is not None]
-        if not errors and self._dist.is_main_process:
-            files: dict[str, bytes] = {}
-            for outcome in outcomes:
-                if outcome is not None:
-                    files.update(outcome[1])
-            try:
-                _merge(parts, staging, files)
-                write_peft_layout(staging, self._peft, base_model=self._base_model)
-                write_export_marker(staging)  # last: it lists every file the export wrote
-                _replace(staging, target, overwrite=overwrite)
-            except Exception as e:
-                errors.append(f"rank {self._dist.rank} (merging): {type(e).__name__}: {e}")
-        if self._dist.is_main_process:
-            shutil.rmtree(parts, ignore_errors=True)
-            shutil.rmtree(staging, ignore_errors=True)
-        verdict: list[list[str] | None] = [errors]
-        dist.broadcast_object_list(verdict, src=0, group=world)
-        if verdict[0]:
-            raise ExportError(
-                f"export to {target} failed; nothing was written there ({'; '.join(verdict[0])})"
-            )
-        return target
+        files: dict[str, bytes] = {}
+        for gathered in outcomes:
+            if gathered is not None:
+                files.update(gathered[1])
+        return errors, files
+
+    def _assemble(
+        self, parts: Path, staging: Path, target: Path, files: dict[str, bytes], *, overwrite: bool
+    ) -> list[str]:
+        """Merges the stages into ``staging`` and renames it to ``target`` (main rank): errors met."""
+        try:
+            _merge(parts, staging, files)
+            write_peft_layout(staging, self._peft, base_model=self._base_model)
+            write_export_marker(staging)  # last: it lists every file the export wrote
+            _replace(staging, target, overwrite=overwrite)
+        except Exception as e:
+            return [f"rank {self._dist.rank} (merging): {type(e).__name__}: {e}"]
+        return []
 
 
 def _merge(parts: Path, staging: Path, extra_files: dict[str, bytes]) -> None:
