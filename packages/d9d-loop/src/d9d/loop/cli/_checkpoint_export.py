@@ -5,15 +5,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch.distributed.checkpoint as dcp
 from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from d9d.loop._model_provider import ModelProvider, StagesReadyContext
-from d9d.loop._model_stage_factory import ModelStageFactory
+from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop.checkpoint._shapes import tensor_shapes
 from d9d.loop.checkpoint._train_state import ModelState
 from d9d.loop.checkpoint._weights_only_planner import WeightsOnlyLoadPlanner
@@ -128,17 +130,7 @@ def export_checkpoint(
             checkpoint, or a checkpoint that does not match the model (naming the paths and
             the first tensors).
     """
-    peft: PeftConfig = _trainer_section(
-        config, "peft", TypeAdapter(PeftConfig), config_path, default=FullFineTuningConfig()
-    )
-    initialization: InitializationConfig = _trainer_section(
-        config,
-        "initialization",
-        TypeAdapter(InitializationConfig),
-        config_path,
-        default=InitializationConfig(),
-    )
-    seed: Any = _trainer(config).get("seed", 0)
+    settings = _read_training_settings(config, config_path)
     try:
         overwrite = check_export_target(target, replace_other=replace_other)
     except ExportTargetError as e:
@@ -151,36 +143,88 @@ def export_checkpoint(
         raise CommandError(f"{config_path}: the model provider cannot be built from it: {e}") from e
     dist_context = DistributedContext(MeshParameters(), device_type="cpu")
     try:
-        factory = ModelStageFactory(
-            provider=provider,
-            dist_context=dist_context,
-            config=initialization,
-            seed=int(seed) if isinstance(seed, int) else 0,
-            peft=peft,
-        )
-        try:
-            built = factory.build(PipelineStageInfo(current_stage=0, num_stages=1))
-        except (OSError, ValueError) as e:
-            raise CommandError(f"the model of {config_path} cannot be built: {type(e).__name__}: {e}") from e
-        state = ModelState([built.model], trainable_only=isinstance(peft, LoRAConfig))
-        check_model_fit(
-            checkpoint,
-            metadata.state_dict_metadata,
-            tensor_shapes({"model": state}),
-            section="model",
-            model=str(config_path),
-        )
-        try:
-            dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=WeightsOnlyLoadPlanner())
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise CommandError(
-                f"{checkpoint} does not hold this model's state (built from {config_path}): {first}"
-            ) from e
+        built = _build_model(provider, dist_context, settings, config_path)
+        state = ModelState([built.model], trainable_only=isinstance(settings.peft, LoRAConfig))
+        _load_model_state(state, checkpoint, metadata, config_path)
         provider.stages_ready(
             StagesReadyContext(dist_context=dist_context, stages=[(built.stage, built.model)])
         )
-        exporter = ModelExporter(provider=provider, stages=[built], dist_context=dist_context, peft=peft)
+        exporter = ModelExporter(
+            provider=provider, stages=[built], dist_context=dist_context, peft=settings.peft
+        )
         return exporter.export(target, overwrite=overwrite)
     finally:
         dist_context.close()
+
+
+@dataclass(kw_only=True, frozen=True)
+class _TrainingSettings:
+    """What the training run built its model with: adapters, initialization, seed."""
+
+    peft: PeftConfig
+    initialization: InitializationConfig
+    seed: int
+
+
+def _read_training_settings(config: Mapping[str, Any], config_path: Path) -> _TrainingSettings:
+    """The config's ``trainer.peft``, ``trainer.initialization`` and ``trainer.seed`` (defaults if unset).
+
+    Raises:
+        CommandError: If a section is not valid, naming the config file.
+    """
+    peft: PeftConfig = _trainer_section(
+        config, "peft", TypeAdapter(PeftConfig), config_path, default=FullFineTuningConfig()
+    )
+    initialization: InitializationConfig = _trainer_section(
+        config,
+        "initialization",
+        TypeAdapter(InitializationConfig),
+        config_path,
+        default=InitializationConfig(),
+    )
+    seed: Any = _trainer(config).get("seed", 0)
+    return _TrainingSettings(
+        peft=peft, initialization=initialization, seed=int(seed) if isinstance(seed, int) else 0
+    )
+
+
+def _build_model(
+    provider: ModelProvider[Any],
+    dist_context: DistributedContext,
+    settings: _TrainingSettings,
+    config_path: Path,
+) -> BuiltStage[Any]:
+    """The whole model as one stage, initialized as the training run initialized it."""
+    factory = ModelStageFactory(
+        provider=provider,
+        dist_context=dist_context,
+        config=settings.initialization,
+        seed=settings.seed,
+        peft=settings.peft,
+    )
+    try:
+        return factory.build(PipelineStageInfo(current_stage=0, num_stages=1))
+    except (OSError, ValueError) as e:
+        raise CommandError(f"the model of {config_path} cannot be built: {type(e).__name__}: {e}") from e
+
+
+def _load_model_state(state: ModelState, checkpoint: Path, metadata: Metadata, config_path: Path) -> None:
+    """Loads the checkpoint's model tensors into ``state``, once they are checked to fit it.
+
+    Raises:
+        CommandError: If a tensor is missing on either side, or the load fails.
+    """
+    check_model_fit(
+        checkpoint,
+        metadata.state_dict_metadata,
+        tensor_shapes({"model": state}),
+        section="model",
+        model=str(config_path),
+    )
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=WeightsOnlyLoadPlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CommandError(
+            f"{checkpoint} does not hold this model's state (built from {config_path}): {first}"
+        ) from e
