@@ -6,6 +6,7 @@ Every op dispatches automatically (Triton for CUDA tensors, PyTorch elsewhere) a
 
 from d9d.kernels._backend import KernelBackend
 from d9d.kernels._grouped_mm import grouped_mm
+from d9d.kernels._host_state import HostStateOffload
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._rms_norm import rms_norm
@@ -20,6 +21,7 @@ from d9d.kernels._swiglu import swiglu
 
 __all__ = [
     "CrossEntropyReduction",
+    "HostStateOffload",
     "KernelBackend",
     "RopeLayout",
     "StochasticAdamW",

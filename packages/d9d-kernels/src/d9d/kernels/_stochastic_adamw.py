@@ -4,17 +4,35 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any, overload
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from d9d.kernels._backend import KernelBackend
-from d9d.kernels._stochastic_rounding import adamw_step_stochastic_multi_
+from d9d.kernels._host_state import HostStateOffload, HostStateStreamer, StreamedOperands
+from d9d.kernels._stochastic_rounding import adamw_step_stochastic_multi_, draw_seeds
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _host_zeros_like(param: torch.Tensor, dtype: torch.dtype | None, *, pin: bool) -> torch.Tensor:
+    """Zeros shaped like ``param``'s local shard in host memory; a DTensor of the same layout for one."""
+    local = _local(param)
+    host = torch.zeros(local.shape, dtype=dtype or param.dtype, device="cpu", pin_memory=pin)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            host,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return host
 
 
 class StochasticAdamW(torch.optim.Optimizer):
@@ -28,6 +46,14 @@ class StochasticAdamW(torch.optim.Optimizer):
     State per parameter: ``step`` (a CPU fp32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped
     like the parameter, of ``state_dtype`` or the parameter's dtype). DTensor parameters are updated
     through their local shards.
+
+    With ``offload``, the moments of every parameter are allocated at construction in host memory
+    (pinned when the parameters are on CUDA) and each step streams them through the device in
+    chunks: copied in, stepped by the same fused kernel, copied back, with the copies of
+    neighbouring chunks overlapping the step of the current one. The device then holds the
+    parameters, the gradients and two chunks of moments instead of all moments. The result is the
+    on-device step's, bit for bit, except for a parameter larger than a chunk, which is stepped in
+    slices: its rounding noise is then drawn per slice (the same distribution, other bits).
     """
 
     def __init__(
@@ -40,6 +66,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         *,
         state_dtype: torch.dtype | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
+        offload: HostStateOffload | None = None,
     ) -> None:
         """Creates the optimizer.
 
@@ -51,6 +78,12 @@ class StochasticAdamW(torch.optim.Optimizer):
             weight_decay: Decoupled weight decay.
             state_dtype: Dtype of the moments (bf16 or fp32); the parameter's dtype when None.
             backend: Which implementation of the step runs.
+            offload: Keep the moments in host memory and stream them through the device each step;
+                on the device when None.
+
+        Raises:
+            ValueError: A hyperparameter is out of range, or the offloaded moments need more host
+                memory than is available (checked before any is allocated).
         """
         if lr < 0.0:
             raise ValueError(f"StochasticAdamW: lr={lr} must be >= 0")
@@ -61,6 +94,28 @@ class StochasticAdamW(torch.optim.Optimizer):
         self._state_dtype = state_dtype
         self._backend = backend
         self._gradient_scale: torch.Tensor | None = None
+        self._streamer: HostStateStreamer | None = None
+        if offload is not None:
+            self._streamer = self._offload_state(offload)
+
+    def _offload_state(self, offload: HostStateOffload) -> HostStateStreamer:
+        """Allocates every parameter's moments on the host, after checking that they fit there."""
+        params: list[torch.Tensor] = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        itemsizes = {p: (self._state_dtype or p.dtype).itemsize for p in params}
+        offload.check_fits(sum(2 * p.numel() * itemsizes[p] for p in params), what="StochasticAdamW")
+        devices = {_local(p).device for p in params}
+        if len(devices) != 1:
+            raise ValueError(
+                f"StochasticAdamW(offload=...): parameters on several devices {sorted(map(str, devices))}"
+            )
+        device = devices.pop()
+        for param in params:
+            self.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": _host_zeros_like(param, self._state_dtype, pin=device.type == "cuda"),
+                "exp_avg_sq": _host_zeros_like(param, self._state_dtype, pin=device.type == "cuda"),
+            }
+        return HostStateStreamer(device=device, chunk_bytes=offload.chunk_bytes)
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -94,7 +149,6 @@ class StochasticAdamW(torch.optim.Optimizer):
 
     def _step(self, scale: torch.Tensor | None) -> None:
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             stepped = [param for param in group["params"] if param.grad is not None]
             for param in stepped:
                 state = self.state[param]
@@ -114,9 +168,74 @@ class StochasticAdamW(torch.optim.Optimizer):
                 key = (int(state["step"].item()), operands[0].device, *(t.dtype for t in operands))
                 buckets[key].append(operands)
             for key, members in buckets.items():
-                params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*members, strict=True))
-                adamw_step_stochastic_multi_(
-                    params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"], step=key[0],
-                    grad_scale=None if scale is None else scale.to(key[1]), backend=self._backend,
-                )  # fmt: skip
+                self._step_bucket(group, key, members, scale)
+
+    def _step_bucket(
+        self,
+        group: dict[str, Any],
+        key: tuple[Any, ...],
+        members: list[tuple[torch.Tensor, ...]],
+        scale: torch.Tensor | None,
+    ) -> None:
+        """One fused launch over a bucket, or one per chunk when the moments are on the host."""
+        beta1, beta2 = group["betas"]
+        grad_scale = None if scale is None else scale.to(key[1])
+
+        def run(
+            params: list[torch.Tensor],
+            grads: list[torch.Tensor],
+            exp_avgs: list[torch.Tensor],
+            exp_avg_sqs: list[torch.Tensor],
+            seeds: list[int],
+        ) -> None:
+            adamw_step_stochastic_multi_(
+                params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], step=key[0], seeds=seeds,
+                grad_scale=grad_scale, backend=self._backend,
+            )  # fmt: skip
+
+        seeds = draw_seeds(len(members))
+        if self._streamer is None:
+            params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*members, strict=True))
+            run(params, grads, exp_avgs, exp_avg_sqs, seeds)
+            return
+        self._streamer.step(
+            [
+                StreamedOperands(param=p, grad=g, exp_avg=m, exp_avg_sq=v, seed=seed)
+                for (p, g, m, v), seed in zip(members, seeds, strict=True)
+            ],
+            run,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state; offloaded moments are read once their last copies have landed."""
+        if self._streamer is not None:
+            self._streamer.wait()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state saved by ``state_dict``; offloaded moments are copied into their host buffers.
+
+        torch's loader would move every moment to its parameter's device (all of them at once, the
+        memory offloading saves); with ``offload`` the groups load through it and the moments are
+        copied here instead. A parameter the saved state does not hold starts afresh.
+        """
+        if self._streamer is None:
+            super().load_state_dict(state_dict)
+            return
+        self._streamer.wait()
+        held = dict(self.state)
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        saved_state: dict[Any, dict[str, Any]] = state_dict["state"]
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            state = held[param]
+            saved = saved_state.get(saved_id)
+            for name in ("exp_avg", "exp_avg_sq"):
+                if saved is None:
+                    _local(state[name]).zero_()
+                elif saved[name] is not state[name]:
+                    _local(state[name]).copy_(_local(saved[name]))
+            state["step"] = torch.tensor(0.0 if saved is None else float(saved["step"]))
+            self.state[param] = state

@@ -21,6 +21,11 @@ def _resolve_seed(seed: int | None) -> int:
     return int(torch.randint(0, _SEED_BOUND, ())) if seed is None else seed % _SEED_BOUND
 
 
+def draw_seeds(count: int) -> list[int]:
+    """``count`` rounding seeds from torch's CPU default generator, as the multi-tensor step draws them."""
+    return cast(list[int], torch.randint(0, _SEED_BOUND, (count,)).tolist())
+
+
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -211,11 +216,7 @@ def adamw_step_stochastic_multi_(
         _check_step_operands(f"adamw_step_stochastic_multi_ (parameter {index})", *operands, step)
     if count == 0:
         return
-    resolved: list[int] = (
-        [s % _SEED_BOUND for s in seeds]
-        if seeds is not None
-        else cast(list[int], torch.randint(0, _SEED_BOUND, (count,)).tolist())
-    )
+    resolved: list[int] = [s % _SEED_BOUND for s in seeds] if seeds is not None else draw_seeds(count)
     lists = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs))
     tensors = [t for group in lists for t in group]
     if (
