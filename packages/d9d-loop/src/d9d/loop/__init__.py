@@ -95,6 +95,7 @@ from d9d.loop.config._observability import GarbageCollectionConfig, ProfilingCon
 from d9d.loop.config._optimizer import (
     AdamConfig,
     AdamWConfig,
+    HostOffloadConfig,
     OptimizerConfig,
     SGDConfig,
     StochasticAdamWConfig,
@@ -239,6 +240,7 @@ __all__ = [
     "StepFinished",
     "StepStarted",
     "StochasticAdamWConfig",
+    "HostOffloadConfig",
     "StopOnNonFinite",
     "TaskProvider",
     "TaskProviderContext",

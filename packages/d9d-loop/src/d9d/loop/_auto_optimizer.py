@@ -26,17 +26,35 @@ def _trainable(context: OptimizerProviderContext) -> list[nn.Parameter]:
     return params
 
 
-def _stochastic_adamw_class() -> Callable[..., torch.optim.Optimizer]:
+def _kernels_name(name: str) -> Callable[..., Any]:
+    """A callable of d9d-kernels, found by name (d9d-loop does not depend on d9d-kernels)."""
     try:
         kernels = importlib.import_module("d9d.kernels")
     except ImportError as e:
         raise ValueError(
             "optimizer.name='stochastic_adamw' needs the d9d-kernels package: pip install d9d-kernels"
         ) from e
-    optimizer_class = getattr(kernels, "StochasticAdamW", None)
-    if optimizer_class is None:
-        raise ValueError("the installed d9d-kernels has no StochasticAdamW optimizer")
-    return cast(Callable[..., torch.optim.Optimizer], optimizer_class)
+    found = getattr(kernels, name, None)
+    if found is None:
+        raise ValueError(f"the installed d9d-kernels has no {name} (optimizer.name='stochastic_adamw')")
+    return cast(Callable[..., Any], found)
+
+
+def _stochastic_adamw(config: StochasticAdamWConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    options: dict[str, Any] = {}
+    if config.offload is not None:
+        # Refuses, naming the bytes, when the host cannot hold the moments (before allocating any).
+        options["offload"] = _kernels_name("HostStateOffload")(chunk_bytes=config.offload.chunk_mib * 2**20)
+    optimizer = _kernels_name("StochasticAdamW")(
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        state_dtype=getattr(torch, config.state_dtype),
+        **options,
+    )
+    return cast(torch.optim.Optimizer, optimizer)
 
 
 class AutoOptimizerProvider:
@@ -83,12 +101,4 @@ class AutoOptimizerProvider:
                     foreach=True,
                 )
             case StochasticAdamWConfig():
-                optimizer_class = _stochastic_adamw_class()
-                return optimizer_class(
-                    params,
-                    lr=config.lr,
-                    betas=config.betas,
-                    eps=config.eps,
-                    weight_decay=config.weight_decay,
-                    state_dtype=getattr(torch, config.state_dtype),
-                )
+                return _stochastic_adamw(config, params)
