@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic
 
 import torch
@@ -22,7 +23,7 @@ from d9d.loop.config._trainer import InitializationConfig
 from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters, without_adapters
 from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo
-from d9d.state_mappers import load_module_state
+from d9d.state_mappers import StateMapper, load_module_state
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,8 +101,7 @@ class ModelStageFactory(Generic[ModelT]):
         # Adapters go in on the meta device, before parallelization: the provider's parallelize
         # then shards them with their base layer (FSDP shards every parameter of a module).
         apply_peft(model, self._peft)
-        invariant = self._config.source is None and self._config.layout_invariant
-        shadow = copy.deepcopy(model) if invariant and stage.num_stages == 1 else None
+        shadow = copy.deepcopy(model) if self._layout_invariant and stage.num_stages == 1 else None
         meta_model = copy.deepcopy(model) if keep_meta_copy else None
         self._provider.parallelize_model_stage(
             ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
@@ -112,30 +112,41 @@ class ModelStageFactory(Generic[ModelT]):
         loaded = self._provider.load_model_stage(
             LoadModelStageContext(dist_context=self._dist, stage=stage, model=model)
         ).loaded
+        self._initialize(stage, model, loaded=loaded, state_mapper=result.state_mapper, shadow=shadow)
+        return BuiltStage(stage=stage, model=model, meta_model=meta_model, loaded_by_provider=loaded)
+
+    @property
+    def _layout_invariant(self) -> bool:
+        """Whether fresh values come from an unsharded model (no source checkpoint, the default)."""
+        return self._config.source is None and self._config.layout_invariant
+
+    def _initialize(
+        self,
+        stage: PipelineStageInfo,
+        model: nn.Module,
+        *,
+        loaded: bool,
+        state_mapper: StateMapper | None,
+        shadow: nn.Module | None,
+    ) -> None:
+        """Gives the stage the values its provider did not load, and its adapters their start.
+
+        From ``trainer.initialization.source`` through the provider's state mapper, else from
+        ``reset_parameters()``: on ``shadow`` (a one-stage model's unsharded copy), on the whole
+        model (a pipeline stage, layout-invariant) or on the stage itself.
+        """
+        source, invariant = self._config.source, self._layout_invariant
         if loaded:
-            if self._config.source is not None:
+            if source is not None:
                 raise ValueError(
-                    f"trainer.initialization.source={self._config.source} is set but "
+                    f"trainer.initialization.source={source} is set but "
                     f"{type(self._provider).__name__} loads the model from its own source; set only one "
                     f"(for inference from a safetensors export: build the provider from the export, "
                     f"e.g. d9d-hf's PretrainedModelConfig(source=<export dir>), and leave "
                     f"InferenceConfig.weights unset)"
                 )
-        elif self._config.source is not None:
-            if result.state_mapper is None:
-                raise ValueError(
-                    f"trainer.initialization.source is set but {type(self._provider).__name__}."
-                    f"initialize_model_stage returned no state_mapper"
-                )
-            load_module_state(
-                self._config.source,
-                # the base checkpoint has no adapters: load into the model's tensors without them
-                without_adapters(model),
-                result.state_mapper,
-                # a pipeline stage reads only its own tensors of the whole model's checkpoint
-                strict=stage.num_stages == 1,
-                show_progress=self._dist.is_main_process,
-            )
+        elif source is not None:
+            self._load_source(stage, model, source, state_mapper)
         elif shadow is not None:
             shadow.to_empty(device="cpu")
             _reset(shadow)
@@ -145,9 +156,27 @@ class ModelStageFactory(Generic[ModelT]):
             _copy_full_into(model, self._whole_model())
         else:
             _reset(model)
-        if loaded or self._config.source is not None or not invariant:
+        if loaded or source is not None or not invariant:
             reset_adapters(model)  # whatever the base weights came from, adapters start at B = 0
-        return BuiltStage(stage=stage, model=model, meta_model=meta_model, loaded_by_provider=loaded)
+
+    def _load_source(
+        self, stage: PipelineStageInfo, model: nn.Module, source: Path, state_mapper: StateMapper | None
+    ) -> None:
+        """Loads the base weights of ``trainer.initialization.source`` into the stage."""
+        if state_mapper is None:
+            raise ValueError(
+                f"trainer.initialization.source is set but {type(self._provider).__name__}."
+                f"initialize_model_stage returned no state_mapper"
+            )
+        load_module_state(
+            source,
+            # the base checkpoint has no adapters: load into the model's tensors without them
+            without_adapters(model),
+            state_mapper,
+            # a pipeline stage reads only its own tensors of the whole model's checkpoint
+            strict=stage.num_stages == 1,
+            show_progress=self._dist.is_main_process,
+        )
 
     def _whole_model(self) -> nn.Module:
         """The whole model on the host, initialized as one process initializes it (built once)."""
