@@ -8,11 +8,15 @@ peak of step 0, and the steady steps' peak allocated and reserved memory.
     python one_gpu.py --jobs lora8b full1p7b                       # d9d and the peer, 3 rounds
     python one_gpu.py --jobs lora8b --impls d9d --rounds 1 --snapshot   # where the memory goes
     python one_gpu.py --quick --device cpu --jobs lora8b --impls d9d    # a CPU smoke run
+    python one_gpu.py --jobs lora8b --impls d9d --rounds 1 --profile traces   # then step_gaps.py
 
 Jobs (seq 4096, batch 1 by default):
 
 * ``lora8b``: Qwen3-8B widths, LoRA r16 (alpha 32) on all seven projections, bf16 frozen base.
 * ``full1p7b`` / ``full4b``: Qwen3-1.7B / Qwen3-4B widths, every parameter trained.
+* ``full4b_offload``: ``full4b`` with d9d's optimizer moments in pinned host memory
+  (``optimizer.offload``); run it with ``--impls d9d`` and compare it with ``full4b`` at
+  ``--cap-gib 141`` for the cost of the offload.
 
 d9d runs its whole job (config -> TrainingConfigurator -> Trainer) with activation checkpointing,
 ``compile: true``, bf16 parameters as the master weights (``master_dtype: bfloat16``) and
@@ -29,6 +33,7 @@ four runs: use it to find where memory goes, never for timing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -83,7 +88,9 @@ JOBS: dict[str, tuple[dict[str, Any], bool]] = {
     "lora8b": (QWEN3_8B, True),
     "full1p7b": (QWEN3_1P7B, False),
     "full4b": (QWEN3_4B, False),
+    "full4b_offload": (QWEN3_4B, False),
 }
+OFFLOADED = {"full4b_offload"}  # d9d keeps the optimizer's moments in host memory (optimizer.offload)
 IMPLS = ("d9d", "hf")
 
 
@@ -160,6 +167,8 @@ def run_d9d(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "device": device.type,
         "gradient_clipping": {"max_norm": 1.0},
     }
+    if args.profile:
+        trainer["profiling"] = {"start_step": args.warmup, "steps": 2, "directory": args.profile}
     if lora:
         trainer["peft"] = {"kind": "lora", "target": "|".join(PROJECTIONS), "r": 16, "alpha": 32.0}
     config = ProjectConfig.model_validate(
@@ -170,6 +179,7 @@ def run_d9d(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 "lr": 1e-5,
                 "weight_decay": 0.0,
                 "state_dtype": "bfloat16",
+                **({"offload": {}} if args.job in OFFLOADED else {}),
             },
         }
     )
@@ -179,7 +189,7 @@ def run_d9d(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "param_dtype": "bfloat16" if device.type == "cuda" else None,
             "master_dtype": "bfloat16" if device.type == "cuda" else "float32",
             "compile": device.type == "cuda",
-            "activation_checkpointing": True,
+            "activation_checkpointing": not args.no_recompute,
         }
     )
     marks: list[float] = []
@@ -283,6 +293,7 @@ def _finish(
     result["tokens_per_s"] = (
         args.batch * args.seq * (len(timed) - 1) / seconds if seconds > 0 else float("nan")
     )
+    result["step_s"] = [round(b - a, 4) for a, b in itertools.pairwise(marks)]
     result["step0_peak_gib"] = per_step[0]["peak_gib"]
     steady = per_step[args.warmup :] or per_step
     result["steady_peak_gib"] = max(s["peak_gib"] for s in steady)
@@ -295,6 +306,8 @@ def run_one(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     _cap(args, device)
     result = run_d9d(args, device) if args.impl == "d9d" else run_hf(args, device)
+    if device.type == "cuda":  # cache flushes and retries mean the cap forced frees mid-step
+        result["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -303,6 +316,7 @@ def _child(args: argparse.Namespace, job: str, impl: str) -> dict[str, Any]:
     command += ["--seq", str(args.seq), "--batch", str(args.batch), "--cap-gib", str(args.cap_gib)]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--quick"] * args.quick + ["--snapshot"] * args.snapshot
+    command += ["--no-recompute"] * args.no_recompute + (["--profile", args.profile] if args.profile else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
@@ -362,6 +376,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--snapshot", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--profile", help="d9d only: write a Chrome trace of the first two timed steps here")
+    parser.add_argument("--no-recompute", action="store_true", help="d9d only: no activation checkpointing")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args()
     if args.quick:
