@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 _TRUSTED = (
     "A DCP checkpoint is trusted input: its .metadata is a Python pickle that torch reads, and "
@@ -70,7 +71,31 @@ def _parser() -> argparse.ArgumentParser:
         "(default: d9d.hf:provider_from_config, from the config's model section)",
     )
     export.add_argument("--force", action="store_true", help="replace OUT_DIR even if it is not a d9d export")
+    _add_estimate(commands)
     return parser
+
+
+def _add_estimate(commands: Any) -> None:
+    estimate = commands.add_parser(
+        "estimate",
+        help="predict each rank's peak device memory from a config (reads config.json, no weights)",
+        description="Predicts each pipeline rank's peak device memory from the config: weights, "
+        "gradients, optimizer state, compute copies, saved activations, the layer in backward, the "
+        "LM head and loss, and the allocator's slack. Against a device (--device-memory, else this "
+        "machine's first GPU) a job that does not fit exits with status 2, saying by how much and "
+        "which switch would make it fit.",
+    )
+    estimate.add_argument("config", type=Path, help="the job's YAML config (model, trainer, optimizer)")
+    estimate.add_argument("--device-memory", type=float, default=None, metavar="GIB", help="device GiB")
+    estimate.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per row (default: dataset.sequence_length)"
+    )
+    estimate.add_argument(
+        "--provider",
+        default=None,
+        help="module:function building your ModelProvider from the config mapping "
+        "(default: d9d.hf:provider_from_config)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 from torch import nn
 
 from d9d.loop._rank_stages import RankStagesContext
+from d9d.loop.estimate._describe import DescribeMemoryContext, DescribeMemoryResult
 from d9d.loop.observability._flops import EstimateFlopsContext, EstimateFlopsResult
 from d9d.mesh import DistributedContext
 from d9d.pipeline import PipelineStageInfo
@@ -185,6 +186,16 @@ class ModelProvider(ABC, Generic[ModelT]):
         """
         del context
         return EstimateFlopsResult()
+
+    def describe_memory(self, context: DescribeMemoryContext) -> DescribeMemoryResult:
+        """States the model's shape for the memory estimate (``d9d estimate``, the configure-time
+        check); unknown by default, and then nothing is estimated.
+
+        Called before any process group exists or any weight is read: read the model's config,
+        never its weights.
+        """
+        del context
+        return DescribeMemoryResult()
 
     def stages_ready(self, context: StagesReadyContext[ModelT]) -> StagesReadyResult:
         """Runs once, on every rank, after all of the rank's stages are built and initialized.

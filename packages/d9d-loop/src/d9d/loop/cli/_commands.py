@@ -74,6 +74,14 @@ def _export(args: argparse.Namespace) -> str:
     return f"exported {checkpoint} to {target}"
 
 
+def _estimate(args: argparse.Namespace) -> str:
+    config = read_yaml_mapping(args.config)
+    from d9d.loop.cli._estimate import estimate_command, read_memory_job
+
+    job = read_memory_job(config, args.config, seq_len=args.seq_len, provider=args.provider)
+    return estimate_command(job, device_gib=args.device_memory)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Runs the parsed subcommand; returns 0, or 2 on bad input (one line on stderr names the file)."""
     command: str = args.command
@@ -87,6 +95,8 @@ def run_command(args: argparse.Namespace) -> int:
                 message = _inspect(args)
             case "export":
                 message = _export(args)
+            case "estimate":
+                message = _estimate(args)
             case _:
                 raise CommandError(f"unknown command {command}")
     except CommandError as e:

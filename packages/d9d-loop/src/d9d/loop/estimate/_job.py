@@ -1,0 +1,77 @@
+"""A job's settings that its device memory follows, gathered from the config's sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from d9d.loop.config._optimizer import OptimizerConfig
+from d9d.loop.estimate._shape import ModelMemoryShape
+from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.mesh import MeshParameters
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerMemory:
+    """What the optimizer keeps per trained parameter.
+
+    Attributes:
+        state_bytes: Bytes of state per trained element (AdamW: two moments).
+        offloaded: The state lives in host memory (none of it on the device).
+    """
+
+    state_bytes: int
+    offloaded: bool = False
+
+
+def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> OptimizerMemory:
+    """The state of the configured optimizer; torch's optimizers keep it in the parameters' dtype.
+
+    Args:
+        config: The ``optimizer`` section.
+        storage_bytes: Bytes per element of the stored (master) parameters.
+    """
+    match config.name:
+        case "adamw" | "adam":
+            return OptimizerMemory(state_bytes=2 * storage_bytes)
+        case "sgd":
+            return OptimizerMemory(state_bytes=storage_bytes if config.momentum > 0 else 0)
+        case "stochastic_adamw":
+            return OptimizerMemory(state_bytes=2 * _DTYPE_BYTES[config.state_dtype])
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryJob:
+    """Everything the estimate reads: the model's shape and the run's settings.
+
+    Attributes:
+        model: The provider's statement of the model.
+        mesh: The parallelism degrees.
+        sequence_length: Tokens per row.
+        microbatch_size: Rows per microbatch (one forward and backward).
+        microbatches_per_step: Microbatches per optimizer step and data-parallel rank.
+        peft: Full fine-tuning or LoRA adapters on a frozen base.
+        optimizer: The optimizer's state per trained element.
+        frozen_bits: Bits per element of the LoRA-adapted base weights when they are stored
+            quantized (an NF4 base: 4 plus its block scales, 4.5 at blocks of 64); None: stored
+            like the rest (``storage_bytes``). Embeddings, norms and the head stay as they are.
+    """
+
+    model: ModelMemoryShape
+    mesh: MeshParameters = field(default_factory=MeshParameters)
+    sequence_length: int
+    microbatch_size: int = 1
+    microbatches_per_step: int = 1
+    peft: PeftConfig = field(default_factory=FullFineTuningConfig)
+    optimizer: OptimizerMemory
+    frozen_bits: float | None = None
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA settings, or None under full fine-tuning."""
+        match self.peft:
+            case LoRAConfig():
+                return self.peft
+            case FullFineTuningConfig():
+                return None
