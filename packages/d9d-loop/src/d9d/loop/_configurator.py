@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.loop._batch_layout import BatchLayout
 from d9d.loop._events import ConfigReady, EventBus, ModelReady
-from d9d.loop._model_provider import ModelProvider, StagesReadyContext
+from d9d.loop._model_provider import ModelProvider, StagesReadyContext, StagesReadyResult
 from d9d.loop._model_stage_factory import BuiltStage, ModelStageFactory
 from d9d.loop._providers import (
     BatchSource,
@@ -180,13 +180,8 @@ class TrainingConfigurator:
     ) -> Trainer:
         config, layout = self._config, self._layout
         program = self._build_program()
-        stages = self._build_stages(dist_context, program)
+        stages, ready = self._build_model(dist_context, program)
         models = [s.model for s in stages]
-        # Collective on every rank: e.g. a fresh tied head takes the first stage's embedding.
-        ready = self._model_provider.stages_ready(
-            StagesReadyContext(dist_context=dist_context, stages=[(s.stage, s.model) for s in stages])
-        )
-        self._events.publish(ModelReady(model_stages=tuple(models)))
         batches = self._build_data(dist_context)
         total_steps = config.max_steps or (config.epochs or 1) * batches.steps_per_epoch
         task = _task_of(self._task_provider, TaskProviderContext(dist_context=dist_context))
@@ -201,14 +196,7 @@ class TrainingConfigurator:
             total_steps=total_steps,
         )
         optimizer, lr_scheduler = self._build_optimization(dist_context, models, total_steps)
-        gradients = GradientManager(
-            stages=models,
-            data_parallel_size=layout.data_parallel_size,
-            bucket_size_mb=config.gradient_bucket_size_mb,
-            clipping=config.gradient_clipping,
-            pp_group=dist_context.pipeline_group() if program is not None else None,
-            norm_duplicates=ready.norm_duplicates,
-        )
+        gradients = self._build_gradients(dist_context, program, models, ready)
         return Trainer(
             TrainerParts(
                 dist_context=dist_context,
@@ -227,15 +215,7 @@ class TrainingConfigurator:
                 train_metrics=wired.train_metrics,
                 evaluator=wired.evaluator,
                 checkpointer=self._build_checkpointer(dist_context, models, optimizer, lock),
-                exporter=ModelExporter(
-                    provider=self._model_provider,
-                    stages=stages,
-                    dist_context=dist_context,
-                    peft=config.peft,
-                    base_model=None
-                    if config.initialization.source is None
-                    else str(config.initialization.source),
-                ),
+                exporter=self._build_exporter(dist_context, stages),
                 tracker=self._build_tracker(dist_context),
                 instruments=build_run_instruments(
                     config, dist_context=dist_context, provider=self._model_provider, stages=stages
@@ -296,6 +276,18 @@ class TrainingConfigurator:
         )
         return [factory.build(info, keep_meta_copy=program is not None) for info in infos]
 
+    def _build_model(
+        self, dist_context: DistributedContext, program: PipelineProgram | None
+    ) -> tuple[list[BuiltStage[Any]], StagesReadyResult]:
+        """This rank's stages, once every rank's are built and ready (collective), announced."""
+        stages = self._build_stages(dist_context, program)
+        # Collective on every rank: e.g. a fresh tied head takes the first stage's embedding.
+        ready = self._model_provider.stages_ready(
+            StagesReadyContext(dist_context=dist_context, stages=[(s.stage, s.model) for s in stages])
+        )
+        self._events.publish(ModelReady(model_stages=tuple(s.model for s in stages)))
+        return stages, ready
+
     def _build_data(self, dist_context: DistributedContext) -> BatchSource[Any]:
         layout = self._layout
         return self._data_provider.build(
@@ -320,6 +312,23 @@ class TrainingConfigurator:
             )
         )
         return optimizer, lr_scheduler
+
+    def _build_gradients(
+        self,
+        dist_context: DistributedContext,
+        program: PipelineProgram | None,
+        models: Sequence[nn.Module],
+        ready: StagesReadyResult,
+    ) -> GradientManager:
+        config = self._config
+        return GradientManager(
+            stages=models,
+            data_parallel_size=self._layout.data_parallel_size,
+            bucket_size_mb=config.gradient_bucket_size_mb,
+            clipping=config.gradient_clipping,
+            pp_group=dist_context.pipeline_group() if program is not None else None,
+            norm_duplicates=ready.norm_duplicates,
+        )
 
     def _build_step_runner(
         self,
@@ -364,6 +373,18 @@ class TrainingConfigurator:
             dist_context=dist_context,
             expected_bytes=estimate_checkpoint_bytes(models, optimizer),
             lock=lock,
+        )
+
+    def _build_exporter(
+        self, dist_context: DistributedContext, stages: Sequence[BuiltStage[Any]]
+    ) -> ModelExporter:
+        source = self._config.initialization.source
+        return ModelExporter(
+            provider=self._model_provider,
+            stages=stages,
+            dist_context=dist_context,
+            peft=self._config.peft,
+            base_model=None if source is None else str(source),
         )
 
     def _build_tracker(self, dist_context: DistributedContext) -> Tracker:
