@@ -37,6 +37,7 @@ from d9d.hf._head import HeadName
 from d9d.hf._head_config import CausalLMHeadConfig, head_specs
 from d9d.hf._hub import resolve_snapshot
 from d9d.hf._master_dtype import cast_parameters_
+from d9d.hf._memory_shape import family_config, memory_shape
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
 from d9d.hf._tokenizer_files import tokenizer_files
@@ -54,6 +55,7 @@ from d9d.loop import (
     StagesReadyContext,
     StagesReadyResult,
 )
+from d9d.loop.estimate import DescribeMemoryContext, DescribeMemoryResult
 from d9d.mesh import DistributedContext
 from d9d.parallel import precompute_float8_scales
 from d9d.pipeline import layers_of_stage
@@ -233,6 +235,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
+
+    def describe_memory(self, context: DescribeMemoryContext) -> DescribeMemoryResult:
+        """The model's shape from config.json alone (a Hub source fetches that file, no weights)."""
+        del context
+        return DescribeMemoryResult(shape=memory_shape(self._config, family_config(self._config)))
 
     def stages_ready(self, context: StagesReadyContext[DecoderModelBase]) -> StagesReadyResult:
         """Under PP with tied embeddings: copies the first stage's embedding to the last stage."""
