@@ -178,3 +178,29 @@ def test_best_so_far_and_the_training_metrics_window_survive_a_resume(tmp_path: 
     # Step 5 closes the logging window of steps 1..5, which straddles the resume.
     for name in ("accuracy", "auroc", "f1/f1", "loss"):
         assert resumed[5][name] == straight[5][name], name
+
+
+def _saved_with_evaluation(directory: str, read_figures: str) -> list[str]:
+    trainer_section: dict[str, Any] = {
+        "max_steps": 6,
+        # Only steps 0 and 5 log the training metrics: the others are read late when they may be.
+        "logging": {"progress_bar": False, "every_steps": 100, "read_figures": read_figures},
+        # "min" on a falling loss: every evaluation (after steps 2, 4, 6) is a new best and is saved.
+        "evaluation": {"every_steps": 2, "best": {"metric": "eval/loss", "mode": "min"}},
+        "checkpoint": {"directory": directory, "every_steps": 100, "keep_last": 10},
+    }
+    torch.manual_seed(0)
+    trainer = build_classifier_trainer(classification_config(trainer=trainer_section))
+    trainer.train()
+    trainer.close()
+    return sorted(p.name for p in Path(directory).iterdir() if p.name.startswith("step_"))
+
+
+def test_a_best_evaluation_saves_once_when_figures_are_read_during_the_next_step(tmp_path: Path) -> None:
+    saved = {
+        mode: run_distributed(_saved_with_evaluation, str(tmp_path / mode), mode, world_size=1)[0]
+        for mode in ("after_step", "during_next_step")
+    }
+    assert saved["after_step"] == ["step_000000002", "step_000000004", "step_000000006"]
+    # The step after a best evaluation is read late and evaluates nothing: it saves nothing either.
+    assert saved["during_next_step"] == saved["after_step"]
