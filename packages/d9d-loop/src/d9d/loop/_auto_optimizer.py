@@ -17,6 +17,7 @@ from d9d.loop.config._optimizer import (
     SGDConfig,
     StochasticAdamWConfig,
 )
+from d9d.loop.estimate._job import OptimizerMemory, optimizer_memory
 
 
 def _trainable(context: OptimizerProviderContext) -> list[nn.Parameter]:
@@ -66,6 +67,10 @@ class AutoOptimizerProvider:
 
     def __init__(self, config: OptimizerConfig) -> None:
         self._config = config
+
+    def optimizer_memory(self, *, storage_bytes: int) -> OptimizerMemory:
+        """What the optimizer keeps per trained element (for the memory estimate)."""
+        return optimizer_memory(self._config, storage_bytes=storage_bytes)
 
     def build(self, context: OptimizerProviderContext) -> torch.optim.Optimizer:
         params = _trainable(context)

@@ -34,6 +34,8 @@ from d9d.loop.config._rank_agreement import check_ranks_agree
 from d9d.loop.config._trainer import TrainerConfig
 from d9d.loop.data._auto_data import AutoDataProvider
 from d9d.loop.data._evaluation_data import EvaluationData
+from d9d.loop.estimate import device_budget_bytes
+from d9d.loop.estimate._configure import check_memory_at_configure
 from d9d.loop.evaluation._wiring import wire_metrics
 from d9d.loop.export._exporter import ModelExporter
 from d9d.loop.observability._run_instruments import build_run_instruments
@@ -180,6 +182,15 @@ class TrainingConfigurator:
     ) -> Trainer:
         config, layout = self._config, self._layout
         program = self._build_program()
+        check_memory_at_configure(  # before any weight loads
+            model=self._model_provider,
+            data=self._data_provider,
+            optimizer=self._optimizer_provider,
+            trainer=config,
+            mesh=self._mesh,
+            budget_bytes=device_budget_bytes(dist_context.device),
+            logger=dist_context.logger,
+        )
         stages, ready = self._build_model(dist_context, program)
         models = [s.model for s in stages]
         batches = self._build_data(dist_context)

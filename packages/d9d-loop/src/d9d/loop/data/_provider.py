@@ -81,6 +81,11 @@ class TokenDataProvider(Generic[BatchT]):
         self.held_out: list[TokenRow] = []
         self._encoder: SampleEncoder | None = None
 
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per row (``dataset.sequence_length``); the memory estimate reads it."""
+        return self._config.sequence_length
+
     def encoder(self, dist_context: DistributedContext) -> SampleEncoder:
         """The encoder (built once)."""
         if self._encoder is None:

@@ -93,7 +93,9 @@ def _static(job: MemoryJob, params: RankParameters) -> dict[str, int]:
     return {
         "weights, frozen": plain + math.ceil(params.quantizable * bits / 8),
         "weights, trained": params.trained * model.storage_bytes,
-        "optimizer state": 0 if optimizer.offloaded else params.trained * optimizer.state_bytes,
+        "optimizer state": optimizer.staging_bytes
+        if optimizer.offloaded
+        else params.trained * optimizer.state_bytes,
     }
 
 

@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import replace
 
+from d9d.loop.config._optimizer import HostOffloadConfig
 from d9d.loop.estimate._estimate import estimate_memory
 from d9d.loop.estimate._job import MemoryJob
 from d9d.loop.estimate._report import GIB, largest
@@ -13,6 +14,7 @@ from d9d.loop.peft import LoRAConfig
 
 _FSDP_DEGREES = (2, 4, 8, 16, 32, 64)
 _SHORTEST_SEQUENCE = 256
+_DEFAULT_CHUNK = HostOffloadConfig().chunk_mib << 20
 
 
 class MemoryFitError(ValueError):
@@ -39,8 +41,9 @@ def _single_switches(job: MemoryJob) -> Iterable[tuple[str, MemoryJob]]:
         lora = LoRAConfig(target=_every_layer_linear(job), r=16, alpha=32.0)
         yield "LoRA r16 on every decoder linear (trainer.peft: {kind: lora, ...})", replace(job, peft=lora)
     if not job.optimizer.offloaded and job.optimizer.state_bytes > 0:
-        offloaded = replace(job.optimizer, offloaded=True)
-        yield "the optimizer state offloaded to host memory", replace(job, optimizer=offloaded)
+        offloaded = replace(job.optimizer, offloaded=True, staging_bytes=2 * _DEFAULT_CHUNK)
+        switch = "the moments in host memory (optimizer: {name: stochastic_adamw, offload: {}})"
+        yield switch, replace(job, optimizer=offloaded)
     if job.microbatch_size > 1:
         more = job.microbatches_per_step * job.microbatch_size
         smaller = replace(job, microbatch_size=1, microbatches_per_step=more)

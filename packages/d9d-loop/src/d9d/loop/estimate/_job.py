@@ -18,11 +18,13 @@ class OptimizerMemory:
 
     Attributes:
         state_bytes: Bytes of state per trained element (AdamW: two moments).
-        offloaded: The state lives in host memory (none of it on the device).
+        offloaded: The state lives in host memory; the device holds only ``staging_bytes``.
+        staging_bytes: Device bytes of the offloaded state's staging chunks (two in flight).
     """
 
     state_bytes: int
     offloaded: bool = False
+    staging_bytes: int = 0
 
 
 def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> OptimizerMemory:
@@ -38,7 +40,11 @@ def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> Optimize
         case "sgd":
             return OptimizerMemory(state_bytes=storage_bytes if config.momentum > 0 else 0)
         case "stochastic_adamw":
-            return OptimizerMemory(state_bytes=2 * _DTYPE_BYTES[config.state_dtype])
+            state = 2 * _DTYPE_BYTES[config.state_dtype]
+            if config.offload is None:
+                return OptimizerMemory(state_bytes=state)
+            staging = 2 * config.offload.chunk_mib << 20
+            return OptimizerMemory(state_bytes=state, offloaded=True, staging_bytes=staging)
 
 
 @dataclass(kw_only=True, frozen=True)
