@@ -182,15 +182,7 @@ class TrainingConfigurator:
     ) -> Trainer:
         config, layout = self._config, self._layout
         program = self._build_program()
-        check_memory_at_configure(  # before any weight loads
-            model=self._model_provider,
-            data=self._data_provider,
-            optimizer=self._optimizer_provider,
-            trainer=config,
-            mesh=self._mesh,
-            budget_bytes=device_budget_bytes(dist_context.device),
-            logger=dist_context.logger,
-        )
+        self._check_memory(dist_context)  # before any weight loads
         stages, ready = self._build_model(dist_context, program)
         models = [s.model for s in stages]
         batches = self._build_data(dist_context)
@@ -286,6 +278,18 @@ class TrainingConfigurator:
             peft=self._config.peft,
         )
         return [factory.build(info, keep_meta_copy=program is not None) for info in infos]
+
+    def _check_memory(self, dist_context: DistributedContext) -> None:
+        """Logs the memory estimate; refuses a job over the device (``d9d.loop.estimate``)."""
+        check_memory_at_configure(
+            model=self._model_provider,
+            data=self._data_provider,
+            optimizer=self._optimizer_provider,
+            trainer=self._config,
+            mesh=self._mesh,
+            budget_bytes=device_budget_bytes(dist_context.device),
+            logger=dist_context.logger,
+        )
 
     def _build_model(
         self, dist_context: DistributedContext, program: PipelineProgram | None
