@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d9d.loop.observability._device_memory import DeviceMemory
+from d9d.loop.observability._device_memory import AllocatorStats, DeviceMemory
 from d9d.loop.observability._flops import FlopsBudget
 from d9d.loop.observability._step_timing import StepPhase, StepTimer, StepTimes
 from d9d.loop.observability._throughput import SmoothedThroughput
@@ -46,6 +46,7 @@ class StepMetrics:
         device: torch.device | None = None,
         flops: FlopsBudget | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        allocator: AllocatorStats | None = None,
     ) -> None:
         """Sets up the timer, the throughput window and the memory reader.
 
@@ -54,15 +55,18 @@ class StepMetrics:
             device: Whose memory figures to read (None: none).
             flops: Turns tokens per second into MFU (None: no MFU).
             clock: Seconds of a monotonic host clock (replaceable in tests).
+            allocator: The device allocator's counters (None: ``torch.cuda``'s).
         """
         self._timer = StepTimer(clock)
         self._throughput = SmoothedThroughput(window)
-        self._memory = DeviceMemory(device) if device is not None else None
+        self._memory = DeviceMemory(device, allocator) if device is not None else None
         self._flops = flops
 
     def start(self) -> None:
-        """Marks the start of a step."""
+        """Marks the start of a step (before the first: the memory peak starts anew)."""
         self._timer.start()
+        if self._memory is not None:
+            self._memory.step_started()
 
     def lap(self, phase: StepPhase) -> None:
         """Marks the end of ``phase`` of the current step."""
