@@ -7,6 +7,8 @@ chunk, stepped there and copied back (the stream-less fallback of the CUDA path)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,35 +54,47 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "state_dtype", "chunk_bytes"),
+    ("dtype", "state_dtype", "chunk_bytes", "resident_bytes"),
     [
         # bf16 parameters and moments, stochastic rounding everywhere; several parameters per chunk
-        (torch.bfloat16, torch.bfloat16, 200),
+        (torch.bfloat16, torch.bfloat16, 200, 0),
         # bf16 parameters, fp32 moments; one chunk per parameter
-        (torch.bfloat16, torch.float32, 384),
+        (torch.bfloat16, torch.float32, 384, 0),
         # fp32 throughout (no rounding noise): parameters larger than a chunk are stepped in slices
-        (torch.float32, torch.float32, 64),
+        (torch.float32, torch.float32, 64, 0),
+        # the first parameter's moments (192 bytes) stay on the device, the others stream
+        (torch.bfloat16, torch.bfloat16, 100, 200),
     ],
 )
 @pytest.mark.parametrize(("clip", "microbatches"), [(False, 1), (True, 3)])
 @pytest.mark.parametrize("device", _DEVICES)
 def test_offloaded_step_equals_on_device_step(
-    dtype: torch.dtype, state_dtype: torch.dtype, chunk_bytes: int, clip: bool, microbatches: int, device: str
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    chunk_bytes: int,
+    resident_bytes: int,
+    clip: bool,
+    microbatches: int,
+    device: str,
 ) -> None:
     on_device, offloaded = _params(dtype, device), _params(dtype, device)
     backend = KernelBackend.REFERENCE if device == "cpu" else KernelBackend.AUTO
     kwargs = {"lr": 0.05, "weight_decay": 0.1, "state_dtype": state_dtype, "backend": backend}
     reference = StochasticAdamW(on_device, **kwargs)
-    streamed = StochasticAdamW(offloaded, offload=HostStateOffload(chunk_bytes=chunk_bytes), **kwargs)
+    offload = HostStateOffload(chunk_bytes=chunk_bytes, resident_bytes=resident_bytes)
+    streamed = StochasticAdamW(offloaded, offload=offload, **kwargs)
     for optimizer, params in ((reference, on_device), (streamed, offloaded)):
         _run(params, optimizer, steps=4, clip=clip, microbatches=microbatches)
-    for ours, theirs in zip(offloaded, on_device, strict=True):
+    for index, (ours, theirs) in enumerate(zip(offloaded, on_device, strict=True)):
         assert torch.equal(ours, theirs)
         for name in ("exp_avg", "exp_avg_sq"):
-            host = streamed.state[ours][name]
-            assert host.device.type == "cpu" and host.is_pinned() == (device == "cuda")
-            assert torch.equal(host, reference.state[theirs][name].cpu())
-            assert host.dtype == state_dtype
+            moment = streamed.state[ours][name]
+            if index == 0 and resident_bytes:
+                assert moment.device == ours.device
+            else:
+                assert moment.device.type == "cpu" and moment.is_pinned() == (device == "cuda")
+            assert torch.equal(moment.cpu(), reference.state[theirs][name].cpu())
+            assert moment.dtype == state_dtype
         assert float(streamed.state[ours]["step"]) == float(reference.state[theirs]["step"]) == 4.0
 
 
@@ -119,6 +133,16 @@ def test_offload_without_enough_host_memory_is_refused_before_allocating() -> No
     assert "pinned host memory" in str(raised.value)
 
 
-def test_chunk_bytes_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="chunk_bytes=0"):
-        HostStateOffload(chunk_bytes=0)
+def test_resident_moments_are_left_out_of_the_host_memory_check() -> None:
+    params = [torch.nn.Parameter(torch.zeros(1024, dtype=torch.bfloat16)) for _ in range(2)]
+    # 8 KiB of fp32 moments per parameter: the first stays on the device, the host holds the second
+    offload = HostStateOffload(resident_bytes=8192, available_host_bytes=lambda: 8192)
+    StochasticAdamW(params, state_dtype=torch.float32, offload=offload)
+    with pytest.raises(ValueError, match=r"needs 0\.00 GiB \(16384 bytes\)"):
+        StochasticAdamW(params, state_dtype=torch.float32, offload=replace(offload, resident_bytes=0))
+
+
+@pytest.mark.parametrize("wrong", [{"chunk_bytes": 0}, {"resident_bytes": -1}])
+def test_sizes_out_of_range_are_refused(wrong: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=f"{next(iter(wrong))}="):
+        HostStateOffload(**wrong)

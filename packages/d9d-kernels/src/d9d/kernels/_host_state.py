@@ -36,16 +36,21 @@ class HostStateOffload:
         chunk_bytes: Moment bytes per chunk. Two chunks are on the device at a time (one being
             stepped while the next arrives and the previous leaves), so the device holds about
             ``2 * chunk_bytes`` for the step. A parameter larger than a chunk is stepped in slices.
+        resident_bytes: Moment bytes that stay on the device (those of the first parameters that
+            fit), so that a device with memory to spare copies less at each step.
         available_host_bytes: How much host memory is free (``/proc/meminfo`` by default); the
             optimizer refuses to start when the moments need more.
     """
 
     chunk_bytes: int = 512 * 2**20
+    resident_bytes: int = 0
     available_host_bytes: Callable[[], int] = field(default=available_host_memory)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
             raise ValueError(f"HostStateOffload: chunk_bytes={self.chunk_bytes} must be > 0")
+        if self.resident_bytes < 0:
+            raise ValueError(f"HostStateOffload: resident_bytes={self.resident_bytes} must be >= 0")
 
     def check_fits(self, needed_bytes: int, *, what: str) -> None:
         """Refuses ``needed_bytes`` of host state that the host cannot hold, before any is allocated.

@@ -48,7 +48,8 @@ class StochasticAdamW(torch.optim.Optimizer):
     through their local shards.
 
     With ``offload``, the moments of every parameter are allocated at construction in host memory
-    (pinned when the parameters are on CUDA) and each step streams them through the device in
+    (pinned when the parameters are on CUDA; those of the first parameters up to
+    ``offload.resident_bytes`` stay on the device) and each step streams them through the device in
     chunks: copied in, stepped by the same fused kernel, copied back, with the copies of
     neighbouring chunks overlapping the step of the current one. The device then holds the
     parameters, the gradients and two chunks of moments instead of all moments. The result is the
@@ -95,26 +96,38 @@ class StochasticAdamW(torch.optim.Optimizer):
         self._backend = backend
         self._gradient_scale: torch.Tensor | None = None
         self._streamer: HostStateStreamer | None = None
+        self._resident: set[int] = set()  # ids of the parameters whose offloaded moments stay on the device
         if offload is not None:
             self._streamer = self._offload_state(offload)
 
     def _offload_state(self, offload: HostStateOffload) -> HostStateStreamer:
-        """Allocates every parameter's moments on the host, after checking that they fit there."""
+        """Allocates the moments: the first ``resident_bytes`` on the device, the rest on the host.
+
+        The host part is checked against the host's free memory before any of it is allocated.
+        """
         params: list[torch.Tensor] = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        itemsizes = {p: (self._state_dtype or p.dtype).itemsize for p in params}
-        offload.check_fits(sum(2 * p.numel() * itemsizes[p] for p in params), what="StochasticAdamW")
         devices = {_local(p).device for p in params}
         if len(devices) != 1:
             raise ValueError(
                 f"StochasticAdamW(offload=...): parameters on several devices {sorted(map(str, devices))}"
             )
         device = devices.pop()
-        for param in params:
-            self.state[param] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": _host_zeros_like(param, self._state_dtype, pin=device.type == "cuda"),
-                "exp_avg_sq": _host_zeros_like(param, self._state_dtype, pin=device.type == "cuda"),
-            }
+        sizes = [2 * _local(p).numel() * (self._state_dtype or p.dtype).itemsize for p in params]
+        resident, kept = [False] * len(params), 0
+        for index, size in enumerate(sizes):
+            if kept + size <= offload.resident_bytes:
+                resident[index], kept = True, kept + size
+        offload.check_fits(sum(sizes) - kept, what="StochasticAdamW")
+        for param, on_device in zip(params, resident, strict=True):
+            moments = [
+                torch.zeros_like(param, dtype=self._state_dtype or param.dtype)
+                if on_device
+                else _host_zeros_like(param, self._state_dtype, pin=device.type == "cuda")
+                for _ in range(2)
+            ]
+            if on_device:
+                self._resident.add(id(param))
+            self.state[param] = {"step": torch.tensor(0.0), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
         return HostStateStreamer(device=device, chunk_bytes=offload.chunk_bytes)
 
     @overload
@@ -160,6 +173,7 @@ class StochasticAdamW(torch.optim.Optimizer):
                 state["step"] += 1
             # One launch per (step, device, dtypes): parameters that missed steps lag behind.
             buckets: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = defaultdict(list)
+            resident: dict[tuple[Any, ...], list[bool]] = defaultdict(list)
             for param in stepped:
                 state = self.state[param]
                 operands = tuple(
@@ -167,14 +181,16 @@ class StochasticAdamW(torch.optim.Optimizer):
                 )
                 key = (int(state["step"].item()), operands[0].device, *(t.dtype for t in operands))
                 buckets[key].append(operands)
+                resident[key].append(id(param) in self._resident)
             for key, members in buckets.items():
-                self._step_bucket(group, key, members, scale)
+                self._step_bucket(group, key, members, resident[key], scale)
 
     def _step_bucket(
         self,
         group: dict[str, Any],
         key: tuple[Any, ...],
         members: list[tuple[torch.Tensor, ...]],
+        resident: list[bool],
         scale: torch.Tensor | None,
     ) -> None:
         """One fused launch over a bucket, or one per chunk when the moments are on the host."""
@@ -199,10 +215,22 @@ class StochasticAdamW(torch.optim.Optimizer):
             params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*members, strict=True))
             run(params, grads, exp_avgs, exp_avg_sqs, seeds)
             return
+        # The resident moments step first, while the first streamed chunk is being copied in.
+        on_device = [member for member, kept in zip(members, resident, strict=True) if kept]
+        if on_device:
+            params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*on_device, strict=True))
+            run(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [s for s, kept in zip(seeds, resident, strict=True) if kept],
+            )
         self._streamer.step(
             [
                 StreamedOperands(param=p, grad=g, exp_avg=m, exp_avg_sq=v, seed=seed)
-                for (p, g, m, v), seed in zip(members, seeds, strict=True)
+                for (p, g, m, v), seed, kept in zip(members, seeds, resident, strict=True)
+                if not kept
             ],
             run,
         )
