@@ -70,7 +70,7 @@ def test_an_offloaded_run_resumes_from_its_checkpoint_as_if_uninterrupted(tmp_pa
 
 def test_offload_is_a_section_of_stochastic_adamw_only() -> None:
     config = StochasticAdamWConfig.model_validate({"offload": {}})
-    assert config.offload == HostOffloadConfig(chunk_mib=512)
+    assert config.offload == HostOffloadConfig(chunk_mib=512, resident_mib=0)
     with pytest.raises(ValueError, match="offload"):
         toy_config(optimizer={"name": "adamw", "offload": {}})
     with pytest.raises(ValueError, match="chunk_mib"):

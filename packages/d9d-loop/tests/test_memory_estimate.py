@@ -129,6 +129,14 @@ def test_offloaded_moments_leave_two_staging_chunks_on_the_device() -> None:
     assert rank.components["optimizer state"] == 2 << 20
 
 
+def test_moments_kept_on_the_device_by_resident_mib_count_as_device_memory() -> None:
+    offload = HostOffloadConfig(chunk_mib=1, resident_mib=3)
+    config = StochasticAdamWConfig(state_dtype="bfloat16", offload=offload)
+    optimizer = optimizer_memory(config, storage_bytes=2)
+    (rank,) = estimate_memory(_job(optimizer=optimizer))
+    assert rank.components["optimizer state"] == 5 << 20  # two 1 MiB chunks and 3 MiB resident
+
+
 @pytest.mark.parametrize(
     ("config", "storage", "expected"),
     [

@@ -45,7 +45,9 @@ def _stochastic_adamw(config: StochasticAdamWConfig, params: list[nn.Parameter])
     options: dict[str, Any] = {}
     if config.offload is not None:
         # Refuses, naming the bytes, when the host cannot hold the moments (before allocating any).
-        options["offload"] = _kernels_name("HostStateOffload")(chunk_bytes=config.offload.chunk_mib * 2**20)
+        options["offload"] = _kernels_name("HostStateOffload")(
+            chunk_bytes=config.offload.chunk_mib * 2**20, resident_bytes=config.offload.resident_mib * 2**20
+        )
     optimizer = _kernels_name("StochasticAdamW")(
         params,
         lr=config.lr,

@@ -61,11 +61,14 @@ class HostOffloadConfig(BaseModel):
 
     Attributes:
         chunk_mib: MiB of moments per chunk; the device holds two chunks for the step.
+        resident_mib: MiB of moments (those of the first parameters that fit) that stay on the
+            device: memory the device has to spare, spent on copying less at each step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     chunk_mib: int = Field(default=512, gt=0)
+    resident_mib: int = Field(default=0, ge=0)
 
 
 class StochasticAdamWConfig(_OptimizerBase):

@@ -19,7 +19,8 @@ class OptimizerMemory:
     Attributes:
         state_bytes: Bytes of state per trained element (AdamW: two moments).
         offloaded: The state lives in host memory; the device holds only ``staging_bytes``.
-        staging_bytes: Device bytes of the offloaded state's staging chunks (two in flight).
+        staging_bytes: Device bytes of the offloaded state's staging chunks (two in flight) and
+            of the moments it keeps on the device (``resident_mib``).
     """
 
     state_bytes: int
@@ -43,7 +44,9 @@ def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> Optimize
             state = 2 * _DTYPE_BYTES[config.state_dtype]
             if config.offload is None:
                 return OptimizerMemory(state_bytes=state)
-            staging = 2 * config.offload.chunk_mib << 20
+            # two chunks in flight, and the moments kept on the device (at most: the estimate does not
+            # know here whether the model's moments fill ``resident_mib``)
+            staging = (2 * config.offload.chunk_mib + config.offload.resident_mib) << 20
             return OptimizerMemory(state_bytes=state, offloaded=True, staging_bytes=staging)
 
 
