@@ -306,8 +306,8 @@ def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
 
-def test_the_one_gpu_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/one-gpu.md points at it: it must stay a valid config of this script.
+def _shipped_yaml(monkeypatch: pytest.MonkeyPatch, name: str) -> Any:
+    """The example's config file ``name`` validated by the script's own ``FinetuneConfig``."""
     import importlib.util
     import sys
 
@@ -319,10 +319,25 @@ def test_the_one_gpu_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> N
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "finetune_train", module)  # pydantic resolves annotations there
     spec.loader.exec_module(module)
-    raw = yaml.safe_load((SCRIPT.parent / "qwen3-8b-lora-24gib.yaml").read_text())
-    config = module.FinetuneConfig.model_validate(raw)
+    return module.FinetuneConfig.model_validate(yaml.safe_load((SCRIPT.parent / name).read_text()))
+
+
+def test_the_one_gpu_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/one-gpu.md points at it: it must stay a valid config of this script.
+    config = _shipped_yaml(monkeypatch, "qwen3-8b-lora-24gib.yaml")
     assert config.model.master_dtype == "bfloat16" and config.model.activation_checkpointing
     assert config.trainer.peft.kind == "lora" and config.trainer.peft.r == 16
+
+
+def test_the_one_gpu_14b_4bit_lora_config_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/one-gpu.md points at it: a valid config of this script, with the 4-bit base on
+    from d9d.loop.peft import LoRAConfig, NF4BaseConfig
+
+    config = _shipped_yaml(monkeypatch, "qwen3-14b-qlora-24gib.yaml")
+    assert config.model.source == "Qwen/Qwen3-14B" and config.model.master_dtype == "bfloat16"
+    peft = config.trainer.peft
+    assert isinstance(peft, LoRAConfig) and peft.export == "merged"
+    assert peft.base == NF4BaseConfig(block_size=64, double_quant=True)
 
 
 def test_a_missing_template_file_stops_the_run_in_one_line_before_any_work(

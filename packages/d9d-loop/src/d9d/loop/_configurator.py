@@ -42,7 +42,7 @@ from d9d.loop.observability._run_instruments import build_run_instruments
 from d9d.loop.observability._run_metadata import run_metadata
 from d9d.loop.observability._tracker_group import build_trackers
 from d9d.loop.observability._trackers import NoTracker, Tracker
-from d9d.loop.peft import LoRAConfig
+from d9d.loop.peft import LoRAConfig, refuse_quantized_base_on_mesh
 from d9d.loop.step._gradient_manager import GradientManager
 from d9d.loop.step._nonfinite_guard import NonFiniteGuard
 from d9d.loop.step._pipelined_runner import PipelinedStepRunner, PipelineStageAdapter
@@ -98,6 +98,7 @@ class TrainingConfigurator:
         if (mesh is None) == (dist_context is None):
             raise ValueError("TrainingConfigurator needs exactly one of mesh= and dist_context=")
         self._mesh = mesh if mesh is not None else _context_mesh(dist_context)
+        refuse_quantized_base_on_mesh(self._mesh, parameters.peft)  # before any process group or weight
         self._layout = BatchLayout.of(
             self._mesh,
             global_batch_size=parameters.global_batch_size,

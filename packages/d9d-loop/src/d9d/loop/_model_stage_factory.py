@@ -20,7 +20,16 @@ from d9d.loop._model_provider import (
     ParallelizeModelStageContext,
 )
 from d9d.loop.config._trainer import InitializationConfig
-from d9d.loop.peft import FullFineTuningConfig, PeftConfig, apply_peft, reset_adapters, without_adapters
+from d9d.loop.peft import (
+    FullFineTuningConfig,
+    PeftConfig,
+    QuantizationReport,
+    apply_peft,
+    quantize_bases,
+    reset_adapters,
+    stage_bases_on_host,
+    without_adapters,
+)
 from d9d.mesh import DistributedContext, derived_seed
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import StateMapper, load_module_state
@@ -106,13 +115,14 @@ class ModelStageFactory(Generic[ModelT]):
         self._provider.parallelize_model_stage(
             ParallelizeModelStageContext(dist_context=self._dist, stage=stage, model=model)
         )
-        model.to_empty(device=self._dist.device)
+        stage_bases_on_host(model, self._peft, self._dist.device)
         # Seed per stage: stages must not draw the same numbers, while every rank of one stage must.
         torch.manual_seed(derived_seed(self._seed, stage.current_stage))
         loaded = self._provider.load_model_stage(
             LoadModelStageContext(dist_context=self._dist, stage=stage, model=model)
         ).loaded
         self._initialize(stage, model, loaded=loaded, state_mapper=result.state_mapper, shadow=shadow)
+        _log_quantization(self._dist, quantize_bases(model, self._peft, self._dist.device))
         return BuiltStage(stage=stage, model=model, meta_model=meta_model, loaded_by_provider=loaded)
 
     @property
@@ -195,6 +205,14 @@ class ModelStageFactory(Generic[ModelT]):
                 reset_adapters(whole)
             self._whole = whole
         return self._whole
+
+
+def _log_quantization(dist: DistributedContext, report: QuantizationReport | None) -> None:
+    if report is not None:
+        dist.logger.info(
+            f"4-bit base: {report.layers} LoRA base weights in NF4, {report.dense_bytes / 2**30:.2f} GiB -> "
+            f"{report.quantized_bytes / 2**30:.2f} GiB, relative error {report.relative_error:.4f}"
+        )
 
 
 def _copy_full_into(target: nn.Module, full: nn.Module) -> None:

@@ -57,20 +57,7 @@ def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"(its linear layers: {some})"
         )
     for name, base in chosen:
-        try:
-            adapted = LoRALinear(
-                base.in_features,
-                base.out_features,
-                bias="bias" in dict(base.named_parameters(recurse=False)),
-                r=config.r,
-                alpha=config.alpha,
-                dropout=config.dropout,
-                device=base.weight.device,
-                dtype=base.weight.dtype,
-            )
-        except ValueError as e:
-            raise ValueError(f"peft: layer '{name}': {e}") from e
-        _replace(model, name, adapted)
+        _replace(model, name, _adapted_linear(name, base, config))
     for name, base, weights in grouped:
         if config.dropout > 0:
             raise ValueError(
@@ -87,6 +74,23 @@ def inject_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
         is_adapter = name.endswith(("lora_A", "lora_B"))
         parameter.requires_grad_(is_adapter or (trainable is not None and bool(trainable.search(name))))
     return [n for n, _ in chosen] + [n for n, _, _ in grouped]
+
+
+def _adapted_linear(name: str, base: nn.Linear, config: LoRAConfig) -> LoRALinear:
+    """A fresh ``LoRALinear`` of ``base``'s shape, device and dtype (naming the layer in errors)."""
+    try:
+        return LoRALinear(
+            base.in_features,
+            base.out_features,
+            bias="bias" in dict(base.named_parameters(recurse=False)),
+            r=config.r,
+            alpha=config.alpha,
+            dropout=config.dropout,
+            device=base.weight.device,
+            dtype=base.weight.dtype,
+        )
+    except ValueError as e:
+        raise ValueError(f"peft: layer '{name}': {e}") from e
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -141,7 +145,7 @@ def merged_view(model: nn.Module) -> nn.Module:
     for name, module in named_modules(model):
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
-            state[key] = (module.weight + module.delta_weight().to(module.weight.dtype)).detach()
+            state[key] = module.merged_weight().detach()
         elif isinstance(module, GroupedLoRAExperts):
             for weight, value in module.merged_weights().items():
                 state[f"{name}.{weight}" if name else weight] = value.detach()
@@ -176,7 +180,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in named_modules(model):
         if isinstance(module, LoRALinear):
             key = f"{name}.weight" if name else "weight"
-            state[key] = module.weight + module.delta_weight().to(module.weight.dtype)
+            state[key] = module.merged_weight()
         elif isinstance(module, GroupedLoRAExperts):
             for weight in module.adapted:
                 key = f"{name}.{weight}" if name else weight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 LinearProduct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """``(input, weight, bias) -> output`` as ``torch.nn.functional.linear`` computes it."""
+
+
+class QuantizedWeight(Protocol):
+    """A frozen base weight stored quantized (d9d-loop's NF4 weight fits), in a ``LoRALinear``."""
+
+    def linear(self, input: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``input @ W.T + bias`` with ``W`` dequantized to ``input``'s dtype (no gradient to ``W``)."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """``W`` as a dense tensor in the dtype it was quantized from."""
+        ...
 
 
 class LoRALinear(nn.Linear):
@@ -24,6 +37,9 @@ class LoRALinear(nn.Linear):
     The base product runs through ``base_linear`` (``F.linear`` by default); replacing it (an FP8
     matmul, say: d9d-parallel's ``convert_to_float8`` does) changes the arithmetic of the frozen
     base, never the parameters or the adapters, which stay in the compute dtype.
+
+    ``quantize`` stores the frozen base weight quantized instead (a 4-bit base): ``weight`` is
+    then no parameter any more, and the base product runs through the quantized weight.
     """
 
     def __init__(
@@ -50,6 +66,7 @@ class LoRALinear(nn.Linear):
         # a float, not an nn.Dropout child: RowwiseParallel partitions every submodule as a linear
         self.lora_dropout = dropout
         self.base_linear: LinearProduct = F.linear
+        self.quantized: QuantizedWeight | None = None
         self.reset_lora_parameters()
 
     def reset_parameters(self) -> None:
@@ -68,11 +85,27 @@ class LoRALinear(nn.Linear):
         update = F.linear(
             F.linear(F.dropout(input, self.lora_dropout, self.training), self.lora_A), self.lora_B
         )
+        if self.quantized is not None:
+            return self.quantized.linear(input, self.bias) + self.scale * update
         return self.base_linear(input, self.weight, self.bias) + self.scale * update
 
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A``, the update the adapters add to ``weight``."""
         return self.scale * (self.lora_B @ self.lora_A)
+
+    def base_weight(self) -> torch.Tensor:
+        """The frozen base weight as a dense tensor (dequantized where ``quantize`` stored it)."""
+        return self.weight if self.quantized is None else self.quantized.dequantize()
+
+    def merged_weight(self) -> torch.Tensor:
+        """``W + scale * B @ A`` in the base weight's dtype (what an export of the plain model holds)."""
+        base = self.base_weight()
+        return base + self.delta_weight().to(base.dtype)
+
+    def quantize(self, quantized: QuantizedWeight) -> None:
+        """Replaces the base ``weight`` parameter by ``quantized`` (freeing the dense weight)."""
+        self.register_parameter("weight", None)
+        self.quantized = quantized
 
 
 def fill_adapter(parameter: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
