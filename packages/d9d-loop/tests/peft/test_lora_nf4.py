@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from loop_toy_job import Input, ToyTask, collate
-from lora_wide_job import WideDataset, WideModel, WideProvider, wide_config, write_base_model
+from lora_wide_job import WideDataset, WideModel, WideProvider, run_wide, wide_config, write_base_model
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
@@ -42,6 +43,7 @@ from d9d.loop.peft import (
     refuse_quantized_base_on_mesh,
 )
 from d9d.mesh import MeshParameters
+from d9d.mesh.testing import run_distributed
 from d9d.state_mappers import identity_mapper_from_module
 
 QLORA: dict[str, Any] = {"kind": "lora", "target": "fc1|fc2", "r": 2, "alpha": 4.0, "base": {"kind": "nf4"}}
@@ -204,6 +206,32 @@ def test_a_job_trains_on_a_4bit_base_and_exports_the_dequantized_base_plus_adapt
     plain.load_state_dict(merged)
     with torch.no_grad():
         torch.testing.assert_close(plain(Input(x=x), None), y, rtol=1e-5, atol=1e-6)
+
+
+def _run_from(base: str, directory: str | None, max_steps: int) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"peft": QLORA | {"dropout": 0.1}, "initialization": {"source": base}}
+    if directory is not None:
+        trainer["checkpoint"] = {"directory": directory, "every_steps": 2, "keep_last": 5}
+    return run_wide(wide_config(max_steps=max_steps, **trainer))
+
+
+def test_a_4bit_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path: Path) -> None:
+    # a resume loads and quantizes the base again: the same codes, so the same steps bit for bit
+    write_base_model(tmp_path / "base")
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    reference = run_distributed(_run_from, base, None, 4, world_size=1)[0]
+    first = run_distributed(_run_from, base, run, 2, world_size=1)[0]  # stops at its checkpoint
+    resumed = run_distributed(_run_from, base, run, 4, world_size=1)[0]
+    assert first["losses"] + resumed["losses"] == reference["losses"]
+    for name, value in reference["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    saved = dcp.FileSystemReader(str(tmp_path / "run" / "step_000000002")).read_metadata()
+    assert {k for k in saved.state_dict_metadata if k.startswith("model.")} == {
+        "model.fc1.lora_A",
+        "model.fc1.lora_B",
+        "model.fc2.lora_A",
+        "model.fc2.lora_B",
+    }
 
 
 @pytest.mark.parametrize(
