@@ -134,9 +134,28 @@ def test_a_tiny_qwen3_trains_on_a_4bit_base_and_exports_a_merged_model_transform
         assert (original(PROBE).logits - result["logits"]).abs().max() > 1e-3
 
 
-def test_fp8_on_a_4bit_base_is_refused_before_loading(tiny_qwen3: Path) -> None:
-    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
-    float8 = {"recipe": "tensorwise", "emulate": True, "min_features": 16}  # the tiny widths convert
-    options = {"param_dtype": "bfloat16", "float8": float8}
-    with pytest.raises(ValueError, match=r"cannot be combined with FP8 \(model.float8\): layer 'model\."):
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # FP8 replaces the base product the 4-bit weight computes
+        (
+            {
+                "param_dtype": "bfloat16",
+                "float8": {"recipe": "tensorwise", "emulate": True, "min_features": 16},  # tiny widths
+            },
+            r"cannot be combined with FP8 \(model.float8\): layer 'model\.",
+        ),
+        # float32 masters cast for bf16 compute under recompute: one FSDP unit wraps the stage
+        (
+            {"param_dtype": "bfloat16", "activation_checkpointing": True},
+            r"layer 'model\..*' was sharded by the model provider .* model.master_dtype: bfloat16",
+        ),
+    ],
+)
+def test_what_the_4bit_base_cannot_serve_in_d9d_hf_is_refused_before_loading(
+    tiny_qwen3: Path, options: dict[str, Any], message: str
+) -> None:
+    if "float8" in options:
+        pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
+    with pytest.raises(ValueError, match=message):
         _train(tiny_qwen3, options, None)

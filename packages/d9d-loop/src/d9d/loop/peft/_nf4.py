@@ -88,8 +88,10 @@ def check_quantizable(model: nn.Module, config: PeftConfig) -> None:
         if isinstance(layer.weight, DTensor):
             raise ValueError(
                 f"trainer.peft.base: {{kind: nf4}}: layer '{name}' was sharded by the model provider "
-                f"(placements {layer.weight.placements}); a 4-bit base needs unsharded weights "
-                f"(no tensor parallelism, one data-parallel rank)"
+                f"(placements {layer.weight.placements}); a 4-bit base needs unsharded weights (no "
+                f"tensor parallelism, one data-parallel rank; with d9d-hf on one GPU also no FSDP "
+                f"unit: store the weights in the compute dtype, model.master_dtype: bfloat16 and "
+                f"model.param_dtype: bfloat16)"
             )
         if layer.base_linear is not F.linear:
             raise ValueError(
