@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from d9d.hf import DecoderModelBase
+from d9d.hf import DecoderModel
 from d9d.hf._decoder import export_mapper_of
 from d9d.state_mappers import map_state_dict
 
@@ -116,7 +116,7 @@ def hf_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def d9d_gradients(model: DecoderModelBase) -> dict[str, torch.Tensor]:
+def d9d_gradients(model: DecoderModel) -> dict[str, torch.Tensor]:
     """d9d's gradients mapped to checkpoint names through the export mapper."""
     grads = {
         name: t.grad if t.grad is not None else torch.zeros_like(t)

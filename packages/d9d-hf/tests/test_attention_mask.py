@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import d9d.hf
-from d9d.hf import DecoderCausalLM, DecoderInputs, DecoderSequenceClassification
+from d9d.hf import DecoderInputs, DecoderModel
 from d9d.kernels.layers import (
     AttentionBackend,
     EagerAttentionBackend,
@@ -83,7 +83,7 @@ def test_sequence_classification_of_a_padded_batch_matches_transformers(
 ) -> None:
     hf = _checkpoint(family, "sequence_classification", tmp_path)
     model = d9d.hf.load_pretrained(tmp_path, head="sequence_classification").eval()
-    assert isinstance(model, DecoderSequenceClassification)
+    assert isinstance(model, DecoderModel) and model.export_head == "sequence_classification"
     ids, mask = _padded_batch(side)
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask).logits
@@ -95,7 +95,7 @@ def test_sequence_classification_of_a_padded_batch_matches_transformers(
 def test_causal_lm_logits_on_real_tokens_match_transformers(tmp_path: Path, family: str, side: str) -> None:
     hf = _checkpoint(family, "causal_lm", tmp_path)
     model = d9d.hf.load_pretrained(tmp_path).eval()
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     ids, mask = _padded_batch(side)
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask).logits
@@ -169,7 +169,7 @@ class VarlenAttention:
 def test_every_attention_backend_skips_left_padding(tmp_path: Path, backend: AttentionBackend) -> None:
     hf = _checkpoint("qwen3", "causal_lm", tmp_path)
     model = d9d.hf.load_pretrained(tmp_path).eval()
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     for module in model.modules():
         if isinstance(module, GroupedQueryAttention):
             module.attention_backend = backend

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import d9d.hf
-from d9d.hf import DecoderCausalLM, DecoderInputs, DecoderSequenceClassification, causal_lm_targets
+from d9d.hf import DecoderInputs, DecoderModel, causal_lm_targets
 
 
 def _batch(seq: int = 12, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +30,7 @@ def _batch(seq: int = 12, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 def test_causal_lm_matches_transformers(checkpoints, helpers, name) -> None:
     hf = helpers.hf_model(checkpoints[name]).train()
     model = d9d.hf.load_pretrained(checkpoints[name]).train()
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     ids, labels = _batch()
 
     # transformers' own objective: cross-entropy, plus coef * aux when config.json asks for it
@@ -58,7 +58,7 @@ def test_load_balancing_loss_leaves_padding_out_as_transformers(checkpoints, hel
     # counts only the tokens its attention_mask marks real (pooled over the 3 sparse layers)
     hf = helpers.hf_model(checkpoints["moe_aux"]).train()
     model = d9d.hf.load_pretrained(checkpoints["moe_aux"]).train()
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     ids, _ = _batch(seq=12, batch=3)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -132,7 +132,7 @@ def test_packed_documents_match_each_document_alone(checkpoints, helpers, name) 
 def test_sequence_classification_matches_transformers(checkpoints, helpers) -> None:
     hf = helpers.hf_model(checkpoints["classifier"], "sequence_classification").train()
     model = d9d.hf.load_pretrained(checkpoints["classifier"], head="sequence_classification").train()
-    assert isinstance(model, DecoderSequenceClassification)
+    assert isinstance(model, DecoderModel) and model.export_head == "sequence_classification"
     ids, _ = _batch(seq=10, batch=3)
     ids[0, 6:] = 0  # right padding: the class comes from token 5
     ids[2, 9:] = 0

@@ -23,7 +23,7 @@ from torch import nn
 
 import d9d.hf
 from d9d.hf import (
-    DecoderCausalLM,
+    DecoderModel,
     HFModelProvider,
     PretrainedModelConfig,
     TokenBatch,
@@ -219,7 +219,7 @@ def _train(
             trainer.export(export)
         if mesh == {}:
             model = trainer.model_stages[0]
-            assert isinstance(model, DecoderCausalLM)
+            assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
             with torch.no_grad():
                 result["logits"] = model.eval().logits(PROBE)
     return result
@@ -247,7 +247,7 @@ def test_logits_loss_and_gradients_match_transformers(
     directory = family_checkpoints[case.name]
     hf = helpers.hf_model(directory).train()
     model = d9d.hf.load_pretrained(directory).train()
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     ids, labels = _batch()
 
     logits = hf(input_ids=ids).logits

@@ -218,7 +218,7 @@ def test_float8_converting_no_layer_is_refused_naming_the_filter(checkpoints: di
     source = checkpoints["dense"]
     with pytest.raises(
         DistributedTestError,
-        match=rf"model.float8 converts no linear layer of {re.escape(str(source))} \(DecoderCausalLM, "
+        match=rf"model.float8 converts no linear layer of {re.escape(str(source))} \(DecoderModel, "
         r"21 linear layers\): 0 match model.float8.exclude .*21 are below "
         r"model.float8.min_features=128 \(the widest has 64 features\).*Lower min_features, narrow exclude",
     ):

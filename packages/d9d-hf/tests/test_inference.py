@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from d9d.hf import (
-    DecoderCausalLM,
     DecoderInputs,
+    DecoderModel,
     HFModelProvider,
     PretrainedModelConfig,
     TokenBatch,
@@ -94,7 +94,7 @@ def _train_and_export(source: str, export: str, probe: torch.Tensor) -> torch.Te
         trainer.train()
         trainer.export(export)
         model = trainer.model_stages[0]
-        assert isinstance(model, DecoderCausalLM)
+        assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
         model.eval()
         with torch.no_grad():
             losses = model(DecoderInputs(input_ids=probe, labels=causal_lm_targets(probe)))

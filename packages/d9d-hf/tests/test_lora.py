@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from d9d.hf import (
-    DecoderCausalLM,
     DecoderInputs,
-    DecoderSequenceClassification,
+    DecoderModel,
     HFModelProvider,
     PretrainedModelConfig,
     TokenBatch,
@@ -141,10 +140,10 @@ def _train(
         with torch.no_grad():
             if mesh:  # the probe calls the stage's methods directly, outside the TP hooks
                 logits = None
-            elif isinstance(model, DecoderSequenceClassification):
+            elif model.export_head == "sequence_classification":
                 logits = model.classify(PROBE)
             else:
-                assert isinstance(model, DecoderCausalLM)
+                assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
                 logits = model.logits(PROBE)
         adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
         if export is not None:

@@ -22,18 +22,17 @@ from d9d.hf import (
     ClassificationHeadSpec,
     DecoderCausalLM,
     DecoderInputs,
-    DecoderMultiHead,
-    DecoderSequenceClassification,
+    DecoderModel,
     HFModelProvider,
     LanguageModelHeadSpec,
     MultiHeadBatch,
     MultiHeadSample,
     PretrainedModelConfig,
     ScratchModelConfig,
+    SequenceClassificationHeadSpec,
     causal_lm_targets,
     multi_head_task,
 )
-from d9d.hf._decoder._multi_head_checkpoint import saved_head
 from d9d.hf._families import as_family
 from d9d.loop import (
     AutoDataProvider,
@@ -152,7 +151,7 @@ def _train(
             trainer.export(export / "trained")
         if mesh == {} and heads is HEADS:
             stage = trainer.model_stages[0]
-            assert isinstance(stage, DecoderMultiHead) and stage.lm_head is not None
+            assert isinstance(stage, DecoderModel) and stage.lm_head is not None
             with torch.no_grad():
                 result["logits"] = stage.lm_head.compute_logits(stage.hidden_states(PROBE))
                 result["sentiment"] = stage.heads["sentiment"].state_dict()["classifier.weight"].clone()
@@ -316,9 +315,11 @@ def test_an_export_read_back_trains_alike_on_every_layout(reference: dict[str, A
 
 def test_a_saved_head_of_another_shape_is_refused(reference: dict[str, Any]) -> None:
     checkpoint = SafetensorsCheckpoint(reference["export"])
-    assert saved_head(checkpoint, ClassificationHeadSpec(name="other", num_labels=3), 32) is None
+    spec = as_family(ScratchModelConfig.model_validate({"config": TINY}).config).decoder_spec()
+    assert spec.hidden_size == 32
+    assert ClassificationHeadSpec(name="other", num_labels=3).saved_file(checkpoint, spec) is None
     with pytest.raises(ValueError, match="num_labels"):
-        saved_head(checkpoint, ClassificationHeadSpec(name="topic", num_labels=4), 32)
+        ClassificationHeadSpec(name="topic", num_labels=4).saved_file(checkpoint, spec)
 
 
 def test_each_head_computes_what_its_single_head_model_computes() -> None:
@@ -326,13 +327,15 @@ def test_each_head_computes_what_its_single_head_model_computes() -> None:
     family = as_family(ScratchModelConfig.model_validate(raw).config)
     torch.manual_seed(0)
     heads = [LanguageModelHeadSpec(name="lm"), ClassificationHeadSpec(name="topic", num_labels=3)]
-    multi = DecoderMultiHead(family, heads, attention_backend="eager")
+    multi = DecoderModel(family, heads, attention_backend="eager")
     multi.reset_parameters()
     state = multi.state_dict()
     backbone = {name: t for name, t in state.items() if name.startswith("model.")}
     causal = DecoderCausalLM(family, attention_backend="eager")
     causal.load_state_dict({**backbone, "lm_head.weight": state["lm_head.weight"]})
-    classifier = DecoderSequenceClassification(family.with_num_labels(3), attention_backend="eager")
+    classifier = DecoderModel(
+        family.with_num_labels(3), SequenceClassificationHeadSpec(), attention_backend="eager"
+    )
     classifier.load_state_dict(
         {**backbone, "score.classifier.weight": state["heads.topic.classifier.weight"]}
     )

@@ -6,19 +6,26 @@ import pytest
 import torch
 
 import d9d.hf
-from d9d.hf import DecoderCausalLM, DecoderInputs, build_decoder, causal_lm_targets, load_weights
+from d9d.hf import (
+    DecoderCausalLM,
+    DecoderInputs,
+    DecoderModel,
+    build_decoder,
+    causal_lm_targets,
+    load_weights,
+)
 from d9d.hf.qwen3 import read_qwen3_config
 from d9d.pipeline import PipelineStageInfo
 from d9d.state_mappers import SafetensorsCheckpoint
 
 
-def _load(directory, checkpoint=None, **kwargs) -> DecoderCausalLM:
+def _load(directory, checkpoint=None, **kwargs) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(read_qwen3_config(directory), "causal_lm", **kwargs)
     model.to_empty(device="cpu")
     model.reset_buffers()
     load_weights(model, checkpoint or directory, show_progress=False)
-    assert isinstance(model, DecoderCausalLM)
+    assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
     return model
 
 

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from d9d.hf import (
     CausalLMTask,
     DecoderCausalLM,
+    DecoderModel,
     HFModelProvider,
     PretrainedModelConfig,
     ScratchModelConfig,
@@ -162,7 +163,7 @@ def _train(
             trainer.export(export)
         if mesh == {}:
             model = trainer.model_stages[0]
-            assert isinstance(model, DecoderCausalLM)
+            assert isinstance(model, DecoderModel) and model.export_head == "causal_lm"
             with torch.no_grad():
                 result["logits"] = model.logits(PROBE)
     return result

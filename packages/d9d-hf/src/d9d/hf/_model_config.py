@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from d9d.hf._decoder import FsdpSettings, check_head_specs
+from d9d.hf._decoder import DecoderHead, FsdpSettings, check_head_specs, head_named
 from d9d.hf._families import DecoderConfig
 from d9d.hf._head import HeadName
 from d9d.hf._head_config import HeadConfig, head_specs
@@ -153,6 +153,11 @@ class _ModelOptions(BaseModel):
                 f"and returns bf16), got {self.param_dtype}"
             )
         return self
+
+    def model_heads(self) -> DecoderHead | list[DecoderHead]:
+        """The heads every stage is built with: ``head``'s one head (the model returns its output)
+        or the ``heads`` list (the model returns every head's output by name)."""
+        return head_named(self.head) if self.heads is None else head_specs(self.heads)
 
     @model_validator(mode="after")
     def _one_way_to_name_heads(self) -> _ModelOptions:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from d9d.hf._causal_lm_task import IGNORE_INDEX
 from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets
-from d9d.hf._head_config import CausalLMHeadConfig, ClassificationHeadConfig, ClassificationMetric, HeadConfig
+from d9d.hf._head_config import HeadConfig
 from d9d.loop import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -22,7 +21,7 @@ from d9d.loop import (
     TrainTask,
     UpdateMetricsContext,
 )
-from d9d.loop.metrics import Accuracy, BinaryAUROC, Metric, MulticlassScores, WeightedMean
+from d9d.loop.metrics import Metric
 
 
 def _empty_labels() -> dict[str, torch.Tensor]:
@@ -93,14 +92,6 @@ class MultiHeadState:
     class_labels: dict[str, torch.Tensor]
 
 
-def _token_mean(losses: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean per-token loss over the target tokens, and their count."""
-    if targets is None:
-        raise ValueError("a causal_lm head needs the batch's targets")
-    count = (targets != IGNORE_INDEX).sum()
-    return losses.sum() / count.clamp(min=1), count
-
-
 class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutput, MultiHeadState]):
     """Several heads on one backbone: the loss is ``sum(loss_weight * head loss)`` over the heads.
 
@@ -119,7 +110,7 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
 
     def __init__(self, heads: Sequence[HeadConfig]) -> None:
         self._heads = tuple(heads)
-        self._has_lm = any(isinstance(head, CausalLMHeadConfig) for head in heads)
+        self._has_lm = any(head.needs_token_targets for head in heads)
 
     def build_forward_inputs(
         self, ctx: BuildForwardInputsContext[MultiHeadBatch]
@@ -131,8 +122,7 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
             labels = batch.input_ids if batch.labels is None else batch.labels
             targets = causal_lm_targets(labels, ignore_index=IGNORE_INDEX)
         for head in self._heads:
-            if isinstance(head, ClassificationHeadConfig) and head.name not in batch.class_labels:
-                raise ValueError(f"the batch has no class_labels for head {head.name!r}")
+            head.check_labels(batch.class_labels)
         return BuildForwardInputsResult(
             # the language-model head's loss is a mean over its targets: one weight per target token
             input=DecoderInputs(
@@ -146,17 +136,11 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
             num_tokens=int(batch.input_ids.numel()),
         )
 
-    def _head_loss(self, head: HeadConfig, output: torch.Tensor, state: MultiHeadState) -> torch.Tensor:
-        match head:
-            case CausalLMHeadConfig():
-                return _token_mean(output, state.targets)[0]
-            case ClassificationHeadConfig():
-                return F.cross_entropy(output.float(), state.class_labels[head.name])
-
     def compute_loss(self, ctx: ComputeLossContext[MultiHeadOutput, MultiHeadState]) -> ComputeLossResult:
         """The loss-weighted sum of every head's loss; the microbatch weighs 1."""
+        state = ctx.state
         terms = [
-            head.loss_weight * self._head_loss(head, ctx.pipeline_results[head.name], ctx.state)
+            head.loss_weight * head.loss(ctx.pipeline_results[head.name], state.targets, state.class_labels)
             for head in self._heads
         ]
         return ComputeLossResult(loss=torch.stack(terms).sum(), loss_weight=None)
@@ -166,48 +150,16 @@ class MultiHeadTask(TrainTask[MultiHeadBatch, DecoderInputs, None, MultiHeadOutp
         del ctx
         metrics: dict[str, Metric] = {}
         for head in self._heads:
-            metrics[f"{head.name}/loss"] = WeightedMean()
-            match head:
-                case CausalLMHeadConfig():
-                    pass
-                case ClassificationHeadConfig():
-                    for metric in head.metrics:
-                        metrics[f"{head.name}/{metric}"] = _classification_metric(metric, head.num_labels)
+            metrics.update(head.create_metrics())
         return CreateMetricsResult(metrics=metrics)
 
     def update_metrics(self, ctx: UpdateMetricsContext[MultiHeadOutput, MultiHeadState]) -> None:
         """Adds one microbatch to every head's metrics."""
+        state = ctx.state
         for head in self._heads:
-            _update_head(head, ctx.pipeline_results[head.name], ctx.state, ctx.metrics)
-
-
-def _classification_metric(name: ClassificationMetric, num_labels: int) -> Metric:
-    match name:
-        case "accuracy":
-            return Accuracy()
-        case "f1":
-            return MulticlassScores(num_classes=num_labels)
-        case "auroc":
-            return BinaryAUROC()
-
-
-def _update_head(
-    head: HeadConfig, output: torch.Tensor, state: MultiHeadState, metrics: Mapping[str, Metric]
-) -> None:
-    match head:
-        case CausalLMHeadConfig():
-            mean, count = _token_mean(output, state.targets)
-            metrics[f"{head.name}/loss"].update(mean.detach(), count)
-        case ClassificationHeadConfig():
-            labels = state.class_labels[head.name]
-            logits = output.detach().float()
-            metrics[f"{head.name}/loss"].update(F.cross_entropy(logits, labels), float(labels.numel()))
-            for metric in head.metrics:
-                match metric:
-                    case "accuracy" | "f1":
-                        metrics[f"{head.name}/{metric}"].update(logits, labels)
-                    case "auroc":
-                        metrics[f"{head.name}/auroc"].update(logits.softmax(-1)[:, 1], labels)
+            head.update_metrics(
+                ctx.metrics, ctx.pipeline_results[head.name], state.targets, state.class_labels
+            )
 
 
 def multi_head_task(heads: Sequence[HeadConfig]) -> Callable[[TaskProviderContext], MultiHeadTask]:

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from d9d.hf._decoder import (
-    DecoderModelBase,
+    DecoderModel,
     build_decoder,
     check_checkpoint,
     export_config,
     export_mapper_of,
+    head_files,
     load_weights,
     write_config,
 )
@@ -43,8 +44,7 @@ def load_pretrained(
         device: Where to place the model; None is the CPU.
 
     Returns:
-        A ``DecoderCausalLM``, ``DecoderSequenceClassification`` or ``DecoderEmbedding`` (of the
-        family config.json names) in eval mode.
+        A ``DecoderModel`` with that one head (of the family config.json names) in eval mode.
     """
     directory = resolve_snapshot(source)
     config = read_decoder_config(directory)
@@ -75,7 +75,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str]) -> None
         TypeError: If ``model`` is not a d9d.hf model.
         RuntimeError: If ``model`` is one pipeline stage.
     """
-    if not isinstance(model, DecoderModelBase):
+    if not isinstance(model, DecoderModel):
         raise TypeError(f"save_pretrained takes a d9d.hf model, got {type(model).__name__}")
     model.require_whole_model("save_pretrained")
     first = next(model.parameters())
@@ -83,3 +83,5 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str]) -> None
     target = Path(directory)
     save_module_state(target, model, export_mapper_of(model))
     write_config(target, content)
+    for name, data in head_files(model).items():  # heads saved beside the transformers model
+        (target / name).write_bytes(data)

@@ -10,16 +10,11 @@ import torch
 
 from d9d.hf._decoder import (
     DecoderFamily,
-    DecoderModelBase,
-    DecoderMultiHead,
-    build_decoder,
-    classification_head_files,
-    decoder_export_mapper,
+    DecoderModel,
     export_config,
-    load_multi_head_stage,
+    export_mapper_of,
+    head_files,
     load_stage_from_checkpoint,
-    multi_head_export_mapper,
-    multi_head_load_mapper,
     parallelize_decoder,
     stage_load_mapper,
     tensor_parallel_plan_of,
@@ -34,7 +29,6 @@ from d9d.hf._decoder._expert_bias import (
 from d9d.hf._families import as_family, read_decoder_config
 from d9d.hf._float8_check import refuse_float8_converting_nothing
 from d9d.hf._head import HeadName
-from d9d.hf._head_config import CausalLMHeadConfig, head_specs
 from d9d.hf._hub import resolve_snapshot
 from d9d.hf._master_dtype import cast_parameters_
 from d9d.hf._memory_shape import family_config, memory_shape
@@ -77,7 +71,7 @@ def _files_of(directory: Path | None) -> dict[str, bytes]:
     return tokenizer_files(directory)
 
 
-class HFModelProvider(ModelProvider[DecoderModelBase]):
+class HFModelProvider(ModelProvider[DecoderModel]):
     """Stages of any supported family for d9d-loop, from a checkpoint or freshly initialized.
 
     The family comes from config.json's ``model_type`` (the source's, or the ``config`` of a
@@ -91,11 +85,12 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
     every step (``finalize_gradients``), so both copies stay equal, and the last stage's copy is
     left out of the gradient norm (it counts once, as in one process).
 
-    With ``heads`` (several heads on one backbone) every stage is a ``DecoderMultiHead``: the
-    heads live on the last stage, the language-model head loads from the checkpoint (or its tie),
-    a classification head from its ``head-<name>.safetensors`` beside the checkpoint (an earlier
-    export) or fresh, and export adds ``head-<name>.safetensors`` and
-    ``head-<name>.json`` per classification head beside the transformers directory.
+    Every stage is a ``DecoderModel`` with the configured heads (``head``'s one head, or the
+    ``heads`` list): they live on the last stage, each loads from the checkpoint (a
+    language-model head also through its tie), a classification head of ``heads`` from its
+    ``head-<name>.safetensors`` beside the checkpoint (an earlier export), or starts fresh; export
+    adds ``head-<name>.safetensors`` and ``head-<name>.json`` per such head beside the
+    transformers directory.
 
     Args:
         config: The ``model:`` section (``PretrainedModelConfig`` or ``ScratchModelConfig``).
@@ -146,7 +141,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
 
     def initialize_model_stage(
         self, context: InitializeModelStageContext
-    ) -> InitializeModelStageResult[DecoderModelBase]:
+    ) -> InitializeModelStageResult[DecoderModel]:
         """Builds the stage's layers (on meta); with a source, checks its tensors' names and shapes.
 
         Raises:
@@ -162,25 +157,13 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             resolved.config.decoder_spec().num_layers,
             last_stage_weight=self._config.last_stage_weight,
         )
-        heads = self._config.heads
-        model = (
-            build_decoder(
-                resolved.config,
-                self._config.head,
-                stage=context.stage,
-                layers=layers,
-                activation_checkpointing=self._config.activation_checkpointing,
-                attention_backend=self._config.attention_backend,
-            )
-            if heads is None
-            else DecoderMultiHead(
-                resolved.config,
-                head_specs(heads),
-                stage=context.stage,
-                layers=layers,
-                activation_checkpointing=self._config.activation_checkpointing,
-                attention_backend=self._config.attention_backend,
-            )
+        model = DecoderModel(
+            resolved.config,
+            self._config.model_heads(),
+            stage=context.stage,
+            layers=layers,
+            activation_checkpointing=self._config.activation_checkpointing,
+            attention_backend=self._config.attention_backend,
         )
         if self._config.expert_bias_update_rate is not None:
             enable_expert_bias(model)  # before the load mapper: the checkpoint has no bias
@@ -188,15 +171,11 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         model.compute_dtype = None if dtype is None else _DTYPES[dtype]
         if self._config.master_dtype != "float32":
             cast_parameters_(model, _DTYPES[self._config.master_dtype])  # on meta: no copy
-        mapper = None
-        if resolved.checkpoint is not None:  # raises early on a misfit
-            if isinstance(model, DecoderMultiHead):
-                mapper = multi_head_load_mapper(model, resolved.checkpoint)
-            else:
-                mapper = stage_load_mapper(model, resolved.checkpoint)
+        checkpoint = resolved.checkpoint  # raises early on a misfit
+        mapper = None if checkpoint is None else stage_load_mapper(model, checkpoint)
         return InitializeModelStageResult(model=model, state_mapper=mapper)
 
-    def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModelBase]) -> None:
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext[DecoderModel]) -> None:
         """Applies FP8 (``float8``) and the decoder recipe (TP, CP, EP, FSDP/HSDP per ``fsdp``)."""
         float8 = self._config.float8
         if float8 is not None:
@@ -220,7 +199,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             case ScratchModelConfig():
                 return f"the {self._config.config.model_type} model built from model.config"
 
-    def load_model_stage(self, context: LoadModelStageContext[DecoderModelBase]) -> LoadModelStageResult:
+    def load_model_stage(self, context: LoadModelStageContext[DecoderModel]) -> LoadModelStageResult:
         """With a source: fresh initialization, then the checkpoint's tensors (this rank's slices)."""
         model = context.model
         model.reset_buffers()  # re-ties a head sharing the embedding (materializing split them)
@@ -228,10 +207,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         if checkpoint is None:
             return LoadModelStageResult(loaded=False)
         show_progress = context.dist_context.is_main_process
-        if isinstance(model, DecoderMultiHead):
-            load_multi_head_stage(model, checkpoint, show_progress=show_progress)
-        else:
-            load_stage_from_checkpoint(model, checkpoint, show_progress=show_progress)
+        load_stage_from_checkpoint(model, checkpoint, show_progress=show_progress)
         zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
@@ -241,22 +217,21 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
         del context
         return DescribeMemoryResult(shape=memory_shape(self._config, family_config(self._config)))
 
-    def stages_ready(self, context: StagesReadyContext[DecoderModelBase]) -> StagesReadyResult:
+    def stages_ready(self, context: StagesReadyContext[DecoderModel]) -> StagesReadyResult:
         """Under PP with tied embeddings: copies the first stage's embedding to the last stage."""
         if not self._tied_across_stages(context.dist_context):
             return StagesReadyResult()
         return StagesReadyResult(norm_duplicates=self._tied.align(context.dist_context, context.stages))
 
     def _tied_across_stages(self, dist_context: DistributedContext) -> bool:
-        heads = self._config.heads
-        has_lm_head = heads is None or any(isinstance(head, CausalLMHeadConfig) for head in heads)
-        return (
-            dist_context.parameters.pipeline_parallel > 1
-            and has_lm_head
-            and self._resolve(dist_context).config.decoder_spec().tie_word_embeddings
-        )
+        if dist_context.parameters.pipeline_parallel == 1:
+            return False
+        heads = self._config.model_heads()
+        heads = heads if isinstance(heads, list) else [heads]
+        spec = self._resolve(dist_context).config.decoder_spec()
+        return any(head.ties_embedding(spec) for head in heads)
 
-    def finalize_gradients(self, context: FinalizeGradientsContext[DecoderModelBase]) -> None:
+    def finalize_gradients(self, context: FinalizeGradientsContext[DecoderModel]) -> None:
         """Sums the gradients of a tied embedding's two copies (first and last pipeline stage);
         moves the MoE selection biases by the step's token counts (``expert_bias_update_rate``)."""
         rate = self._config.expert_bias_update_rate
@@ -266,7 +241,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             return
         self._tied.sum_gradients(context.dist_context, context.stages)
 
-    def optimizer_stepped(self, context: OptimizerSteppedContext[DecoderModelBase]) -> None:
+    def optimizer_stepped(self, context: OptimizerSteppedContext[DecoderModel]) -> None:
         """With FSDP's float8 all-gather: the new weights' float8 scales, one all-reduce per stage."""
         float8 = self._config.float8
         if float8 is None or not float8.fsdp_float8_all_gather:
@@ -275,7 +250,7 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             precompute_float8_scales(model)
 
     def prepare_export_model_stage(
-        self, context: PrepareExportModelStageContext[DecoderModelBase]
+        self, context: PrepareExportModelStageContext[DecoderModel]
     ) -> PrepareExportModelStageResult:
         """transformers' tensor names, config.json (from the first stage) and tokenizer files."""
         model = context.model
@@ -286,11 +261,8 @@ class HFModelProvider(ModelProvider[DecoderModelBase]):
             files["config.json"] = (
                 json.dumps(export_config(model, dtype), indent=2, sort_keys=True) + "\n"
             ).encode()
-        if isinstance(model, DecoderMultiHead):
-            mapper = multi_head_export_mapper(model)
-            files.update(classification_head_files(model))  # collective over the stage's ranks
-        else:
-            mapper = decoder_export_mapper(model.config, self._config.head, model.layout)
+        mapper = export_mapper_of(model)
+        files.update(head_files(model))  # collective over the stage's ranks
         biases = expert_bias_names(model)  # the job's, not the architecture's: not exported
         if biases:
             mapper = ParallelMapper([mapper, DropMapper(biases)])

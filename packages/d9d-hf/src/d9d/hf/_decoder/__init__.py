@@ -1,43 +1,41 @@
 """The family-agnostic decoder core of d9d.hf: every family's models, loading, parallelism, export."""
 
 from d9d.hf._decoder._backbone import DecoderBackbone
-from d9d.hf._decoder._causal_lm import DecoderCausalLM
 from d9d.hf._decoder._checkpoint import (
     base_state_module,
     check_checkpoint,
     export_config,
     export_mapper_of,
-    load_weights,
+    head_files,
 )
 from d9d.hf._decoder._config_base import DecoderConfigBase
 from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_config
 from d9d.hf._decoder._decoder_layer import DecoderLayer
-from d9d.hf._decoder._embedding import DecoderEmbedding
 from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
-from d9d.hf._decoder._head_specs import (
+from d9d.hf._decoder._heads import (
     ClassificationHeadSpec,
+    DecoderHead,
+    EmbeddingHeadSpec,
     HeadSpec,
     LanguageModelHeadSpec,
+    SequenceClassificationHeadSpec,
     check_head_specs,
+    head_file_names,
+    head_named,
 )
-from d9d.hf._decoder._heads import build_decoder, head_of
 from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, causal_lm_targets, resolve_positions
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
 from d9d.hf._decoder._layer_windows import LayerType, layer_windows, resolve_layer_types
-from d9d.hf._decoder._model_base import DecoderModelBase
-from d9d.hf._decoder._multi_head import DecoderMultiHead, MultiHeadOutput
-from d9d.hf._decoder._multi_head_checkpoint import (
-    classification_head_files,
-    head_file_names,
-    load_multi_head_stage,
-    multi_head_export_mapper,
-    multi_head_load_mapper,
-)
+from d9d.hf._decoder._model import DecoderCausalLM, DecoderModel, MultiHeadOutput, build_decoder
 from d9d.hf._decoder._parallelize import FsdpSettings, parallelize_decoder
-from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
 from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._decoder._stage import StageLayout, stage_layout
-from d9d.hf._decoder._stage_loading import load_stage_from_checkpoint, stage_load_mapper
+from d9d.hf._decoder._stage_loading import (
+    load_stage_from_checkpoint,
+    load_weights,
+    loaded_heads,
+    stage_load_mapper,
+)
 from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_mapper
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel, tensor_parallel_plan_of
 from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, MegatronDecoderPlan
@@ -49,21 +47,21 @@ __all__ = [
     "DecoderBackbone",
     "DecoderCausalLM",
     "DecoderConfigBase",
-    "DecoderEmbedding",
     "DecoderFamily",
     "DecoderInputs",
     "DecoderLayer",
-    "DecoderModelBase",
-    "DecoderMultiHead",
-    "DecoderSequenceClassification",
+    "DecoderHead",
+    "DecoderModel",
     "DecoderSpec",
     "DecoderTensorParallelPlan",
+    "EmbeddingHeadSpec",
     "HeadSpec",
     "LanguageModelHeadSpec",
     "LayerTensor",
     "LayerType",
     "MegatronDecoderPlan",
     "MultiHeadOutput",
+    "SequenceClassificationHeadSpec",
     "StackedExperts",
     "StageHandoff",
     "StageLayout",
@@ -74,20 +72,18 @@ __all__ = [
     "causal_lm_targets",
     "check_checkpoint",
     "check_head_specs",
-    "classification_head_files",
     "decoder_export_mapper",
     "decoder_load_mapper",
     "dense_mlp_names",
     "export_config",
     "export_mapper_of",
     "head_file_names",
-    "head_of",
+    "head_files",
+    "head_named",
     "layer_windows",
-    "load_multi_head_stage",
     "load_stage_from_checkpoint",
     "load_weights",
-    "multi_head_export_mapper",
-    "multi_head_load_mapper",
+    "loaded_heads",
     "parallelize_decoder",
     "parallelize_decoder_tensor_parallel",
     "read_config_file",

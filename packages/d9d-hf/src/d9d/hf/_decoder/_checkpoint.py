@@ -1,33 +1,23 @@
-"""Decoder models from and to Hugging Face checkpoints: checks, weights, the exported config.json."""
+"""Decoder models from and to Hugging Face checkpoints: checks, export names, the exported config.json."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from d9d.hf._decoder._expert_bias import expert_bias_names
-from d9d.hf._decoder._heads import head_of
-from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._heads import DecoderHead, export_head_of
+from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._state_mapper import (
     HF_HEAD_TENSORS,
     decoder_export_mapper,
-    decoder_load_mapper,
     hf_prefix,
 )
 from d9d.loop.peft import view_of, without_adapters
-from d9d.state_mappers import (
-    CastMapper,
-    ParallelMapper,
-    SafetensorsCheckpoint,
-    SequentialMapper,
-    StateMapper,
-    TensorSpec,
-    load_module_state,
-    validate_mapping,
-)
+from d9d.state_mappers import SafetensorsCheckpoint, StateMapper, TensorSpec, validate_mapping
 
 
 def base_state_module(module: nn.Module) -> nn.Module:
@@ -45,33 +35,40 @@ def base_state_module(module: nn.Module) -> nn.Module:
     return view_of({k: v for k, v in base.state_dict(keep_vars=True).items() if k not in biases})
 
 
-def _state_specs(model: DecoderModelBase) -> dict[str, TensorSpec]:
-    return {
-        name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype)
-        for name, t in base_state_module(model).state_dict().items()
-    }
+def heads_state_module(model: DecoderModel, heads: Sequence[DecoderHead]) -> nn.Module:
+    """``base_state_module(model)`` with the tensors of the backbone and of ``heads`` only."""
+    others = tuple(head.module_path + "." for head in model.head_specs if head not in heads)
+    state = base_state_module(model).state_dict(keep_vars=True)
+    return view_of({name: t for name, t in state.items() if not name.startswith(others)})
 
 
-def export_mapper_of(model: DecoderModelBase) -> StateMapper:
-    """``decoder_export_mapper`` for ``model``'s family, head and stage."""
-    return decoder_export_mapper(model.config, head_of(model), model.layout)
+def export_mapper_of(model: DecoderModel) -> StateMapper:
+    """``decoder_export_mapper`` for ``model``'s family, heads and stage."""
+    return decoder_export_mapper(model.config, model.head_specs, model.layout)
 
 
-def check_checkpoint(checkpoint: SafetensorsCheckpoint, model: DecoderModelBase) -> None:
-    """Checks that the checkpoint holds every tensor ``model``'s stage needs, in the config's shapes.
+def check_checkpoint(
+    checkpoint: SafetensorsCheckpoint, model: DecoderModel, heads: Sequence[DecoderHead] | None = None
+) -> None:
+    """Checks that the checkpoint holds every tensor of the stage's backbone and ``heads`` (default:
+    every head of ``model``), in the config's shapes.
 
     Reads headers only. Run before any weight is read or any memory is allocated.
 
     Raises:
         ValueError: Naming the file and tensor of each missing or mis-shaped tensor.
     """
-    head = head_of(model)
-    hf_specs = validate_mapping(export_mapper_of(model), _state_specs(model)).output_specs
+    heads = model.head_specs if heads is None else heads
+    view = heads_state_module(model, heads)
+    specs = {name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for name, t in view.state_dict().items()}
+    mapper = decoder_export_mapper(model.config, heads, model.layout)
+    hf_specs = validate_mapping(mapper, specs).output_specs
     source = checkpoint.specs
     source_prefix = "model." if any(name.startswith("model.") for name in source) else ""
+    prefix = hf_prefix(export_head_of(heads))
     problems: list[str] = []
     for name, spec in hf_specs.items():
-        stored_name = name if name in HF_HEAD_TENSORS else source_prefix + name.removeprefix(hf_prefix(head))
+        stored_name = name if name in HF_HEAD_TENSORS else source_prefix + name.removeprefix(prefix)
         if stored_name not in source:
             problems.append(f"{checkpoint.path}: missing tensor {stored_name!r}")
         elif source[stored_name].shape != spec.shape:
@@ -83,30 +80,21 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model: DecoderModelBase)
         raise ValueError("checkpoint does not fit its config.json: " + "; ".join(problems))
 
 
-def load_weights(
-    model: DecoderModelBase, source: Path | str | SafetensorsCheckpoint, *, show_progress: bool = True
-) -> None:
-    """Fills a materialized (possibly sharded, possibly one-stage) model of any family from an HF checkpoint.
+def head_files(model: DecoderModel) -> dict[str, bytes]:
+    """The files every head exports beside the transformers directory (``head-<name>.*``).
 
-    Each stage reads only its own tensors, each DTensor rank only its slice; tensors are cast to
-    the model's dtypes on the way. LoRA adapters in ``model`` are left alone.
+    Every rank of the last stage must call it: a sharded head is gathered.
     """
-    checkpoint = source if isinstance(source, SafetensorsCheckpoint) else SafetensorsCheckpoint(source)
-    check_checkpoint(checkpoint, model)
-    target = base_state_module(model)
-    targets = target.state_dict()
-    mapper = decoder_load_mapper(
-        model.config, head_of(model), source_names=checkpoint.specs.keys(), target_names=targets.keys()
-    )
-    dtypes = {name: tensor.dtype for name, tensor in targets.items()}
-    casts = ParallelMapper([CastMapper(name, dtype) for name, dtype in dtypes.items()])
-    load_module_state(checkpoint, target, SequentialMapper([mapper, casts]), show_progress=show_progress)
+    files: dict[str, bytes] = {}
+    for head, module in model.head_modules():
+        files.update(head.export_files(module, model.spec))
+    return files
 
 
-def export_config(model: DecoderModelBase, dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json of ``model`` as transformers would write it for its head and dtype."""
+def export_config(model: DecoderModel, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json of ``model`` as transformers would write it for its heads and dtype."""
     content = model.config.to_json_dict()
-    content["architectures"] = [model.config.hf_architecture(head_of(model))]
+    content["architectures"] = [model.config.hf_architecture(model.export_head)]
     dtype_name = str(dtype).removeprefix("torch.")
     content["dtype"] = dtype_name
     if "torch_dtype" in content:

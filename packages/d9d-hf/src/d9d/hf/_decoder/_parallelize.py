@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
 from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import GroupedLoRAExperts
@@ -62,7 +62,7 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
     return hsdp_mesh(dense["dp_replicate", "dp_cp_shard", "cp_replicate"])
 
 
-def _apply_float8(model: DecoderModelBase, float8: Float8Training, *, experts: bool) -> None:
+def _apply_float8(model: DecoderModel, float8: Float8Training, *, experts: bool) -> None:
     """FP8 linear layers (and grouped experts), before any parallelism wraps them. LoRA layers
     keep their adapters in the compute dtype and run their frozen base product in FP8."""
     modules = cast(Iterator[tuple[str, nn.Module]], model.named_modules())
@@ -81,7 +81,7 @@ def _apply_float8(model: DecoderModelBase, float8: Float8Training, *, experts: b
 
 
 def parallelize_decoder(
-    model: DecoderModelBase,
+    model: DecoderModel,
     *,
     dist_context: DistributedContext,
     param_dtype: torch.dtype | None = None,

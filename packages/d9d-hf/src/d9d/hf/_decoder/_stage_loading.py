@@ -1,20 +1,22 @@
-"""Loading one (parallelized) decoder stage from a checkpoint that may lack the stage's head."""
+"""Loading a (parallelized, one-stage) decoder model from a Hugging Face checkpoint: one path for
+every head: what the checkpoint holds is loaded, a head saved beside it comes from its own file,
+any other head keeps its fresh initialization."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
-from d9d.hf._decoder._causal_lm import DecoderCausalLM
-from d9d.hf._decoder._checkpoint import base_state_module, check_checkpoint, load_weights
-from d9d.hf._decoder._heads import head_of
-from d9d.hf._decoder._model_base import DecoderModelBase
-from d9d.hf._decoder._sequence_classification import DecoderSequenceClassification
+from d9d.hf._decoder._checkpoint import base_state_module, check_checkpoint, heads_state_module
+from d9d.hf._decoder._heads import DecoderHead
+from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._state_mapper import decoder_load_mapper
 from d9d.state_mappers import (
     CastMapper,
     ParallelMapper,
-    RenameMapper,
     SafetensorsCheckpoint,
+    SelectMapper,
     SequentialMapper,
     StateMapper,
     TensorSpec,
@@ -22,102 +24,85 @@ from d9d.state_mappers import (
     validate_mapping,
 )
 
-BACKBONE_PREFIX = "model."
+
+def loaded_heads(model: DecoderModel, checkpoint: SafetensorsCheckpoint) -> list[DecoderHead]:
+    """The heads whose values the checkpoint holds (``DecoderHead.loads_from``)."""
+    names = checkpoint.specs.keys()
+    return [head for head in model.head_specs if head.loads_from(names, model.spec)]
 
 
-def has_fresh_head(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> bool:
-    """Whether the stage holds a head with parameters whose tensor the checkpoint lacks.
-
-    A sequence-classification head on a causal-LM checkpoint (no ``score.weight``), or an untied
-    LM head on a backbone-only checkpoint (no ``lm_head.weight``).
-    """
-    if not model.layout.is_last:
-        return False
-    names = checkpoint.specs
-    match head_of(model):
-        case "causal_lm":
-            return not model.spec.tie_word_embeddings and "lm_head.weight" not in names
-        case "sequence_classification":
-            return "score.weight" not in names
-        case "embedding":
-            return False
-
-
-def _casts(module: nn.Module) -> StateMapper:
-    state = base_state_module(module).state_dict()
-    return ParallelMapper([CastMapper(name, t.dtype) for name, t in state.items()])
-
-
-def _backbone_mapper(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
-    """Checkpoint -> ``model.model``'s own state names (head tensors dropped unread, adapters untouched)."""
-    names = list(base_state_module(model.model).state_dict().keys())
-    mapper = decoder_load_mapper(
-        model.config,
-        "embedding",  # the head with no tensors: only the backbone is mapped
-        source_names=checkpoint.specs.keys(),
-        target_names=[BACKBONE_PREFIX + name for name in names],
+def _checked(mapper: StateMapper, source: SafetensorsCheckpoint, target: nn.Module) -> StateMapper:
+    """``mapper`` then casts to ``target``'s dtypes, validated against both sides' names and shapes."""
+    state = target.state_dict()
+    whole = SequentialMapper(
+        [mapper, ParallelMapper([CastMapper(name, t.dtype) for name, t in state.items()])]
     )
-    unprefix = ParallelMapper([RenameMapper(BACKBONE_PREFIX + name, name) for name in names])
-    return SequentialMapper([mapper, unprefix, _casts(model.model)])
+    validate_mapping(whole, source.specs, {name: TensorSpec.of(t) for name, t in state.items()})
+    return whole
 
 
-def stage_load_mapper(model: DecoderModelBase, checkpoint: SafetensorsCheckpoint) -> StateMapper:
-    """The checked mapper from the checkpoint to ``model``'s state (to its backbone with a fresh head).
+def _saved_heads(
+    model: DecoderModel, checkpoint: SafetensorsCheckpoint
+) -> list[tuple[nn.Module, SafetensorsCheckpoint, StateMapper]]:
+    """Each head found in its own file beside the checkpoint: its module, file and checked mapper."""
+    found: list[tuple[nn.Module, SafetensorsCheckpoint, StateMapper]] = []
+    for head, module in model.head_modules():
+        file = head.saved_file(checkpoint, model.spec)
+        if file is not None:
+            target = base_state_module(module)
+            found.append((target, file, _checked(SelectMapper(target.state_dict().keys()), file, target)))
+    return found
+
+
+def stage_load_mapper(model: DecoderModel, checkpoint: SafetensorsCheckpoint) -> StateMapper:
+    """The checked mapper from the checkpoint to the part of ``model``'s state it fills (the
+    backbone and ``loaded_heads``); the files of saved heads are checked too.
 
     Raises:
-        ValueError: Naming the file and key of a missing or mis-shaped tensor (headers only).
+        ValueError: Naming the file and key of a missing or mis-shaped tensor (headers only), or a
+            saved head's file of another kind or shape.
         StateMappingError: Naming every tensor the mapping leaves unused or unfilled.
     """
-    fresh = has_fresh_head(model, checkpoint)
-    if not fresh:
-        check_checkpoint(checkpoint, model)
-    target = base_state_module(model.model if fresh else model)
-    if fresh:
-        mapper = _backbone_mapper(model, checkpoint)
-    else:
-        state = target.state_dict()
-        mapper = SequentialMapper(
-            [
-                decoder_load_mapper(
-                    model.config,
-                    head_of(model),
-                    source_names=checkpoint.specs.keys(),
-                    target_names=state.keys(),
-                ),
-                _casts(model),
-            ]
-        )
-    specs = {name: TensorSpec.of(t) for name, t in target.state_dict().items()}
-    validate_mapping(mapper, checkpoint.specs, specs)
-    return mapper
-
-
-def _reset_head(model: DecoderModelBase) -> None:
-    """Initializes the head alone: drawn first from the stage's seed, its values do not depend on
-    the backbone (whose values the checkpoint replaces) or on adapters injected into it."""
-    if isinstance(model, DecoderSequenceClassification) and model.score is not None:
-        model.score.reset_parameters()
-    elif isinstance(model, DecoderCausalLM) and model.lm_head is not None:
-        model.lm_head.reset_parameters()
+    heads = loaded_heads(model, checkpoint)
+    check_checkpoint(checkpoint, model, heads)
+    target = heads_state_module(model, heads)
+    names = target.state_dict().keys()
+    mapper = decoder_load_mapper(
+        model.config, heads, source_names=checkpoint.specs.keys(), target_names=names
+    )
+    checked = _checked(mapper, checkpoint, target)
+    _saved_heads(model, checkpoint)  # raises now, on the meta device, if a file does not fit
+    return checked
 
 
 def load_stage_from_checkpoint(
-    model: DecoderModelBase, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
+    model: DecoderModel, checkpoint: SafetensorsCheckpoint, *, show_progress: bool
 ) -> None:
-    """Fills a materialized stage: each rank reads its slices; a fresh head is initialized instead.
+    """Fills a materialized stage: each rank reads its slices; a head the checkpoint lacks starts fresh.
 
-    Call after ``to_empty`` (the stage's seed set); non-persistent buffers are recomputed. LoRA
+    Call after ``to_empty`` (the stage's seed set); non-persistent buffers are recomputed. The
+    fresh heads are drawn first from the stage's seed, so their values do not depend on the
+    backbone or on adapters; then the checkpoint's tensors and the saved heads are read. LoRA
     adapters get no checkpoint values (the loop resets them to ``B = 0`` afterwards).
     """
-    if has_fresh_head(model, checkpoint):
-        model.reset_buffers()
-        _reset_head(model)
-        load_module_state(
-            checkpoint,
-            base_state_module(model.model),
-            _backbone_mapper(model, checkpoint),
-            show_progress=show_progress,
-        )
-        return
     model.reset_buffers()
-    load_weights(model, checkpoint, show_progress=show_progress)
+    heads = loaded_heads(model, checkpoint)
+    model.reset_heads([head for head in model.head_specs if head not in heads])
+    mapper = stage_load_mapper(model, checkpoint)
+    load_module_state(checkpoint, heads_state_module(model, heads), mapper, show_progress=show_progress)
+    for target, file, head_mapper in _saved_heads(model, checkpoint):
+        load_module_state(file, target, head_mapper, show_progress=False)
+
+
+def load_weights(
+    model: DecoderModel, source: Path | str | SafetensorsCheckpoint, *, show_progress: bool = True
+) -> None:
+    """Fills a materialized (possibly sharded, possibly one-stage) model of any family from an HF checkpoint.
+
+    Every head exported with the transformers model must be in the checkpoint (``check_checkpoint``).
+    Each stage reads only its own tensors, each DTensor rank only its slice; tensors are cast to
+    the model's dtypes on the way. LoRA adapters in ``model`` are left alone.
+    """
+    checkpoint = source if isinstance(source, SafetensorsCheckpoint) else SafetensorsCheckpoint(source)
+    check_checkpoint(checkpoint, model)
+    load_stage_from_checkpoint(model, checkpoint, show_progress=show_progress)

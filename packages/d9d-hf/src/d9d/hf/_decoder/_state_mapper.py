@@ -8,10 +8,11 @@ and one ``(E, in, out)`` tensor per projection in d9d.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._heads import DecoderHead, as_heads, export_head_of
 from d9d.hf._decoder._stage import StageLayout
 from d9d.hf._head import HeadName
 from d9d.state_mappers import (
@@ -62,8 +63,10 @@ def _layer_entry(row: LayerTensor, hf: str, ours: str) -> _Entry:
             return _Experts(tuple(hf + name for name in row.hf), ours + row.d9d)
 
 
-def _entries(family: DecoderFamily, head: HeadName, layout: StageLayout, prefix: str) -> list[_Entry]:
-    tie = family.decoder_spec().tie_word_embeddings
+def _entries(
+    family: DecoderFamily, heads: Sequence[DecoderHead], layout: StageLayout, prefix: str
+) -> list[_Entry]:
+    spec = family.decoder_spec()
     entries: list[_Entry] = []
     if layout.is_first:
         entries.append(_Tensor(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight"))
@@ -72,14 +75,8 @@ def _entries(family: DecoderFamily, head: HeadName, layout: StageLayout, prefix:
         entries += [_layer_entry(row, hf, ours) for row in family.layer_tensors(index)]
     if layout.is_last:
         entries.append(_Tensor(f"{prefix}norm.weight", "model.norm.weight"))
-        match head:
-            case "causal_lm":
-                source = f"{prefix}embed_tokens.weight" if tie else "lm_head.weight"
-                entries.append(_Tensor(source, "lm_head.weight"))
-            case "sequence_classification":
-                entries.append(_Tensor("score.weight", "score.classifier.weight"))
-            case "embedding":
-                pass
+        for head in heads:
+            entries += [_Tensor(hf, ours) for hf, ours in head.hf_tensors(prefix, spec)]
     return entries
 
 
@@ -106,7 +103,7 @@ def _to_hf(entry: _Entry) -> StateMapper:
 
 def decoder_load_mapper(
     family: DecoderFamily,
-    head: HeadName,
+    head: HeadName | Sequence[DecoderHead],
     *,
     source_names: Collection[str],
     target_names: Collection[str],
@@ -121,13 +118,13 @@ def decoder_load_mapper(
 
     Args:
         family: The model's config (its name table).
-        head: The head of the model loaded into.
+        head: The heads loaded from the checkpoint (or a ``model.head`` choice).
         source_names: The checkpoint's tensor names.
         target_names: The stage's state names to fill.
     """
     prefix = "model." if any(name.startswith("model.") for name in source_names) else ""
     whole = StageLayout(layers=range(family.decoder_spec().num_layers), is_first=True, is_last=True)
-    entries = _entries(family, head, whole, prefix)
+    entries = _entries(family, as_heads(head), whole, prefix)
     consumed: set[str] = set()
     for entry in entries:
         match entry:
@@ -143,21 +140,27 @@ def decoder_load_mapper(
     return FilterMapper(ParallelMapper(mappers), lambda name: name in wanted)
 
 
-def decoder_export_mapper(family: DecoderFamily, head: HeadName, layout: StageLayout) -> StateMapper:
-    """The state of one stage -> HF tensors named as transformers writes them for ``head``.
+def decoder_export_mapper(
+    family: DecoderFamily, head: HeadName | Sequence[DecoderHead], layout: StageLayout
+) -> StateMapper:
+    """The state of one stage -> HF tensors named as transformers writes them for its heads.
 
-    A tied ``lm_head.weight`` is not written (transformers re-ties it from the embedding).
+    A head's ``exported_state`` is not written: a tied ``lm_head.weight`` (transformers re-ties
+    it from the embedding), a head saved as its own file.
 
     Args:
         family: The model's config (its name table).
-        head: The stage's head.
+        head: The stage's heads (or a ``model.head`` choice).
         layout: The stage's part of the model.
     """
-    tie = family.decoder_spec().tie_word_embeddings
-    mappers: list[StateMapper] = []
-    for entry in _entries(family, head, layout, hf_prefix(head)):
-        if isinstance(entry, _Tensor) and entry.d9d == "lm_head.weight" and tie:
-            mappers.append(DropMapper([entry.d9d]))
-        else:
-            mappers.append(_to_hf(entry))
+    heads = as_heads(head)
+    spec = family.decoder_spec()
+    left_out = [name for one in heads for name in one.exported_state(spec)] if layout.is_last else []
+    mappers: list[StateMapper] = [
+        _to_hf(entry)
+        for entry in _entries(family, heads, layout, hf_prefix(export_head_of(heads)))
+        if not (isinstance(entry, _Tensor) and entry.d9d in left_out)
+    ]
+    if left_out:
+        mappers.append(DropMapper(left_out))
     return ParallelMapper(mappers)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from d9d.hf._decoder._family import DecoderFamily
-from d9d.hf._decoder._model_base import DecoderModelBase
+from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, gather_sequence
 from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import place_adapters_like_base
@@ -78,7 +78,7 @@ def _localize_padding_idx(embedding: nn.Embedding, mesh: DeviceMesh) -> None:
     embedding.padding_idx = pad - start if start <= pad < start + rows else None
 
 
-def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: DeviceMesh) -> None:
+def parallelize_decoder_tensor_parallel(model: DecoderModel, *, mesh: DeviceMesh) -> None:
     """Applies tensor and sequence parallelism over the 1-D ``mesh`` to ``model`` in place.
 
     The sequence length must be divisible by the tp degree, and so must the vocabulary and the
@@ -120,12 +120,6 @@ def parallelize_decoder_tensor_parallel(model: DecoderModelBase, *, mesh: Device
         _localize_padding_idx(backbone.embed_tokens, mesh)
     # LoRA adapters (d9d.loop.peft) laid out after their column- / row-parallel base weights
     place_adapters_like_base(backbone)
-    for name in ("lm_head", "score", "head"):
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module):
-            # lm_head(hidden_states, labels); score / head(hidden_states, attention_mask)
-            _replicate_head(head, mesh, num_args=2)
-    heads = getattr(model, "heads", None)
-    if isinstance(heads, nn.ModuleDict):  # a several-head model's classification heads
-        for head in heads.values():
-            _replicate_head(head, mesh, num_args=2)
+    for _, head in model.head_modules():
+        # lm_head(hidden_states, labels); a pooling head (hidden_states, attention_mask)
+        _replicate_head(head, mesh, num_args=2)
