@@ -20,7 +20,7 @@ from d9d.loop.estimate import (
     summary_line,
 )
 from d9d.loop.estimate._activations import layer_forward_bytes, saved_per_layer_bytes
-from d9d.loop.peft import LoRAConfig
+from d9d.loop.peft import LoRAConfig, NF4BaseConfig, PlainBaseConfig
 from d9d.mesh import MeshParameters
 
 # hidden 8, 2 layers, 2 query heads and 1 key/value head of 4, feed-forward 16, vocabulary 32.
@@ -163,6 +163,30 @@ def test_a_job_that_fits_passes_and_one_that_does_not_names_the_amount_and_a_swi
         MemoryFitError, match=r"over the device's .* by .* GiB; it would fit with: FSDP over 2"
     ):
         check_fits(job, rank.total - 1)
+
+
+@pytest.mark.parametrize(
+    ("base", "bits"),
+    [
+        (NF4BaseConfig(block_size=64, double_quant=False), 4.5),  # a float32 absmax per 64 weights
+        (NF4BaseConfig(block_size=64), 4 + 8 / 64 + 32 / (256 * 64)),  # 8-bit absmax, float32 per 256
+        (PlainBaseConfig(), None),  # stored like the rest
+    ],
+)
+def test_the_configured_base_sets_the_adapted_weights_bits(
+    base: NF4BaseConfig | PlainBaseConfig, bits: float | None
+) -> None:
+    assert _job(peft=LoRAConfig(target="q_proj", r=2, alpha=4.0, base=base)).base_bits == bits
+
+
+def test_a_lora_job_over_the_device_is_told_of_the_4_bit_base() -> None:
+    lora = LoRAConfig(target="q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj", r=1, alpha=2.0)
+    job = _job(peft=lora)
+    quantized = _job(peft=lora.model_copy(update={"base": NF4BaseConfig()}))
+    (plain,), (nf4,) = estimate_memory(job), estimate_memory(quantized)
+    assert nf4.components["weights, frozen"] < plain.components["weights, frozen"]
+    with pytest.raises(MemoryFitError, match=r"a 4-bit base \(trainer.peft.base: \{kind: nf4\}\)"):
+        check_fits(job, nf4.total)
 
 
 def test_a_quantized_base_shrinks_only_the_adapted_weights() -> None:

@@ -77,7 +77,7 @@ def _compute_copies(job: MemoryJob, params: RankParameters) -> int:
     one dequantized layer."""
     mesh, model = job.mesh, job.model
     compute = model.compute_bytes
-    dequantized = compute * params.largest_layer if job.frozen_bits is not None else 0
+    dequantized = compute * params.largest_layer if job.base_bits is not None else 0
     if mesh.data_parallel_shard * mesh.context_parallel_shard > 1:
         return compute * (params.rest + 2 * params.largest_layer) + dequantized
     if model.storage_bytes == compute:
@@ -87,7 +87,8 @@ def _compute_copies(job: MemoryJob, params: RankParameters) -> int:
 
 def _static(job: MemoryJob, params: RankParameters) -> dict[str, int]:
     model = job.model
-    bits = model.storage_bytes * 8 if job.frozen_bits is None else job.frozen_bits
+    bits = job.base_bits
+    bits = model.storage_bytes * 8 if bits is None else bits
     plain = (params.frozen - params.quantizable) * model.storage_bytes
     optimizer = job.optimizer
     return {

@@ -10,7 +10,7 @@ from d9d.loop.config._optimizer import HostOffloadConfig
 from d9d.loop.estimate._estimate import estimate_memory
 from d9d.loop.estimate._job import MemoryJob
 from d9d.loop.estimate._report import GIB, largest
-from d9d.loop.peft import LoRAConfig
+from d9d.loop.peft import LoRAConfig, NF4BaseConfig
 
 _FSDP_DEGREES = (2, 4, 8, 16, 32, 64)
 _SHORTEST_SEQUENCE = 256
@@ -40,6 +40,11 @@ def _single_switches(job: MemoryJob) -> Iterable[tuple[str, MemoryJob]]:
     if job.lora is None and model.layer_linears:
         lora = LoRAConfig(target=_every_layer_linear(job), r=16, alpha=32.0)
         yield "LoRA r16 on every decoder linear (trainer.peft: {kind: lora, ...})", replace(job, peft=lora)
+    lora, mesh = job.lora, job.mesh
+    unsharded = mesh.data_parallel_shard * mesh.context_parallel_shard * mesh.tensor_parallel == 1
+    if lora is not None and job.base_bits is None and unsharded:  # NF4 is refused on a sharding mesh
+        quantized = lora.model_copy(update={"base": NF4BaseConfig()})
+        yield "a 4-bit base (trainer.peft.base: {kind: nf4})", replace(job, peft=quantized)
     if not job.optimizer.offloaded and job.optimizer.state_bytes > 0:
         offloaded = replace(job.optimizer, offloaded=True, staging_bytes=2 * _DEFAULT_CHUNK)
         switch = "the moments in host memory (optimizer: {name: stochastic_adamw, offload: {}})"

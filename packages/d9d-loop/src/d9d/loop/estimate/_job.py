@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from d9d.loop.config._optimizer import OptimizerConfig
 from d9d.loop.estimate._shape import ModelMemoryShape
-from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, PeftConfig
+from d9d.loop.peft import FullFineTuningConfig, LoRAConfig, NF4BaseConfig, PeftConfig, PlainBaseConfig
 from d9d.mesh import MeshParameters
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -62,9 +62,9 @@ class MemoryJob:
         microbatches_per_step: Microbatches per optimizer step and data-parallel rank.
         peft: Full fine-tuning or LoRA adapters on a frozen base.
         optimizer: The optimizer's state per trained element.
-        frozen_bits: Bits per element of the LoRA-adapted base weights when they are stored
-            quantized (an NF4 base: 4 plus its block scales, 4.5 at blocks of 64); None: stored
-            like the rest (``storage_bytes``). Embeddings, norms and the head stay as they are.
+        frozen_bits: Bits per element of the LoRA-adapted base weights, overriding what
+            ``peft.base`` says (``base_bits``); None: from ``peft.base``. Embeddings, norms and
+            the head stay as they are.
     """
 
     model: ModelMemoryShape
@@ -75,6 +75,25 @@ class MemoryJob:
     peft: PeftConfig = field(default_factory=FullFineTuningConfig)
     optimizer: OptimizerMemory
     frozen_bits: float | None = None
+
+    @property
+    def base_bits(self) -> float | None:
+        """Bits per LoRA-adapted base weight: ``frozen_bits``, else those of the configured base.
+
+        An NF4 base (``peft.base: {kind: nf4}``) stores 4 bits per weight and its block scales:
+        with ``double_quant`` an 8-bit absmax per block and a float32 per 256 of those, else a
+        float32 absmax per block (4.13 and 4.5 bits at blocks of 64). None: stored like the rest.
+        """
+        lora = self.lora
+        if self.frozen_bits is not None or lora is None:
+            return self.frozen_bits
+        match lora.base:
+            case NF4BaseConfig(block_size=block, double_quant=True):
+                return 4 + 8 / block + 32 / (256 * block)
+            case NF4BaseConfig(block_size=block):
+                return 4 + 32 / block
+            case PlainBaseConfig():
+                return None
 
     @property
     def lora(self) -> LoRAConfig | None:

@@ -16,7 +16,7 @@ class RankParameters:
     Attributes:
         frozen: Elements of this rank's shards that are not trained.
         quantizable: Of ``frozen``, the base weights of LoRA-adapted linears (what a quantized
-            base, ``MemoryJob.frozen_bits``, stores in fewer bits).
+            base, ``MemoryJob.base_bits``, stores in fewer bits).
         trained: Elements of this rank's shards that are trained (LoRA adapters included).
         head_trained: Trained elements of the LM head on this rank (its gradient is made at the
             loss, before the layers' gradients).
