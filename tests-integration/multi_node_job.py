@@ -21,18 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quickstart_job import load_quickstart
+from quickstart_job import build_trainer, full_parameters
 
-from d9d.loop import (
-    AutoDataProvider,
-    AutoLRSchedulerProvider,
-    AutoOptimizerProvider,
-    CheckpointSaved,
-    EventBus,
-    ForwardBackwardFinished,
-    ProjectConfig,
-    TrainingConfigurator,
-)
+from d9d.loop import CheckpointSaved, EventBus, ForwardBackwardFinished, ProjectConfig
 
 
 def main() -> None:
@@ -43,7 +34,6 @@ def main() -> None:
     node = int(os.environ["GROUP_RANK"])
     losses_file = out / f"losses-rank{rank}.jsonl"
 
-    qs = load_quickstart()
     config = ProjectConfig.model_validate(raw)
     events = EventBus()
     losses: list[float] = []
@@ -64,26 +54,10 @@ def main() -> None:
                     time.sleep(1)
 
         events.subscribe(CheckpointSaved, pause)
-    trainer = TrainingConfigurator(
-        mesh=config.mesh,
-        parameters=config.trainer,
-        model_provider=qs.MLPProvider(),
-        task_provider=lambda ctx: qs.RegressionTask(),
-        data_provider=AutoDataProvider(
-            dataset_factory=lambda dist_context: qs.RegressionDataset(4096, 16),
-            collator=qs.RegressionDataset.collate,
-            config=config.data,
-        ),
-        optimizer_provider=AutoOptimizerProvider(config.optimizer),
-        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
-        events=events,
-    ).configure()
+    trainer = build_trainer(config, events)
     with trainer:
         trainer.train()
-        params = {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in trainer.model_stages[0].named_parameters()
-        }
+        params = full_parameters(trainer.model_stages[0])
         start_step = trainer.total_steps - len(losses)
     torch.save({"losses": losses, "params": params, "start_step": start_step}, out / f"rank{rank}.pt")
 

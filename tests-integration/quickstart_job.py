@@ -12,6 +12,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from d9d.loop import (
     AutoDataProvider,
@@ -21,6 +23,7 @@ from d9d.loop import (
     ForwardBackwardFinished,
     ProjectConfig,
     StepFinished,
+    Trainer,
     TrainingConfigurator,
 )
 
@@ -33,6 +36,33 @@ def load_quickstart() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_trainer(config: ProjectConfig, events: EventBus, *, num_samples: int = 4096) -> Trainer:
+    """The quickstart's trainer on ``config`` (regression samples of 16 features), with ``events``."""
+    qs = load_quickstart()
+    return TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=qs.MLPProvider(),
+        task_provider=lambda ctx: qs.RegressionTask(),
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda dist_context: qs.RegressionDataset(num_samples, 16),
+            collator=qs.RegressionDataset.collate,
+            config=config.data,
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+        events=events,
+    ).configure()
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (DTensors are gathered: a collective, call it on every rank)."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def quickstart_config(**overrides: Any) -> dict[str, Any]:
@@ -68,7 +98,6 @@ def run_quickstart(
     num_samples: int = 4096,
 ) -> dict[str, Any]:
     """Trains; returns per-step losses, and final full parameters on rank 0."""
-    qs = load_quickstart()
     config = ProjectConfig.model_validate(raw_config)
     events = EventBus()
     losses: list[float] = []
@@ -91,24 +120,8 @@ def run_quickstart(
                 time.sleep(0.0005)
 
         threading.Thread(target=watch, daemon=True).start()
-    trainer = TrainingConfigurator(
-        mesh=config.mesh,
-        parameters=config.trainer,
-        model_provider=qs.MLPProvider(),
-        task_provider=lambda ctx: qs.RegressionTask(),
-        data_provider=AutoDataProvider(
-            dataset_factory=lambda dist_context: qs.RegressionDataset(num_samples, 16),
-            collator=qs.RegressionDataset.collate,
-            config=config.data,
-        ),
-        optimizer_provider=AutoOptimizerProvider(config.optimizer),
-        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
-        events=events,
-    ).configure()
+    trainer = build_trainer(config, events, num_samples=num_samples)
     trainer.train()
-    params: dict[str, torch.Tensor] = {}
-    for name, param in trainer.model_stages[0].named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor or plain
-        params[name] = full.detach().clone()
+    params = full_parameters(trainer.model_stages[0])
     trainer.close()  # the trainer owns the context it built: this releases it too
     return {"losses": losses, "params": params, "start_step": trainer.total_steps - len(losses)}

@@ -9,24 +9,17 @@ the two nodes again and on one node of 4 ranks. docs/multi-node.md shows the sam
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from multi_node_launch import RUN_TIMEOUT_S, Nodes, kill_node, launcher
 from quickstart_job import quickstart_config, run_quickstart
 
 from d9d.mesh.testing import run_distributed
@@ -36,158 +29,24 @@ HSDP_ACROSS_NODES = {"data_parallel_replicate": 2, "data_parallel_shard": 2}
 STEPS = 12
 PAUSE_AFTER_CHECKPOINT = 5  # node 1 stops once the checkpoint of this step is saved, and is killed
 COLLECTIVE_TIMEOUT_S = 60.0  # trainer.timeouts.collective_seconds of the two-node runs
-RUN_TIMEOUT_S = 240.0  # a 4-rank job on a busy 2-core machine takes about a minute
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (torchrun starts each worker in a session of its own, so a
-    process-group kill of the agent does not reach them)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_node(agent: subprocess.Popen[bytes]) -> None:
-    """SIGKILL an agent and its workers at once, as a node that loses power."""
-    workers = _children(agent.pid)
-    for target in [agent.pid, *workers]:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(os.getpgid(target), signal.SIGKILL)
-    agent.wait()
-
-
-@dataclass
-class Nodes:
-    agents: list[subprocess.Popen[bytes]]
-    logs: list[Path]
-
-    def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> list[int]:
-        deadline = time.monotonic() + timeout_s
-        codes: list[int] = []
-        for agent, log in zip(self.agents, self.logs, strict=True):
-            try:
-                codes.append(agent.wait(timeout=max(deadline - time.monotonic(), 1.0)))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"node still running after {timeout_s} s:\n{log.read_text()[-3000:]}")
-        return codes
-
-    def output(self, node: int) -> str:
-        return self.logs[node].read_text()
-
-
-def torchrun(nnodes: int, nproc_per_node: int, port: int, rdzv_id: str, node_rank: int) -> list[str]:
-    """The launcher command of one node (docs/multi-node.md shows it with real host names)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(nnodes),
-        "--node-rank",
-        str(node_rank),
-        "--nproc-per-node",
-        str(nproc_per_node),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"localhost:{port}",
-        "--rdzv-id",
-        rdzv_id,
-        "--max-restarts",
-        "0",
-    ]
-
-
-def _wait_listening(port: int, agent: subprocess.Popen[bytes], log: Path) -> None:
-    """Until the first agent hosts the rendezvous store on ``port`` (so that it, node 0, is the
-    store's host, as on a cluster where the endpoint names node 0)."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("localhost", port)) == 0:
-                return
-        assert agent.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the first agent never opened the rendezvous port"
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def launch(tmp_path: Path) -> Iterator[Any]:
-    """Starts ``nnodes`` agents of ``nproc_per_node`` ranks each, node 0 first (it hosts the
-    rendezvous store); every agent and worker still alive at the end of the test is killed."""
-    started: list[subprocess.Popen[bytes]] = []
+    """Starts the two nodes of 2 ranks each on a config (see multi_node_launch); ``pause_node``'s
+    ranks stop once the checkpoint of step ``PAUSE_AFTER_CHECKPOINT`` is saved."""
+    with launcher(JOB, tmp_path) as nodes:
 
-    def start(config: dict[str, Any], out: Path, *, pause_node: int | None = None) -> Nodes:
-        out.mkdir(parents=True, exist_ok=True)
-        config_path = out / "config.json"
-        config_path.write_text(json.dumps(config))
-        port, rdzv_id = _free_port(), f"d9d-{uuid.uuid4().hex[:8]}"
-        job = [str(JOB), str(config_path), str(out), str(PAUSE_AFTER_CHECKPOINT)]
-        agents: list[subprocess.Popen[bytes]] = []
-        logs: list[Path] = []
-        for node in range(2):
-            log = out / f"node{node}.log"
-            env = dict(os.environ, D9D_TEST_PAUSE_THIS_NODE="1" if node == pause_node else "0")
-            with log.open("wb") as sink:
-                agent = subprocess.Popen(
-                    [*torchrun(2, 2, port, rdzv_id, node), *job],
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # one process group per node
-                    cwd=out,
-                )
-            started.append(agent)
-            agents.append(agent)
-            logs.append(log)
-            if node == 0:
-                _wait_listening(port, agent, log)
-        return Nodes(agents, logs)
+        def start(config: dict[str, Any], out: Path, *, pause_node: int | None = None) -> Nodes:
+            out.mkdir(parents=True, exist_ok=True)
+            config_path = out / "config.json"
+            config_path.write_text(json.dumps(config))
+            env = {n: {"D9D_TEST_PAUSE_THIS_NODE": "1" if n == pause_node else "0"} for n in range(2)}
+            return nodes.start([str(config_path), str(out), str(PAUSE_AFTER_CHECKPOINT)], out, node_env=env)
 
-    try:
         yield start
-    finally:
-        for agent in started:
-            if agent.poll() is None:
-                _kill_node(agent)
-        _kill_orphans(tmp_path)
-
-
-def _kill_orphans(tmp_path: Path) -> None:
-    """Workers whose agent was killed keep running in their own session: end those of this test."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(JOB) in cmdline and str(tmp_path) in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def _config(directory: Path) -> dict[str, Any]:
@@ -232,7 +91,7 @@ def test_a_killed_node_ends_the_job_and_its_checkpoint_resumes_bit_exactly(
         assert nodes.agents[0].poll() is None, nodes.output(0)[-3000:]
         assert time.monotonic() < deadline, "node 1 never reached the checkpoint of step 5"
         time.sleep(0.2)
-    _kill_node(nodes.agents[1])
+    kill_node(nodes.agents[1])
     # Node 0's ranks end with an error naming what was lost, not a hang: Nodes.wait fails the test
     # if they still run after the collective timeout plus a generous margin.
     assert nodes.wait(COLLECTIVE_TIMEOUT_S + RUN_TIMEOUT_S)[0] != 0
