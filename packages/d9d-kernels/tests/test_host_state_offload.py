@@ -142,7 +142,18 @@ def test_resident_moments_are_left_out_of_the_host_memory_check() -> None:
         StochasticAdamW(params, state_dtype=torch.float32, offload=replace(offload, resident_bytes=0))
 
 
-@pytest.mark.parametrize("wrong", [{"chunk_bytes": 0}, {"resident_bytes": -1}])
+def test_processes_of_one_host_share_its_free_memory() -> None:
+    params = [torch.nn.Parameter(torch.zeros(1024, dtype=torch.bfloat16))]
+    # 8 KiB of fp32 moments: 16 KiB free fits one process, not four
+    alone = HostStateOffload(available_host_bytes=lambda: 16384)
+    StochasticAdamW(params, state_dtype=torch.float32, offload=alone)
+    offload = replace(alone, processes_per_host=4)
+    expected = r"only 0\.00 GiB \(4096 bytes\) is available \(0\.00 GiB \(16384 bytes\) free, shared by 4 "
+    with pytest.raises(ValueError, match=expected):
+        StochasticAdamW(params, state_dtype=torch.float32, offload=offload)
+
+
+@pytest.mark.parametrize("wrong", [{"chunk_bytes": 0}, {"resident_bytes": -1}, {"processes_per_host": 0}])
 def test_sizes_out_of_range_are_refused(wrong: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=f"{next(iter(wrong))}="):
         HostStateOffload(**wrong)

@@ -6,7 +6,7 @@ Every op dispatches automatically (Triton for CUDA tensors, PyTorch elsewhere) a
 
 from d9d.kernels._backend import KernelBackend
 from d9d.kernels._grouped_mm import grouped_mm
-from d9d.kernels._host_state import HostStateOffload
+from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._rms_norm import rms_norm
@@ -28,6 +28,7 @@ __all__ = [
     "adamw_step_stochastic_",
     "adamw_step_stochastic_multi_",
     "apply_rope",
+    "available_host_memory",
     "copy_stochastic_",
     "grouped_mm",
     "linear_cross_entropy",

@@ -38,12 +38,15 @@ class HostStateOffload:
             ``2 * chunk_bytes`` for the step. A parameter larger than a chunk is stepped in slices.
         resident_bytes: Moment bytes that stay on the device (those of the first parameters that
             fit), so that a device with memory to spare copies less at each step.
+        processes_per_host: Processes on this host that offload at once (one per GPU); each may
+            take this share of the host's free memory.
         available_host_bytes: How much host memory is free (``/proc/meminfo`` by default); the
             optimizer refuses to start when the moments need more.
     """
 
     chunk_bytes: int = 512 * 2**20
     resident_bytes: int = 0
+    processes_per_host: int = 1
     available_host_bytes: Callable[[], int] = field(default=available_host_memory)
 
     def __post_init__(self) -> None:
@@ -51,6 +54,8 @@ class HostStateOffload:
             raise ValueError(f"HostStateOffload: chunk_bytes={self.chunk_bytes} must be > 0")
         if self.resident_bytes < 0:
             raise ValueError(f"HostStateOffload: resident_bytes={self.resident_bytes} must be >= 0")
+        if self.processes_per_host < 1:
+            raise ValueError(f"HostStateOffload: processes_per_host={self.processes_per_host} must be >= 1")
 
     def check_fits(self, needed_bytes: int, *, what: str) -> None:
         """Refuses ``needed_bytes`` of host state that the host cannot hold, before any is allocated.
@@ -58,12 +63,15 @@ class HostStateOffload:
         Raises:
             ValueError: Naming the bytes needed and available.
         """
-        available = self.available_host_bytes()
-        if needed_bytes > available:
+        free = self.available_host_bytes()
+        share = free // self.processes_per_host
+        if needed_bytes > share:
+            shared = f" ({_size(free)} free, shared by {self.processes_per_host} processes)"
             raise ValueError(
                 f"{what}: optimizer state offloaded to the host needs {_size(needed_bytes)} of pinned "
-                f"host memory, but only {_size(available)} is available; free host memory, "
-                f"keep the state on the device (no offload), or use bf16 moments (state_dtype)"
+                f"host memory, but only {_size(share)} is available"
+                f"{shared if self.processes_per_host > 1 else ''}; free host memory, keep more of the "
+                f"state on the device (resident_bytes, or no offload), or use bf16 moments (state_dtype)"
             )
 
 
