@@ -8,7 +8,7 @@ import pytest
 from test_memory_estimate import TINY
 
 from d9d.loop import AutoOptimizerProvider
-from d9d.loop.config._optimizer import AdamWConfig
+from d9d.loop.config._optimizer import AdamWConfig, HostOffloadConfig, StochasticAdamWConfig
 from d9d.loop.config._trainer import TrainerConfig
 from d9d.loop.estimate import DescribeMemoryContext, DescribeMemoryResult, MemoryFitError
 from d9d.loop.estimate._configure import check_memory_at_configure
@@ -55,3 +55,34 @@ def test_says_why_nothing_is_estimated(caplog: pytest.LogCaptureFixture) -> None
     with caplog.at_level(logging.INFO, logger=LOGGER.name):
         _check(object(), 1000)  # no sequence length: no estimate, no refusal
     assert "memory estimate: none (the data provider states no sequence_length)" in caplog.text
+
+
+def _check_offloaded(processes_per_host: int, resident_mib: int = 0) -> None:
+    pytest.importorskip("d9d.kernels")
+    offload = HostOffloadConfig(chunk_mib=1, resident_mib=resident_mib)
+    check_memory_at_configure(
+        model=_Shaped(),
+        data=_Rows(),
+        optimizer=AutoOptimizerProvider(StochasticAdamWConfig(offload=offload)),
+        trainer=TRAINER,
+        mesh=MeshParameters(),
+        budget_bytes=None,
+        logger=LOGGER,
+        processes_per_host=processes_per_host,
+    )
+
+
+def test_offloaded_moments_that_fit_the_hosts_share_pass() -> None:
+    _check_offloaded(processes_per_host=1)
+
+
+def test_offloaded_moments_over_the_hosts_share_are_refused_before_loading() -> None:
+    # so many processes on the host that each one's share of its free memory is 0 bytes
+    with pytest.raises(
+        ValueError, match=r"optimizer\.offload \(from the model's shape, before loading\): .* needs"
+    ):
+        _check_offloaded(processes_per_host=2**62)
+
+
+def test_moments_kept_on_the_device_need_no_host_memory() -> None:
+    _check_offloaded(processes_per_host=2**62, resident_mib=1024)  # TINY's moments are far smaller

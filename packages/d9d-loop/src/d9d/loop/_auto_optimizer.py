@@ -27,7 +27,7 @@ def _trainable(context: OptimizerProviderContext) -> list[nn.Parameter]:
     return params
 
 
-def _kernels_name(name: str) -> Callable[..., Any]:
+def kernels_name(name: str) -> Callable[..., Any]:
     """A callable of d9d-kernels, found by name (d9d-loop does not depend on d9d-kernels)."""
     try:
         kernels = importlib.import_module("d9d.kernels")
@@ -41,14 +41,18 @@ def _kernels_name(name: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], found)
 
 
-def _stochastic_adamw(config: StochasticAdamWConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def _stochastic_adamw(
+    config: StochasticAdamWConfig, params: list[nn.Parameter], context: OptimizerProviderContext
+) -> torch.optim.Optimizer:
     options: dict[str, Any] = {}
     if config.offload is not None:
         # Refuses, naming the bytes, when the host cannot hold the moments (before allocating any).
-        options["offload"] = _kernels_name("HostStateOffload")(
-            chunk_bytes=config.offload.chunk_mib * 2**20, resident_bytes=config.offload.resident_mib * 2**20
+        options["offload"] = kernels_name("HostStateOffload")(
+            chunk_bytes=config.offload.chunk_mib * 2**20,
+            resident_bytes=config.offload.resident_mib * 2**20,
+            processes_per_host=context.dist_context.local_world_size,  # the host's ranks share it
         )
-    optimizer = _kernels_name("StochasticAdamW")(
+    optimizer = kernels_name("StochasticAdamW")(
         params,
         lr=config.lr,
         betas=config.betas,
@@ -108,4 +112,4 @@ class AutoOptimizerProvider:
                     foreach=True,
                 )
             case StochasticAdamWConfig():
-                return _stochastic_adamw(config, params)
+                return _stochastic_adamw(config, params, context)

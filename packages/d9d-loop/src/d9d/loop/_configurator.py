@@ -290,6 +290,7 @@ class TrainingConfigurator:
             mesh=self._mesh,
             budget_bytes=device_budget_bytes(dist_context.device),
             logger=dist_context.logger,
+            processes_per_host=dist_context.local_world_size,
         )
 
     def _build_model(

@@ -10,6 +10,7 @@ from d9d.loop.config._trainer import TrainerConfig
 from d9d.loop.estimate._describe import DescribeMemoryContext, DescribeMemoryResult
 from d9d.loop.estimate._estimate import estimate_memory
 from d9d.loop.estimate._fit import check_fits
+from d9d.loop.estimate._host_fit import check_host_fits
 from d9d.loop.estimate._job import MemoryJob, OptimizerMemory
 from d9d.loop.estimate._report import summary_line
 from d9d.mesh import MeshParameters
@@ -45,6 +46,7 @@ def check_memory_at_configure(
     mesh: MeshParameters,
     budget_bytes: int | None,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    processes_per_host: int = 1,
 ) -> None:
     """Logs the largest rank's estimated peak; refuses a job over ``budget_bytes`` (the device's
     free memory or per-process cap, ``device_budget_bytes``; None: no check, as on the CPU).
@@ -52,9 +54,13 @@ def check_memory_at_configure(
     Nothing is estimated (one line says why) when the model provider states no shape, the data
     provider no sequence length or the optimizer provider no state size.
 
+    With the optimizer's moments offloaded, the host's share for this process (its free memory
+    over ``processes_per_host``, the ranks started on it) must hold them too.
+
     Raises:
         MemoryFitError: When the peak exceeds the device's free memory or the per-process cap,
             saying by how much and which switch would make it fit.
+        ValueError: When the offloaded moments exceed the host's share, naming both.
     """
     shape = model.describe_memory(DescribeMemoryContext(mesh=mesh)).shape
     if shape is None:
@@ -78,6 +84,8 @@ def check_memory_at_configure(
         peft=trainer.peft,
         optimizer=optimizer.optimizer_memory(storage_bytes=shape.storage_bytes),
     )
-    logger.info(summary_line(estimate_memory(job)))
+    estimates = estimate_memory(job)
+    logger.info(summary_line(estimates))
     if budget_bytes is not None:
         check_fits(job, budget_bytes)
+    check_host_fits(job, estimates, processes_per_host=processes_per_host)

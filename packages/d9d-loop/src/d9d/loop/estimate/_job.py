@@ -21,11 +21,13 @@ class OptimizerMemory:
         offloaded: The state lives in host memory; the device holds only ``staging_bytes``.
         staging_bytes: Device bytes of the offloaded state's staging chunks (two in flight) and
             of the moments it keeps on the device (``resident_mib``).
+        resident_bytes: Of those, the moments kept on the device (the host holds the rest).
     """
 
     state_bytes: int
     offloaded: bool = False
     staging_bytes: int = 0
+    resident_bytes: int = 0
 
 
 def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> OptimizerMemory:
@@ -46,8 +48,11 @@ def optimizer_memory(config: OptimizerConfig, *, storage_bytes: int) -> Optimize
                 return OptimizerMemory(state_bytes=state)
             # two chunks in flight, and the moments kept on the device (at most: the estimate does not
             # know here whether the model's moments fill ``resident_mib``)
-            staging = (2 * config.offload.chunk_mib + config.offload.resident_mib) << 20
-            return OptimizerMemory(state_bytes=state, offloaded=True, staging_bytes=staging)
+            resident = config.offload.resident_mib << 20
+            staging = (2 * config.offload.chunk_mib << 20) + resident
+            return OptimizerMemory(
+                state_bytes=state, offloaded=True, staging_bytes=staging, resident_bytes=resident
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
