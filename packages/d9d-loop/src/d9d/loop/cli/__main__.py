@@ -1,7 +1,8 @@
 """``python -m d9d.loop.cli``: the ``d9d`` command (its entry point is ``d9d._loop_command``).
 
 ``lr-plot`` (the configured LR schedule), ``plot`` (a run's metrics), ``inspect`` (a checkpoint
-or an export), ``export`` (a DCP checkpoint to a Hugging Face directory). The console script
+or an export), ``export`` (a DCP checkpoint to a Hugging Face directory), ``estimate``
+(each rank's peak device memory from a config). The console script
 points at ``d9d._loop_command:main``, outside this package, so that ``--help`` does not import
 torch; this module serves ``python -m`` (the integration tests run the command this way).
 """
