@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from loop_toy_job import Input, ToyTask, collate
 from lora_wide_job import WideDataset, WideModel, WideProvider, run_wide, wide_config, write_base_model
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
+from d9d._loop_command import main
 from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
@@ -262,6 +264,21 @@ def test_what_a_4bit_base_cannot_serve_is_refused_before_loading(
     with pytest.raises((ValueError, ValidationError), match=re.escape(message)):
         configure()
     assert provider.loads == 0
+
+
+def test_d9d_export_of_a_4bit_checkpoint_without_merging_is_refused_before_reading_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    peft = QLORA | {"export": "adapters"}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"seed": 0, "peft": peft}}))
+    checkpoint = tmp_path / "step_000000002"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(b"")  # never read: the config is refused first
+    argv = ["export", str(tmp_path / "config.yaml"), str(checkpoint), str(tmp_path / "out")]
+    # (any provider: the config is refused before one is built)
+    assert main([*argv, "--provider", "test_cli_commands:toy_provider"]) == 2
+    assert "peft.export=adapters with peft.base: {kind: nf4}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_bitsandbytes_names_the_quant_extra(monkeypatch: pytest.MonkeyPatch) -> None:
