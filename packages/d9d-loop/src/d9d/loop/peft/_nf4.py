@@ -2,7 +2,7 @@
 
 Why bitsandbytes and not torchao's ``NF4Tensor`` (docs/one-gpu.md has the details): its NF4
 dequantization runs in CUDA kernels of its own (torchao's is a chain of eager ops behind a tensor
-subclass whose dispatch is excluded from ``torch.compile``), its 4-bit API is the one
+subclass whose dispatch is marked ``torch._dynamo.disable``), its 4-bit API is the one
 transformers' and PEFT's QLoRA call while torchao's NF4 moved modules, its native library is
 loaded through ctypes (one wheel for every torch version, CPU included: our tests run it), and
 its quantization error is slightly lower.
