@@ -53,8 +53,15 @@ def test_refuses_over_budget_naming_the_amount() -> None:
 
 def test_says_why_nothing_is_estimated(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger=LOGGER.name):
-        _check(object(), 1000)  # no sequence length: no estimate, no refusal
+        _check(object(), 1 << 30)  # no sequence length: no estimate; the weights fit
     assert "memory estimate: none (the data provider states no sequence_length)" in caplog.text
+
+
+def test_without_a_sequence_length_weights_over_the_device_are_still_refused() -> None:
+    # the tiny model's 1720 bf16 weights need 3440 bytes, whatever the activations would add
+    with pytest.raises(MemoryFitError, match=r"the weights alone need 0.00 GiB \(0.00 GiB of them frozen\)"):
+        _check(object(), 3439)
+    _check(object(), 3440)
 
 
 def _check_offloaded(processes_per_host: int, resident_mib: int = 0) -> None:

@@ -106,3 +106,21 @@ def check_fits(job: MemoryJob, budget: int) -> None:
         f"the job needs {worst.total / GIB:.2f} GiB{rank} ({worst.phase}), over {device} by "
         f"{(worst.total - budget) / GIB:.2f} GiB{fixes}"
     )
+
+
+def check_weights_fit(job: MemoryJob, budget: int) -> None:
+    """Raises ``MemoryFitError`` when a rank's weights alone (frozen and trained) exceed ``budget``.
+
+    The check that needs neither the sequence length nor the optimizer: whatever they add, a
+    device smaller than the weights cannot run the job.
+    """
+    for estimate in estimate_memory(job):
+        frozen = estimate.frozen_weights
+        weights = frozen + estimate.components["weights, trained"]
+        if weights > budget:
+            rank = f" on pipeline rank {estimate.pipeline_rank}" if job.mesh.pipeline_parallel > 1 else ""
+            raise MemoryFitError(
+                f"the weights alone need {weights / GIB:.2f} GiB{rank} ({frozen / GIB:.2f} GiB of them "
+                f"frozen), more than the device's {budget / GIB:.2f} GiB (shard them over more ranks, "
+                "or use a quantized base)"
+            )
