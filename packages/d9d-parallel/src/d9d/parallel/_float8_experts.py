@@ -126,16 +126,22 @@ class _CastSite:
     start static (a dynamic reduction dim gives two-pass kernels at about a third of the
     bandwidth, measured on H200) and a row count that changes (expert parallelism) turns dynamic
     after one recompile, while the widths, fixed per site, stay static. Inputs are detached so that
-    autograd flags add no variants.
+    autograd flags add no variants. The site compiles on its first CUDA call, not at import:
+    ``torch.compile`` imports Dynamo and Inductor, seconds that every process importing
+    d9d.parallel would pay (CPU jobs, tools, each rank of a launch) for casts it may never run.
     """
 
     def __init__(self, cast: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
         self._cast = cast
-        self._compiled = torch.compile(cast)
+        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         detached = [t.detach() for t in tensors]
-        return self._compiled(*detached) if detached[0].is_cuda else self._cast(*detached)
+        if not detached[0].is_cuda:
+            return self._cast(*detached)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._cast)
+        return self._compiled(*detached)
 
 
 def _single_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
