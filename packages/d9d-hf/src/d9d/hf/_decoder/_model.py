@@ -111,10 +111,6 @@ class DecoderModel(nn.Module):
         # so it is the global microbatch's (``set_load_balancing_groups``).
         self.load_balancing_groups: tuple[ProcessGroup, ...] = ()
 
-    def head_module(self, head: DecoderHead) -> nn.Module | None:
-        """``head``'s module on this stage (None off the last stage)."""
-        return self.get_submodule(head.module_path) if self.layout.is_last else None
-
     def head_modules(self) -> list[tuple[DecoderHead, nn.Module]]:
         """Every head with its module (empty off the last stage)."""
         if not self.layout.is_last:
