@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,7 +56,11 @@ def write_toy_pairs(path: Path, *, seed: int) -> None:
     target = path.absolute()
     created = [folder for folder in reversed(target.parents) if not folder.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    # Under torchrun every rank that found it missing writes it: each its own file, moved into
+    # place whole, so no rank reads a file another one is rewriting.
+    staging = target.parent / f".{target.name}.{uuid.uuid4().hex}.partial"
+    staging.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    staging.replace(target)
     folders = f", creating {', '.join(str(f) for f in created)}" if created else ""
     print(
         f"finetune.toy_data: {path} did not exist: wrote the toy set ({len(pairs)} pairs) to {target}"
@@ -96,7 +102,12 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
 
 
 def write_tiny_checkpoint(directory: Path, *, texts: list[str], seed: int) -> None:
-    """A random 2-layer Qwen3 (hidden 64) saved with d9d.hf, plus its ``tokenizer.json``."""
+    """A random 2-layer Qwen3 (hidden 64) saved with d9d.hf, plus its ``tokenizer.json``.
+
+    Under torchrun every rank that found ``directory`` missing writes one (the same: same texts,
+    same seed), each in a staging folder of its own; the first to finish puts it in place and the
+    others drop theirs.
+    """
     tokenizer = train_tokenizer(texts)
     vocab = tokenizer.get_vocab_size()
     config = Qwen3DenseConfig(
@@ -116,7 +127,7 @@ def write_tiny_checkpoint(directory: Path, *, texts: list[str], seed: int) -> No
     torch.manual_seed(seed)
     model = DecoderCausalLM(config)
     model.reset_parameters()
-    staging = directory.parent / f".{directory.name}.partial"
+    staging = directory.parent / f".{directory.name}.{uuid.uuid4().hex}.partial"  # unique across nodes
     d9d.hf.save_pretrained(model, staging)
     tokenizer.save(str(staging / "tokenizer.json"))
     tokenizer_config = {
@@ -129,4 +140,9 @@ def write_tiny_checkpoint(directory: Path, *, texts: list[str], seed: int) -> No
         "chat_template": CHATML,
     }
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    staging.rename(directory)  # complete or absent: a rerun never finds half a checkpoint
+    try:
+        staging.rename(directory)  # complete or absent: a rerun never finds half a checkpoint
+    except OSError:
+        if not directory.is_dir():
+            raise
+        shutil.rmtree(staging)  # another rank's checkpoint is in place already
