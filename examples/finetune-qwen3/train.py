@@ -38,6 +38,7 @@ from d9d.loop import (
     BuildForwardInputsContext,
     ConfigFileError,
     DataError,
+    EventBus,
     ExportTargetError,
     ProjectConfig,
     Trainer,
@@ -185,8 +186,12 @@ class RunResult:
     finished_at: int | None
 
 
-def run(config: FinetuneConfig) -> RunResult:
-    """Fine-tunes and exports; returns the held-out loss before and after, and the export."""
+def run(config: FinetuneConfig, *, events: EventBus | None = None) -> RunResult:
+    """Fine-tunes and exports; returns the held-out loss before and after, and the export.
+
+    ``events`` carries the caller's subscriptions to the trainer's events (losses, checkpoints),
+    e.g. to record every rank's losses when this runs under ``torchrun``.
+    """
     # Before any work: an export_dir holding the user's own files is refused, not emptied, and
     # toy data is written nowhere but inside work_dir.
     overwrite = check_export_target(
@@ -208,6 +213,7 @@ def run(config: FinetuneConfig) -> RunResult:
         data_provider=data,
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+        events=events,
     ).configure()
     with trainer:
         main_process = trainer.dist_context.is_main_process
