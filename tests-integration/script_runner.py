@@ -13,6 +13,7 @@ once the script's own import lines ran; only the seconds of those imports are sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -52,7 +53,10 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         for name in request.get("preload", []):
-            importlib.import_module(name)
+            # A module that fails here fails again at the script's own import line, in the child,
+            # with its traceback (the runner goes on serving the other scripts).
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
         pid = os.fork()
         if pid == 0:
             code = _child(request)

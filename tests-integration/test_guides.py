@@ -2,14 +2,16 @@
 
 A block preceded by ``<!-- runnable -->`` is executed; the runnable blocks of one guide run in
 order as one script (later blocks may use names from earlier ones), in a Python process of its own
-on CPU, from an empty working directory: forked from a plain interpreter that has only imported
-torch (see script_runner.py), so each guide does not pay that import again. A block that cannot run
+on CPU, from an empty working directory: forked from a plain interpreter that has imported torch
+and the d9d modules the guides import (see script_runner.py), so each guide does not pay those
+imports again (its own import lines still run and bind the names). A block that cannot run
 here (it needs GPUs, torchrun or a download) is preceded by ``<!-- illustrative: <why> -->``
 instead, so no block is skipped silently.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -43,6 +45,22 @@ def runnable_blocks(markdown: str) -> list[str]:
     return blocks
 
 
+def d9d_imports(code: str) -> tuple[str, ...]:
+    """The d9d modules a script imports (absolute imports only), for the runner to import once."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.add(node.module)
+    return tuple(sorted(name for name in names if name.split(".")[0] == "d9d"))
+
+
+def test_d9d_imports_lists_the_d9d_modules_a_script_imports() -> None:
+    code = "import os\nimport d9d.loop\nfrom d9d.mesh.testing import run_distributed\nfrom . import x\n"
+    assert d9d_imports(code) == ("d9d.loop", "d9d.mesh.testing")
+
+
 def test_blocks_are_found_with_their_markers() -> None:
     text = (
         "<!-- runnable -->\n```python\nx = 1\n```\n\n"
@@ -59,7 +77,9 @@ def test_guide_code_runs(guide: str, tmp_path: Path, torch_runner: subprocess.Po
     blocks = runnable_blocks((DOCS / guide).read_text())
     assert blocks, f"{guide} has no runnable block"
     script = tmp_path / "guide.py"
-    script.write_text("\n\n".join(blocks))
-    # As a reader runs the guide: a plain Python process from an empty directory (see script_runner).
-    result = run_script(torch_runner, script, cwd=tmp_path, timeout_s=240)
+    code = "\n\n".join(blocks)
+    script.write_text(code)
+    # As a reader runs the guide: a plain Python process from an empty directory (see script_runner);
+    # the d9d modules it imports are imported once in the runner, not once per guide.
+    result = run_script(torch_runner, script, cwd=tmp_path, timeout_s=240, preload=d9d_imports(code))
     assert result.returncode == 0, f"{guide}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
