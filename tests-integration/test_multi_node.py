@@ -49,15 +49,13 @@ def launch(tmp_path: Path) -> Iterator[Any]:
         yield start
 
 
-def _config(directory: Path) -> dict[str, Any]:
-    return quickstart_config(
-        mesh=HSDP_ACROSS_NODES,
-        trainer={
-            "max_steps": STEPS,
-            "checkpoint": {"directory": str(directory), "every_steps": 1, "keep_last": 3},
-            "timeouts": {"collective_seconds": COLLECTIVE_TIMEOUT_S},
-        },
-    )
+def _config(directory: Path | None) -> dict[str, Any]:
+    """The two-node job; ``directory=None``: the same job without checkpoints (the reference run,
+    whose losses and parameters saving does not change: the resumed runs must equal it)."""
+    trainer: dict[str, Any] = {"max_steps": STEPS, "timeouts": {"collective_seconds": COLLECTIVE_TIMEOUT_S}}
+    if directory is not None:
+        trainer["checkpoint"] = {"directory": str(directory), "every_steps": 1, "keep_last": 3}
+    return quickstart_config(mesh=HSDP_ACROSS_NODES, trainer=trainer)
 
 
 def _losses(out: Path, rank: int) -> list[float]:
@@ -109,7 +107,7 @@ def test_a_killed_node_ends_the_job_and_its_checkpoint_resumes_bit_exactly(
 
     # The uninterrupted run (4 forked ranks, the same mesh): the two nodes' losses before the
     # kill and after the resume are its losses, bit for bit, and close to one process's.
-    reference = run_distributed(_run, _config(tmp_path / "ref"), world_size=4, timeout_s=RUN_TIMEOUT_S)
+    reference = run_distributed(_run, _config(None), world_size=4, timeout_s=RUN_TIMEOUT_S)
     single = run_distributed(_run, quickstart_config(), world_size=1, timeout_s=RUN_TIMEOUT_S)[0]
     for rank in range(4):
         before_kill = _losses(killed, rank)
