@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9d.hf
-from d9d.hf import DecoderInputs, DecoderModel
+from d9d.hf import DecoderInputs, DecoderModel, MultiHeadBatch, MultiHeadSample, causal_lm_targets
 from d9d.kernels.layers import (
     AttentionBackend,
     EagerAttentionBackend,
@@ -196,3 +197,49 @@ def test_a_mask_of_another_shape_is_refused(tmp_path: Path) -> None:
     ids, mask = _padded_batch("right")
     with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 9\), input_ids \(3, 10\)"):
         model.logits(ids, attention_mask=mask[:, 1:])
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that bring a tensor's values to the host (a synchronization on a GPU).
+
+    ``.item()``, ``int()``, ``bool()`` reach ``_local_scalar_dense``; ``nonzero`` must know its
+    output's size. On CPU nothing waits, but the same ops run: what would sync on a GPU shows here.
+    """
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func.overloadpacket).startswith(self.READS) or str(func).startswith(self.READS):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_forward_with_an_attention_mask_reads_nothing_back_to_the_host(tmp_path: Path) -> None:
+    # The training forward of a padded batch queues work only: the mask was checked on the host
+    # (MultiHeadBatch.collate), so the forward does not wait for the device to check it again.
+    # (A pooling head's check that no row is all padding still reads back, in d9d-kernels.)
+    _checkpoint("llama", "causal_lm", tmp_path)
+    model = d9d.hf.load_pretrained(tmp_path).train()
+    ids, mask = _padded_batch("left")
+    targets = causal_lm_targets(ids.masked_fill(mask == 0, -100))
+    inputs = DecoderInputs(input_ids=ids, labels=targets, attention_mask=mask, summed_losses=True)
+    model(inputs)  # warm-up: lazy initialization may read values once
+    with _HostReads() as recorder:
+        losses = model(inputs)
+        assert isinstance(losses, torch.Tensor)
+        losses.sum().backward()
+    assert recorder.reads == []
+
+
+def test_the_collator_refuses_padding_between_real_tokens_naming_the_row() -> None:
+    ids, mask = _padded_batch("right")
+    mask[2, 1] = 0  # row 2: real, pad, real
+    samples = [MultiHeadSample(input_ids=i, attention_mask=m) for i, m in zip(ids, mask, strict=True)]
+    with pytest.raises(ValueError, match="attention_mask row 2 has padding between real tokens"):
+        MultiHeadBatch.collate(samples)
+    batch = MultiHeadBatch.collate(samples[:2])  # rows padded at their ends are taken
+    assert batch.attention_mask is not None and batch.attention_mask.shape == (2, max(LENGTHS))

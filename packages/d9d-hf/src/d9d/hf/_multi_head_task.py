@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d9d.hf._causal_lm_task import IGNORE_INDEX
-from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets
+from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets, check_padding_at_row_ends
 from d9d.hf._head_config import HeadConfig
 from d9d.loop import (
     BuildForwardInputsContext,
@@ -58,7 +58,15 @@ class MultiHeadBatch:
 
     @staticmethod
     def collate(samples: list[MultiHeadSample]) -> MultiHeadBatch:
-        """Stacks equal-length samples (a collator for ``AutoDataProvider``)."""
+        """Stacks equal-length samples (a collator for ``AutoDataProvider``).
+
+        Checks the ``attention_mask`` here, on the host (``check_padding_at_row_ends``): the
+        model's forward then reads nothing back from the device.
+
+        Raises:
+            ValueError: If some samples have labels or a mask and others not, the class labels'
+                keys differ, or a row has padding between real tokens (the row is named).
+        """
 
         def stack(values: list[torch.Tensor | None]) -> torch.Tensor | None:
             present = [v for v in values if v is not None]
@@ -71,11 +79,14 @@ class MultiHeadBatch:
         names = samples[0].class_labels.keys()
         if any(sample.class_labels.keys() != names for sample in samples):
             raise ValueError("every sample must carry the same class_labels keys")
+        attention_mask = stack([s.attention_mask for s in samples])
+        if attention_mask is not None:
+            check_padding_at_row_ends(attention_mask)
         return MultiHeadBatch(
             input_ids=torch.stack([s.input_ids for s in samples]),
             labels=stack([s.labels for s in samples]),
             class_labels={name: torch.stack([s.class_labels[name] for s in samples]) for name in names},
-            attention_mask=stack([s.attention_mask for s in samples]),
+            attention_mask=attention_mask,
         )
 
 

@@ -23,7 +23,13 @@ from d9d.hf._decoder._heads import (
     head_file_names,
     head_named,
 )
-from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, causal_lm_targets, resolve_positions
+from d9d.hf._decoder._inputs import (
+    DecoderInputs,
+    StageHandoff,
+    causal_lm_targets,
+    check_padding_at_row_ends,
+    resolve_positions,
+)
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
 from d9d.hf._decoder._layer_windows import LayerType, layer_windows, resolve_layer_types
 from d9d.hf._decoder._model import DecoderCausalLM, DecoderModel, MultiHeadOutput, build_decoder
@@ -71,6 +77,7 @@ __all__ = [
     "build_decoder",
     "causal_lm_targets",
     "check_checkpoint",
+    "check_padding_at_row_ends",
     "check_head_specs",
     "decoder_export_mapper",
     "decoder_load_mapper",

@@ -49,10 +49,12 @@ class DecoderInputs:
             pad token attends only to itself), so left- and right-padded rows give the real
             tokens the same outputs as unpadded ones; positions stay ``0..seq-1`` (or those
             given), as transformers numbers them. Padding sits at the ends of a row (left, right
-            or both); padding between real tokens is refused. With packed documents the
-            document mask still applies. Pooling heads use it to skip padding too (the
-            classification head otherwise derives a pooling mask from ``pad_token_id``, which
-            only picks the pooled token, as in transformers).
+            or both); padding between real tokens is refused where the batch is built, on the
+            host (``check_padding_at_row_ends``: ``MultiHeadBatch.collate`` and the whole-model
+            helpers call it), never in the forward, which would wait for the device to read the
+            mask back. With packed documents the document mask still applies. Pooling heads use
+            it to skip padding too (the classification head otherwise derives a pooling mask
+            from ``pad_token_id``, which only picks the pooled token, as in transformers).
         one_document_per_row: Each row is one document even though ``position_ids`` are given
             without ``document_ids`` (a context-parallel rank's part of a row: its positions
             jump between its two chunks); no document ids are derived, so attention needs no
@@ -99,6 +101,33 @@ class DecoderInputs:
         return out
 
 
+def check_padding_at_row_ends(attention_mask: torch.Tensor) -> None:
+    """Refuses a mask with padding between real tokens of a row (a row like ``1 0 1``).
+
+    Reads the mask's values: call it on the host, where the batch is built (on an accelerator's
+    tensor it waits for the device). Attention sees pads as documents of their own
+    (``padded_document_ids``), and FlashAttention's varlen kernels read documents as runs of
+    equal ids, so a row's real tokens must be one run.
+
+    Args:
+        attention_mask: ``(batch, seq)``, nonzero on real tokens.
+
+    Raises:
+        ValueError: Naming the first row with padding between real tokens.
+    """
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must be (batch, seq), got shape {tuple(attention_mask.shape)}")
+    real = attention_mask != 0
+    run_starts = real.clone()
+    run_starts[:, 1:] &= ~real[:, :-1]
+    split = (run_starts.sum(dim=1) > 1).nonzero().flatten()
+    if split.numel() > 0:
+        raise ValueError(
+            f"attention_mask row {int(split[0])} has padding between real tokens; pad only on the "
+            "left or the right of a row"
+        )
+
+
 def padded_document_ids(
     attention_mask: torch.Tensor, document_ids: torch.Tensor | None, shape: tuple[int, ...] | torch.Size
 ) -> torch.Tensor:
@@ -108,7 +137,8 @@ def padded_document_ids(
     real token has (``int64`` minimum plus its column), so a real token never attends to a pad
     and a pad attends only to itself. Every attention backend honours document ids, FlashAttention's
     varlen kernels as runs of equal ids: that is why padding must sit at the row's ends, where the
-    real tokens stay one run.
+    real tokens stay one run. Only queues device work (no value is read back): the mask's values
+    are checked on the host where the batch is built (``check_padding_at_row_ends``).
 
     Args:
         attention_mask: ``(batch, seq)``, nonzero on real tokens.
@@ -119,22 +149,11 @@ def padded_document_ids(
         ``(batch, seq)`` int64 document ids.
 
     Raises:
-        ValueError: If the mask's shape differs from ``shape``, or a row has padding between
-            real tokens (checked on real tensors; meta tensors skip the check).
+        ValueError: If the mask's shape differs from ``shape``.
     """
     if tuple(attention_mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(shape)}")
     real = attention_mask != 0
-    if not real.is_meta:
-        run_starts = real.clone()
-        run_starts[:, 1:] &= ~real[:, :-1]
-        split = (run_starts.sum(dim=1) > 1).nonzero().flatten()
-        if split.numel() > 0:
-            row = int(split[0])
-            raise ValueError(
-                f"attention_mask row {row} has padding between real tokens; pad only on the "
-                "left or the right of a row"
-            )
     batch, seq = real.shape
     columns = torch.arange(seq, device=real.device, dtype=torch.int64).expand(batch, seq)
     pads = columns + torch.iinfo(torch.int64).min

@@ -21,7 +21,7 @@ from d9d.hf._decoder._heads import (
     export_head_of,
     head_named,
 )
-from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff
+from d9d.hf._decoder._inputs import DecoderInputs, StageHandoff, check_padding_at_row_ends
 from d9d.hf._decoder._stage import stage_layout
 from d9d.hf._head import HeadName
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, LanguageModelHead
@@ -32,6 +32,12 @@ MultiHeadOutput = dict[str, torch.Tensor]
 """The last stage's output of a model given a sequence of heads: per head name, its output (a
 language-model head's per-token losses ``(batch, seq)``, a classification head's logits
 ``(batch, num_labels)``, an embedding head's vectors ``(batch, hidden)``)."""
+
+
+def _check_mask(attention_mask: torch.Tensor | None) -> None:
+    """The whole-model helpers' host check of the caller's ``attention_mask`` (if any)."""
+    if attention_mask is not None:
+        check_padding_at_row_ends(attention_mask)
 
 
 def _install(model: nn.Module, path: str, module: nn.Module | None) -> None:
@@ -284,8 +290,14 @@ class DecoderModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final normalized hidden states ``(batch, seq, hidden)`` of the whole model."""
+        """Final normalized hidden states ``(batch, seq, hidden)`` of the whole model.
+
+        An ``attention_mask`` is checked here (``check_padding_at_row_ends``), reading it back
+        from the device: these whole-model helpers take the user's tensors; the training forward
+        takes batches checked where they were built.
+        """
         self.require_whole_model("hidden_states")
+        _check_mask(attention_mask)
         inputs = DecoderInputs(
             input_ids=input_ids,
             document_ids=document_ids,
@@ -299,6 +311,7 @@ class DecoderModel(nn.Module):
         self.require_whole_model(what)
         if not self._one_output:
             raise TypeError(f"{what} needs a model built with one head; use outputs() for several")
+        _check_mask(inputs.attention_mask)
         output = self(inputs)
         if not isinstance(output, torch.Tensor):
             raise TypeError("the whole model returned no tensor")
@@ -313,6 +326,7 @@ class DecoderModel(nn.Module):
     ) -> MultiHeadOutput:
         """Every head's output by name, of the whole model (see ``forward``)."""
         self.require_whole_model("outputs")
+        _check_mask(attention_mask)
         inputs = DecoderInputs(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
         return self._head_outputs(self.run_backbone(inputs))
 
