@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import assert_never, cast
 
 import huggingface_hub
+import torch
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from torch import nn
 
-from d9d.hf._decoder import read_config_file
+from d9d.hf._decoder import DecoderFamily, DecoderLayer, read_config_file
 from d9d.hf._families import DECODER_CONFIG_ADAPTER, SUPPORTED_MODEL_TYPES, AnyDecoderConfig
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
-from d9d.hf.qwen3 import Qwen3MoeConfig
+from d9d.kernels.layers import MoELayer, SwiGLU
 from d9d.loop.estimate import LinearShape, ModelMemoryShape
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -41,54 +46,94 @@ def family_config(config: HFModelConfig) -> AnyDecoderConfig:
             return config.config
 
 
-def _linears(family: AnyDecoderConfig, head_dim: int) -> tuple[tuple[LinearShape, ...], int, int]:
-    """Each layer's linear weights, other parameter elements and feed-forward width per token."""
-    hidden, kv = family.hidden_size, family.num_key_value_heads or family.num_attention_heads
-    q_width, kv_width = family.num_attention_heads * head_dim, kv * head_dim
+@dataclass(kw_only=True, frozen=True)
+class _LayerShape:
+    """One decoder layer as the estimate states it."""
 
-    def linear(name: str, in_features: int, out_features: int, count: int = 1) -> LinearShape:
-        return LinearShape(
-            name=_LAYER + name,
-            in_features=in_features,
-            out_features=out_features,
-            count=count,
-            expert=count > 1,
-        )
+    linears: tuple[LinearShape, ...]
+    other: int
+    ffn_width: int
+    experts_per_token: int
 
-    attention = (
-        linear("self_attn.q_proj", hidden, q_width),
-        linear("self_attn.k_proj", hidden, kv_width),
-        linear("self_attn.v_proj", hidden, kv_width),
-        linear("self_attn.o_proj", q_width, hidden),
+    @property
+    def numel(self) -> int:
+        return sum(linear.numel for linear in self.linears) + self.other
+
+
+def _feed_forward(mlp: SwiGLU | MoELayer) -> tuple[int, int]:
+    """The feed-forward width each token runs through, and its routed experts per token."""
+    match mlp:
+        case SwiGLU():
+            return mlp.gate_proj.out_features, 0
+        case MoELayer():
+            shared = 0 if mlp.shared_expert is None else mlp.shared_expert.gate_proj.out_features
+            return mlp.top_k * mlp.experts.intermediate_size + shared, mlp.top_k
+        case _:
+            assert_never(mlp)
+
+
+def _layer_shape(layer: DecoderLayer) -> _LayerShape:
+    """``layer``'s parameters: ``nn.Linear`` weights and stacked ``(experts, in, out)`` weights
+    as linears under their qualified names, every other element (norms, biases, router) counted."""
+    linears: list[LinearShape] = []
+    stated: set[str] = set()
+    for name, module in cast(Iterator[tuple[str, nn.Module]], layer.named_modules()):
+        if isinstance(module, nn.Linear):
+            linears.append(
+                LinearShape(
+                    name=_LAYER + name, in_features=module.in_features, out_features=module.out_features
+                )
+            )
+            stated.add(f"{name}.weight")
+    other = 0
+    for name, parameter in layer.named_parameters():
+        if name in stated:
+            continue
+        if parameter.dim() == 3:
+            experts, in_features, out_features = parameter.shape
+            linears.append(
+                LinearShape(
+                    name=_LAYER + name,
+                    in_features=in_features,
+                    out_features=out_features,
+                    count=experts,
+                    expert=True,
+                )
+            )
+        else:
+            other += parameter.numel()
+    ffn_width, experts_per_token = _feed_forward(layer.mlp)
+    return _LayerShape(
+        linears=tuple(linears), other=other, ffn_width=ffn_width, experts_per_token=experts_per_token
     )
-    norms = 2 * hidden + 2 * head_dim
-    if isinstance(family, Qwen3MoeConfig) and any(
-        family.is_moe_layer(i) for i in range(family.num_hidden_layers)
-    ):
-        experts, width = family.experts, family.moe_intermediate_size
-        mlp = (
-            linear("mlp.experts.gate_proj", hidden, width, experts),
-            linear("mlp.experts.up_proj", hidden, width, experts),
-            linear("mlp.experts.down_proj", width, hidden, experts),
-        )
-        return attention + mlp, norms + hidden * experts, family.num_experts_per_tok * width
-    width = family.intermediate_size
-    mlp = (
-        linear("mlp.gate_proj", hidden, width),
-        linear("mlp.up_proj", hidden, width),
-        linear("mlp.down_proj", width, hidden),
-    )
-    return attention + mlp, norms, width
 
 
-def memory_shape(config: HFModelConfig, family: AnyDecoderConfig) -> ModelMemoryShape:
+def _layer_shapes(family: DecoderFamily, num_layers: int) -> list[_LayerShape]:
+    """Every distinct layer of ``family``, each built on the meta device (no memory, no init cost)."""
+    shapes: list[_LayerShape] = []
+    with torch.device("meta"):
+        for index in range(num_layers):
+            shape = _layer_shape(family.build_decoder_layer(index, attention_backend=None))
+            if shape not in shapes:
+                shapes.append(shape)
+    return shapes
+
+
+def memory_shape(config: HFModelConfig, family: DecoderFamily) -> ModelMemoryShape:
     """The estimate's statement of the model of ``config`` (a causal LM head, or a tied one).
 
-    A Qwen3-MoE model is stated with experts in every layer (``mlp_only_layers`` are counted as
-    sparse).
+    Each decoder layer is built on the meta device from the family and its parameters read:
+    ``nn.Linear`` weights and stacked ``(experts, in, out)`` expert weights are the layer's
+    linears (named ``model.layers.{layer}.<qualified name>``, as LoRA's ``target`` sees them),
+    every other element (norms, biases, router) is counted; the feed-forward width and experts
+    per token are the layer's ``mlp``'s. ``ModelMemoryShape`` states one layer for all: when
+    layers differ (Qwen3-MoE's dense ``mlp_only_layers``), every layer is stated as the one with
+    the most parameters, with the widest feed-forward and the most experts per token of any
+    layer, an upper bound.
     """
     spec = family.decoder_spec()
-    linears, other, ffn = _linears(family, spec.head_dim)
+    layers = _layer_shapes(family, spec.num_layers)
+    largest = max(layers, key=lambda layer: layer.numel)
     storage = _BYTES[config.master_dtype]
     compute = _BYTES[config.compute_dtype] if config.compute_dtype is not None else storage
     return ModelMemoryShape(
@@ -98,10 +143,10 @@ def memory_shape(config: HFModelConfig, family: AnyDecoderConfig) -> ModelMemory
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
-        ffn_width=ffn,
-        experts_per_token=family.num_experts_per_tok if isinstance(family, Qwen3MoeConfig) else 0,
-        layer_linears=linears,
-        layer_other_parameters=other,
+        ffn_width=max(layer.ffn_width for layer in layers),
+        experts_per_token=max(layer.experts_per_token for layer in layers),
+        layer_linears=largest.linears,
+        layer_other_parameters=largest.other,
         head=None
         if spec.tie_word_embeddings
         else LinearShape(name="lm_head", in_features=spec.hidden_size, out_features=spec.vocab_size),
