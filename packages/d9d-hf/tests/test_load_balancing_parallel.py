@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.hf import HFModelProvider, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
 from d9d.loop import (
@@ -124,3 +125,43 @@ def test_pooled_load_balancing_loss_matches_one_process(
     for result in results:
         torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(result["grad_norms"], expected["grad_norms"], atol=1e-5, rtol=1e-5)
+
+
+class _AllReduces(TorchDispatchMode):
+    """Counts the all-reduces the dispatcher sees (gloo's ``c10d.allreduce_`` on CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func.overloadpacket).startswith("c10d.allreduce"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _all_reduces_of_one_microbatch(directory: Path) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    import d9d.hf
+
+    model = d9d.hf.load_pretrained(directory).train()
+    assert isinstance(model, d9d.hf.DecoderModel) and model.spec.load_balancing
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup)
+    model.set_load_balancing_groups((group,))
+    ids = torch.randint(1, 128, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
+    inputs = d9d.hf.DecoderInputs(input_ids=ids, labels=d9d.hf.causal_lm_targets(ids), summed_losses=True)
+    with _AllReduces() as forward:
+        losses = model(inputs)
+    assert isinstance(losses, torch.Tensor)
+    with _AllReduces() as backward:
+        losses.sum().backward()
+    return forward.count, backward.count
+
+
+def test_the_statistics_of_every_layer_are_summed_over_ranks_in_one_all_reduce(moe_aux: Path) -> None:
+    # Two sparse layers, one microbatch: the layers' statistics ride in one hand-off tensor, so the
+    # last stage sums them over the data-parallel ranks once in forward and once in backward.
+    counts = run_distributed(_all_reduces_of_one_microbatch, moe_aux, world_size=2, timeout_s=120)
+    assert counts == [(1, 1), (1, 1)]
