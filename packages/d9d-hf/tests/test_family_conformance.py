@@ -134,12 +134,19 @@ def _qwen2() -> nn.Module:
     return Qwen2ForCausalLM(config)
 
 
+def _mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**TINY, head_dim=16, sliding_window=4))
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
     FamilyCase("llama", _llama),  # llama3 rope scaling (Llama 3.1), untied head
     FamilyCase("llama_tied", _llama_tied, layouts=("fsdp", "pp", "cp")),  # Llama 3.2: tied head
     FamilyCase("qwen2", _qwen2),  # q/k/v biases without an o bias, a sliding layer
+    FamilyCase("mistral", _mistral),  # a sliding window on every layer
 ]
 
 

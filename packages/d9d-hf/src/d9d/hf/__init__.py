@@ -1,4 +1,4 @@
-"""d9d Hugging Face interop: decoder models (Qwen3, Qwen3-MoE, Llama, Qwen2) from and to checkpoints."""
+"""d9d Hugging Face interop: decoder models (the families of ``_families.py``) to and from checkpoints."""
 
 from d9d.hf._causal_lm_task import CausalLMState, CausalLMTask, TokenBatch, TokenSample, causal_lm_task
 from d9d.hf._config_provider import provider_from_config
@@ -59,6 +59,7 @@ from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
 from d9d.hf.llama import LlamaConfig
+from d9d.hf.mistral import MistralConfig
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
@@ -92,6 +93,7 @@ __all__ = [
     "LayerTensor",
     "LlamaConfig",
     "MegatronDecoderPlan",
+    "MistralConfig",
     "MultiHeadBatch",
     "MultiHeadOutput",
     "MultiHeadSample",

@@ -16,10 +16,11 @@ from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
 from d9d.hf.llama import LlamaConfig
+from d9d.hf.mistral import MistralConfig
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
-AnyDecoderConfig = Qwen3DenseConfig | Qwen3MoeConfig | LlamaConfig | Qwen2Config
+AnyDecoderConfig = Qwen3DenseConfig | Qwen3MoeConfig | LlamaConfig | Qwen2Config | MistralConfig
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
 DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
@@ -27,7 +28,7 @@ DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
 
 DECODER_CONFIG_ADAPTER: TypeAdapter[AnyDecoderConfig] = TypeAdapter(DecoderConfig)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral")
 """The ``model_type`` values d9d.hf reads."""
 
 
@@ -39,6 +40,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case LlamaConfig():
             return config
         case Qwen2Config():
+            return config
+        case MistralConfig():
             return config
         case _:
             assert_never(config)
