@@ -2,7 +2,8 @@
 
 The engine is typed by d9d-hf's core (``DecoderCausalLM``), so a model of any family fits; this
 runs the real producer (each family's layer: q/k norms or none, q/k/v biases, an output bias or
-none, llama3 rope scaling, sliding windows) through the real consumer (the engine's cache).
+none, llama3 rope scaling, sliding windows, OLMo 2's post-norms) through the real consumer (the
+engine's cache).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from d9d.hf import DecoderCausalLM, DecoderFamily, LlamaConfig, Qwen2Config, Qwen3DenseConfig
+from d9d.hf import DecoderCausalLM, DecoderFamily, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3DenseConfig
 from d9d.rl import EmbeddedRolloutEngine, SamplingParams
 
 TINY: dict[str, Any] = {
@@ -46,6 +47,8 @@ FAMILIES: list[DecoderFamily] = [
             "max_window_layers": 1,
         }
     ),
+    # post-norms, q/k norms over all heads, biases on q/k/v/o
+    Olmo2Config.model_validate({**TINY, "model_type": "olmo2", "attention_bias": True}),
 ]
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matters
 

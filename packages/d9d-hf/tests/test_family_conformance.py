@@ -140,6 +140,12 @@ def _mistral() -> nn.Module:
     return MistralForCausalLM(MistralConfig(**TINY, head_dim=16, sliding_window=4))
 
 
+def _olmo2() -> nn.Module:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**TINY, attention_bias=True))
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
@@ -147,6 +153,8 @@ FAMILIES = [
     FamilyCase("llama_tied", _llama_tied, layouts=("fsdp", "pp", "cp")),  # Llama 3.2: tied head
     FamilyCase("qwen2", _qwen2),  # q/k/v biases without an o bias, a sliding layer
     FamilyCase("mistral", _mistral),  # a sliding window on every layer
+    # post-norms, q/k norms over all heads (which tensor parallelism cannot split: refused)
+    FamilyCase("olmo2", _olmo2, layouts=("fsdp", "pp", "cp")),
 ]
 
 

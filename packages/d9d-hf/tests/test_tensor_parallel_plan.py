@@ -14,6 +14,7 @@ from d9d.hf import (
     HFModelProvider,
     LlamaConfig,
     MegatronDecoderPlan,
+    Olmo2Config,
     Qwen2Config,
     Qwen3DenseConfig,
     ScratchModelConfig,
@@ -128,3 +129,35 @@ def _recipe_refusal() -> str:
 def test_the_recipe_refuses_a_model_of_such_a_family() -> None:
     for message in run_distributed(_recipe_refusal, world_size=2):
         assert "model_type llama has no tensor-parallel plan" in message, message
+
+
+def _olmo2_provider_refusal() -> str:
+    context = DistributedContext(MeshParameters(tensor_parallel=2), device_type="cpu")
+    provider = HFModelProvider(ScratchModelConfig(config=Olmo2Config(model_type="olmo2", **_TINY)))
+    try:
+        provider.initialize_model_stage(
+            InitializeModelStageContext(
+                dist_context=context, stage=PipelineStageInfo(current_stage=0, num_stages=1)
+            )
+        )
+    except ValueError as e:
+        return str(e)
+    finally:
+        context.close()
+    return "not refused"
+
+
+def test_olmo2_refuses_tensor_parallelism_at_load_naming_the_family_and_the_reason() -> None:
+    # its q/k norms span all heads: a rank's column slice of q_proj would be normalized alone
+    family = Olmo2Config(model_type="olmo2", **_TINY)
+    assert tensor_parallel_plan_of(family, tensor_parallel=1) is None  # trains as before without tp
+    for message in run_distributed(_olmo2_provider_refusal, world_size=2):
+        assert message.startswith("model_type olmo2 does not support mesh.tensor_parallel=2: "), message
+        assert "q/k norms span all heads" in message
+
+
+def test_megatrons_plan_refuses_a_layer_whose_qk_norms_span_all_heads() -> None:
+    # OLMo 2's layer under a plan that would split its heads: refused, not silently wrong
+    layer = Olmo2Config(model_type="olmo2", **_TINY).build_decoder_layer(0, attention_backend="eager")
+    with pytest.raises(ValueError, match="q/k norms span all heads"):
+        MegatronDecoderPlan().layer_styles(layer)

@@ -52,3 +52,31 @@ def test_heads_come_from_local_projection_shapes() -> None:
         part.k_norm.load_state_dict(full.k_norm.state_dict())
         total += part(hidden, cos_sin)
     torch.testing.assert_close(total, full(hidden, cos_sin), rtol=1e-5, atol=1e-6)
+
+
+def test_all_heads_qk_norm_normalizes_the_whole_projection() -> None:
+    # one RMS over all heads' channels (a weight per channel), then the heads, then RoPE
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(
+        32, 4, 2, qk_norm=True, qk_norm_scope="all_heads", attention_backend=EagerAttentionBackend()
+    )
+    assert layer.q_norm is not None and layer.k_norm is not None
+    assert layer.q_norm.weight.shape == (32,) and layer.k_norm.weight.shape == (16,)
+    with torch.no_grad():
+        layer.q_norm.weight.uniform_(0.5, 1.5)
+        layer.k_norm.weight.uniform_(0.5, 1.5)
+    hidden = torch.randn(2, 5, 32)
+    cos_sin = RotaryEmbedding(8)(torch.arange(5).expand(2, 5))
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    query = rms(layer.q_proj(hidden), layer.q_norm.weight).view(2, 5, 4, 8)
+    key = rms(layer.k_proj(hidden), layer.k_norm.weight).view(2, 5, 2, 8)
+    value = layer.v_proj(hidden).view(2, 5, 2, 8)
+    query, key = layer.rotary(query, *cos_sin), layer.rotary(key, *cos_sin)
+    attended = layer.attention_backend.attend(
+        query, key, value, causal=True, softmax_scale=8**-0.5, sliding_window=None, document_ids=None
+    )
+    expected = layer.o_proj(attended.reshape(2, 5, 32))
+    torch.testing.assert_close(layer(hidden, cos_sin), expected, rtol=1e-5, atol=1e-6)

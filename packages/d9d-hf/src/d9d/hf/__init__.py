@@ -24,6 +24,7 @@ from d9d.hf._decoder import (
     StageHandoff,
     StageLayout,
     TensorName,
+    TensorParallelRefusal,
     attention_names,
     build_decoder,
     causal_lm_targets,
@@ -60,6 +61,7 @@ from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
+from d9d.hf.olmo2 import Olmo2Config
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
@@ -99,6 +101,7 @@ __all__ = [
     "MultiHeadSample",
     "MultiHeadState",
     "MultiHeadTask",
+    "Olmo2Config",
     "ParamDtype",
     "PretrainedModelConfig",
     "Qwen2Config",
@@ -110,6 +113,7 @@ __all__ = [
     "StageHandoff",
     "StageLayout",
     "TensorName",
+    "TensorParallelRefusal",
     "TokenBatch",
     "TokenSample",
     "attention_names",

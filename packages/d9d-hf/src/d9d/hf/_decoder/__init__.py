@@ -44,7 +44,11 @@ from d9d.hf._decoder._stage_loading import (
 )
 from d9d.hf._decoder._state_mapper import decoder_export_mapper, decoder_load_mapper
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel, tensor_parallel_plan_of
-from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, MegatronDecoderPlan
+from d9d.hf._decoder._tensor_parallel_plan import (
+    DecoderTensorParallelPlan,
+    MegatronDecoderPlan,
+    TensorParallelRefusal,
+)
 
 __all__ = [
     "FsdpSettings",
@@ -72,6 +76,7 @@ __all__ = [
     "StageHandoff",
     "StageLayout",
     "TensorName",
+    "TensorParallelRefusal",
     "attention_names",
     "base_state_module",
     "build_decoder",

@@ -22,7 +22,8 @@ class DecoderLayer(nn.Module):
     ``reset_parameters`` too.
 
     Args:
-        input_layernorm: The norm before attention.
+        input_layernorm: The norm before attention; None for a layer that attends to the
+            residual stream itself (OLMo 2 normalizes after attention instead).
         self_attn: The attention.
         post_attention_layernorm: The norm before the feed-forward.
         mlp: The feed-forward.
@@ -31,7 +32,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         *,
-        input_layernorm: RMSNorm,
+        input_layernorm: RMSNorm | None,
         self_attn: GroupedQueryAttention,
         post_attention_layernorm: RMSNorm,
         mlp: SwiGLU | MoELayer,
@@ -45,7 +46,8 @@ class DecoderLayer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Resets the norms, the attention and the feed-forward."""
-        self.input_layernorm.reset_parameters()
+        if self.input_layernorm is not None:
+            self.input_layernorm.reset_parameters()
         self.self_attn.reset_parameters()
         self.post_attention_layernorm.reset_parameters()
         self.mlp.reset_parameters()
@@ -120,8 +122,7 @@ class DecoderLayer(nn.Module):
             fed = self.feed_forward(hidden_states, token_mask)
             return hidden_states + self.post_feedforward_layernorm(fed)
         """
-        attended = self.attend(
-            self.input_layernorm(hidden_states), position_embeddings, document_ids, kv_cache
-        )
+        normed = hidden_states if self.input_layernorm is None else self.input_layernorm(hidden_states)
+        attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
         hidden_states = hidden_states + attended
         return hidden_states + self.feed_forward(self.post_attention_layernorm(hidden_states), token_mask)

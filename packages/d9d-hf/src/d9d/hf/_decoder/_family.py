@@ -8,7 +8,7 @@ from typing import Any, Protocol, Self
 
 from d9d.hf._decoder._decoder_layer import DecoderLayer
 from d9d.hf._decoder._spec import DecoderSpec
-from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan
+from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, TensorParallelRefusal
 from d9d.hf._head import HeadName
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
@@ -62,11 +62,12 @@ class DecoderFamily(Protocol):
         """The resolved numbers the core builds the model from."""
         ...
 
-    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | TensorParallelRefusal | None:
         """How a decoder layer splits under ``tensor_parallel > 1``; None for a family without a plan.
 
         A family without one is refused under tensor parallelism before any weight is built,
-        naming its ``model_type`` (its layers' modules would otherwise stay unsplit).
+        naming its ``model_type`` (its layers' modules would otherwise stay unsplit); a family
+        that cannot split returns a ``TensorParallelRefusal``, whose reason the refusal states.
         """
         ...
 

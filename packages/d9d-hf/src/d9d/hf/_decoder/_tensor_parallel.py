@@ -18,7 +18,11 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._model import DecoderModel
-from d9d.hf._decoder._tensor_parallel_plan import DecoderTensorParallelPlan, gather_sequence
+from d9d.hf._decoder._tensor_parallel_plan import (
+    DecoderTensorParallelPlan,
+    TensorParallelRefusal,
+    gather_sequence,
+)
 from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import place_adapters_like_base
 from d9d.parallel import (
@@ -38,10 +42,17 @@ def tensor_parallel_plan_of(
         The family's plan (None only for a family without one, under ``tensor_parallel`` 1).
 
     Raises:
-        ValueError: If ``tensor_parallel > 1`` and the family declares no plan, naming its
-            ``model_type``.
+        ValueError: If ``tensor_parallel > 1`` and the family declares no plan or refuses,
+            naming its ``model_type`` (and the refusal's reason).
     """
     plan = family.tensor_parallel_plan()
+    if isinstance(plan, TensorParallelRefusal):
+        if tensor_parallel > 1:
+            raise ValueError(
+                f"model_type {family.model_type} does not support mesh.tensor_parallel={tensor_parallel}: "
+                f"{plan.reason}; set mesh.tensor_parallel: 1 (shard with data_parallel_shard instead)"
+            )
+        return None
     if plan is None and tensor_parallel > 1:
         raise ValueError(
             f"model_type {family.model_type} has no tensor-parallel plan, so mesh.tensor_parallel="

@@ -9,6 +9,7 @@ a plan returns None from ``DecoderFamily.tensor_parallel_plan`` and is refused u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from torch.distributed.tensor import Replicate, Shard
@@ -43,6 +44,17 @@ class DecoderTensorParallelPlan(Protocol):
         ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelRefusal:
+    """A family's answer that its layers cannot split over tp ranks, and why.
+
+    Attributes:
+        reason: Why, as the refusal under ``tensor_parallel > 1`` states it.
+    """
+
+    reason: str
+
+
 class MegatronDecoderPlan:
     """Megatron's layout for a layer of separate q/k/v/o and gate/up/down projections.
 
@@ -52,9 +64,17 @@ class MegatronDecoderPlan:
     """
 
     def layer_styles(self, layer: DecoderLayer) -> dict[str, ParallelStyle]:
-        """The styles of ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` and the norms."""
+        """The styles of ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` and the norms.
+
+        Raises:
+            ValueError: If the attention's q/k norms span all heads (a rank holds only some).
+        """
+        if layer.self_attn.q_norm is not None and layer.self_attn.qk_norm_scope == "all_heads":
+            raise ValueError(
+                "MegatronDecoderPlan splits heads over tp ranks, but this layer's q/k norms span all "
+                "heads (qk_norm_scope='all_heads'): a rank cannot normalize its heads alone"
+            )
         styles: dict[str, ParallelStyle] = {
-            "input_layernorm": SequenceParallelNorm(),
             # (hidden_states, position_embeddings); document_ids is a keyword argument
             "self_attn": gather_sequence(2),
             "self_attn.q_proj": ColwiseParallel(),
@@ -67,6 +87,8 @@ class MegatronDecoderPlan:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if layer.input_layernorm is not None:
+            styles["input_layernorm"] = SequenceParallelNorm()
         if layer.self_attn.q_norm is not None:
             # per-head norms see this rank's heads: their weight gradients are partial sums
             styles["self_attn.q_norm"] = SequenceParallelNorm()

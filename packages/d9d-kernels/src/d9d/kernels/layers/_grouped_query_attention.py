@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -27,8 +29,11 @@ class GroupedQueryAttention(nn.Module):
         num_heads: Query heads (global).
         num_kv_heads: Key/value heads (global); must divide ``num_heads``.
         head_dim: Per-head size; ``hidden_size // num_heads`` when None.
-        qk_norm: RMS-normalize every query and key head before RoPE (Qwen3 style: one
-            norm of ``head_dim`` shared by all heads; OLMo 2 instead normalizes the whole projection).
+        qk_norm: RMS-normalize queries and keys before RoPE.
+        qk_norm_scope: What one q/k norm spans: ``"head"``, every head alone with one norm of
+            ``head_dim`` shared by all heads (Qwen3); ``"all_heads"``, the whole projection of all
+            heads at once with a weight per channel (OLMo 2). Under column-sharded projections
+            (tensor parallelism) ``"all_heads"`` would see only this rank's heads.
         norm_eps: Epsilon of the q/k norms.
         bias: Biases on the q/k/v/o projections.
         causal: Causal (decoder) attention.
@@ -49,6 +54,7 @@ class GroupedQueryAttention(nn.Module):
         *,
         head_dim: int | None = None,
         qk_norm: bool = False,
+        qk_norm_scope: Literal["head", "all_heads"] = "head",
         norm_eps: float = 1e-6,
         bias: bool = False,
         causal: bool = True,
@@ -81,8 +87,14 @@ class GroupedQueryAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.qk_norm_scope: Literal["head", "all_heads"] = qk_norm_scope
+        q_width, k_width = (
+            (head_dim, head_dim)
+            if qk_norm_scope == "head"
+            else (num_heads * head_dim, num_kv_heads * head_dim)
+        )
+        self.q_norm = RMSNorm(q_width, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, norm_eps) if qk_norm else None
         self.rotary = RotaryApplicator(rope_layout)
         if attention_backend is None or isinstance(attention_backend, str):
             self.attention_backend: AttentionBackend = select_attention_backend(attention_backend)
@@ -122,12 +134,14 @@ class GroupedQueryAttention(nn.Module):
         """
         batch, seq, _ = hidden_states.shape
         head_shape = (batch, seq, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(head_shape)
-        key = self.k_proj(hidden_states).view(head_shape)
-        value = self.v_proj(hidden_states).view(head_shape)
+        query = self.q_proj(hidden_states)
+        key = self.k_proj(hidden_states)
         if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm(query)
-            key = self.k_norm(key)
+            if self.qk_norm_scope == "head":
+                query, key = query.view(head_shape), key.view(head_shape)
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.view(head_shape), key.view(head_shape)
+        value = self.v_proj(hidden_states).view(head_shape)
         cos, sin = position_embeddings
         query = self.rotary(query, cos, sin)
         key = self.rotary(key, cos, sin)
