@@ -146,6 +146,18 @@ def _olmo2() -> nn.Module:
     return Olmo2ForCausalLM(Olmo2Config(**TINY, attention_bias=True))
 
 
+def _granite() -> nn.Module:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    multipliers = {
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.3,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 4.0,
+    }
+    return GraniteForCausalLM(GraniteConfig(**TINY, **multipliers, attention_bias=True))
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
@@ -153,6 +165,7 @@ FAMILIES = [
     FamilyCase("llama_tied", _llama_tied, layouts=("fsdp", "pp", "cp")),  # Llama 3.2: tied head
     FamilyCase("qwen2", _qwen2),  # q/k/v biases without an o bias, a sliding layer
     FamilyCase("mistral", _mistral),  # a sliding window on every layer
+    FamilyCase("granite", _granite),  # embedding, score, residual and logits multipliers
     # post-norms, q/k norms over all heads (which tensor parallelism cannot split: refused)
     FamilyCase("olmo2", _olmo2, layouts=("fsdp", "pp", "cp")),
 ]

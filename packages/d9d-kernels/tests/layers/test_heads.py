@@ -40,6 +40,17 @@ def test_lm_head_logits_on_request() -> None:
     torch.testing.assert_close(head.compute_logits(hidden), hidden @ head.weight.T)
 
 
+def test_lm_head_logit_scale_multiplies_the_logits_of_the_loss_and_of_inference() -> None:
+    torch.manual_seed(0)
+    head = LanguageModelHead(8, 11, logit_scale=0.25)
+    hidden = torch.randn(2, 3, 8)
+    labels = torch.randint(0, 11, (2, 3))
+    logits = (hidden @ head.weight.T) * 0.25
+    torch.testing.assert_close(head.compute_logits(hidden), logits)
+    expected = functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(head(hidden, labels), expected.reshape(2, 3), rtol=1e-5, atol=1e-6)
+
+
 def test_lm_head_rejects_mismatched_labels() -> None:
     head = LanguageModelHead(8, 11)
     with pytest.raises(ValueError, match="labels shape"):

@@ -59,6 +59,7 @@ from d9d.hf._multi_head_task import (
 from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
+from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
 from d9d.hf.olmo2 import Olmo2Config
@@ -87,6 +88,7 @@ __all__ = [
     "EmbeddingHeadSpec",
     "Float8Config",
     "FsdpConfig",
+    "GraniteConfig",
     "HFModelConfig",
     "HFModelProvider",
     "HeadConfig",

@@ -15,13 +15,22 @@ from typing import Annotated, assert_never
 from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
+from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
 from d9d.hf.olmo2 import Olmo2Config
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
-AnyDecoderConfig = Qwen3DenseConfig | Qwen3MoeConfig | LlamaConfig | Qwen2Config | MistralConfig | Olmo2Config
+AnyDecoderConfig = (
+    Qwen3DenseConfig
+    | Qwen3MoeConfig
+    | LlamaConfig
+    | Qwen2Config
+    | MistralConfig
+    | GraniteConfig
+    | Olmo2Config
+)
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
 DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
@@ -29,7 +38,7 @@ DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
 
 DECODER_CONFIG_ADAPTER: TypeAdapter[AnyDecoderConfig] = TypeAdapter(DecoderConfig)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "olmo2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "granite", "olmo2")
 """The ``model_type`` values d9d.hf reads."""
 
 
@@ -43,6 +52,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case Qwen2Config():
             return config
         case MistralConfig():
+            return config
+        case GraniteConfig():
             return config
         case Olmo2Config():
             return config

@@ -52,6 +52,7 @@ class DecoderBackbone(nn.Module):
         super().__init__()
         self.activation_checkpointing = activation_checkpointing
         self.pad_token_id = spec.pad_token_id
+        self.embedding_multiplier = spec.embedding_multiplier
         self.embed_tokens: TokenEmbedding | None = None
         if layout.is_first:
             self.embed_tokens = TokenEmbedding(
@@ -143,10 +144,11 @@ class DecoderBackbone(nn.Module):
         return [layer for layer in self.layers.values() if isinstance(layer, DecoderLayer)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``(batch, seq, hidden)``; first stage only."""
+        """Token embeddings ``(batch, seq, hidden)`` times ``embedding_multiplier``; first stage only."""
         if self.embed_tokens is None:
             raise RuntimeError("this stage holds no token embedding (it is not the first stage)")
-        return self.embed_tokens(input_ids)
+        embedded = self.embed_tokens(input_ids)
+        return embedded if self.embedding_multiplier == 1.0 else embedded * self.embedding_multiplier
 
     def forward(
         self,

@@ -213,8 +213,13 @@ class LanguageModelHeadSpec(_HeadDefaults):
         return "causal_lm"
 
     def build(self, spec: DecoderSpec) -> nn.Module:
-        """A ``LanguageModelHead`` over the vocabulary."""
-        return LanguageModelHead(spec.hidden_size, spec.vocab_size, init_std=spec.initializer_range)
+        """A ``LanguageModelHead`` over the vocabulary (its logits times ``spec.logits_multiplier``)."""
+        return LanguageModelHead(
+            spec.hidden_size,
+            spec.vocab_size,
+            init_std=spec.initializer_range,
+            logit_scale=spec.logits_multiplier,
+        )
 
     def hf_tensors(self, prefix: str, spec: DecoderSpec) -> list[tuple[str, str]]:
         """``lm_head.weight`` (the embedding's tensor when tied)."""

@@ -34,6 +34,8 @@ class DecoderSpec:
             (0: none). Sparse layers hand over their routing statistics, carried from stage to
             stage; the last stage adds this weight times the loss pooled over every layer, as
             transformers' ``load_balancing_loss_func`` pools the router logits of all layers.
+        embedding_multiplier: Multiplies the token embeddings before the first layer (1: none).
+        logits_multiplier: Multiplies the language-model head's logits (1: none).
     """
 
     vocab_size: int
@@ -52,6 +54,8 @@ class DecoderSpec:
     has_experts: bool = False
     num_experts: int = 0
     load_balancing_coefficient: float = 0.0
+    embedding_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
 
     @property
     def load_balancing(self) -> bool:

@@ -23,16 +23,25 @@ class LanguageModelHead(nn.Module):
         vocab_size: Vocabulary size.
         ignore_index: Label that contributes no loss (loss 0 at that token).
         init_std: Standard deviation of the truncated-normal initialization.
+        logit_scale: Multiplies every logit (applied to the hidden states before the projection,
+            so the fused loss needs no logits); 1 leaves them as they are.
     """
 
     def __init__(
-        self, hidden_size: int, vocab_size: int, *, ignore_index: int = -100, init_std: float = 0.02
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        ignore_index: int = -100,
+        init_std: float = 0.02,
+        logit_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.ignore_index = ignore_index
         self.init_std = init_std
+        self.logit_scale = logit_scale
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.reset_parameters()
 
@@ -62,7 +71,7 @@ class LanguageModelHead(nn.Module):
                 f"{tuple(hidden_states.shape[:-1])}"
             )
         losses = linear_cross_entropy(
-            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            self._scaled(hidden_states).reshape(-1, hidden_states.shape[-1]),
             self.weight,
             labels.reshape(-1).to(torch.int64),
             ignore_index=self.ignore_index,
@@ -73,10 +82,14 @@ class LanguageModelHead(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``(..., vocab_size)`` in the hidden states' dtype (for inference)."""
-        return functional.linear(hidden_states, self.weight)
+        return functional.linear(self._scaled(hidden_states), self.weight)
+
+    def _scaled(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states if self.logit_scale == 1.0 else hidden_states * self.logit_scale
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
+        scale = "" if self.logit_scale == 1.0 else f", logit_scale={self.logit_scale}"
+        return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}{scale}"
 
 
 class ClassificationHead(nn.Module):
