@@ -2,8 +2,8 @@
 
 The engine is typed by d9d-hf's core (``DecoderCausalLM``), so a model of any family fits; this
 runs the real producer (each family's layer: q/k norms or none, q/k/v biases, an output bias or
-none, llama3 rope scaling, sliding windows, OLMo 2's post-norms) through the real consumer (the
-engine's cache).
+none, llama3 rope scaling, sliding windows, OLMo 2's post-norms, Granite's multipliers) through
+the real consumer (the engine's cache).
 """
 
 from __future__ import annotations
@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from d9d.hf import DecoderCausalLM, DecoderFamily, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3DenseConfig
+from d9d.hf import (
+    DecoderCausalLM,
+    DecoderFamily,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3DenseConfig,
+)
 from d9d.rl import EmbeddedRolloutEngine, SamplingParams
 
 TINY: dict[str, Any] = {
@@ -49,6 +58,18 @@ FAMILIES: list[DecoderFamily] = [
     ),
     # post-norms, q/k norms over all heads, biases on q/k/v/o
     Olmo2Config.model_validate({**TINY, "model_type": "olmo2", "attention_bias": True}),
+    MistralConfig.model_validate({**TINY, "model_type": "mistral", "sliding_window": 3}),
+    # the embedding, score, residual and logits multipliers
+    GraniteConfig.model_validate(
+        {
+            **TINY,
+            "model_type": "granite",
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.3,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 4.0,
+        }
+    ),
 ]
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matters
 
