@@ -1,4 +1,4 @@
-"""Released Llama and Qwen2.5 config.json files -> the family and the numbers the core builds from."""
+"""Released Llama and Qwen2.5 config.json files, Mistral and Granite shapes -> the family and its numbers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from d9d.hf import LlamaConfig, Qwen2Config, ScratchModelConfig
+from d9d.hf import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, ScratchModelConfig
 from d9d.hf._families import DECODER_CONFIG_ADAPTER
 from d9d.kernels.layers import Llama3RopeScaling
 
@@ -84,6 +84,51 @@ QWEN2_5_0_5B: dict[str, Any] = {
     "vocab_size": 151936,
 }
 
+# Mistral 7B v0.1's shape: a 4096-token window on every layer
+MISTRAL_7B: dict[str, Any] = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+
+# a Granite 3.x 2B shape: the four multipliers, a tied head
+GRANITE_2B: dict[str, Any] = {
+    "architectures": ["GraniteForCausalLM"],
+    "attention_bias": False,
+    "attention_multiplier": 0.015625,
+    "embedding_multiplier": 12.0,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "logits_scaling": 8.0,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "granite",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 5000000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 49155,
+}
+
 
 def test_llama_3_2_scales_rope_with_llama3_and_ties_the_head() -> None:
     config = DECODER_CONFIG_ADAPTER.validate_python(LLAMA_3_2_1B)
@@ -120,12 +165,26 @@ def test_qwen2_5_has_full_attention_unless_use_sliding_window() -> None:
         ({**LLAMA_3_2_1B, "architectures": ["Qwen2ForCausalLM"]}, "architectures"),  # another family's class
         ({**QWEN2_5_0_5B, "use_mrope": True}, "use_mrope"),  # Qwen2-VL's multimodal rope
         ({**LLAMA_3_2_1B, "unknown_field": 1}, "unknown_field"),  # extra="forbid"
-        ({**LLAMA_3_2_1B, "model_type": "mistral"}, "model_type"),  # a family d9d has not
+        ({**LLAMA_3_2_1B, "model_type": "gpt2"}, "model_type"),  # a family d9d has not
+        ({**MISTRAL_7B, "layer_types": ["sliding_attention"] * 32}, "layer_types"),  # Ministral's
+        ({**GRANITE_2B, "logits_scaling": 0.0}, "logits_scaling"),
+        ({**GRANITE_2B, "hidden_act": "gelu"}, "hidden_act"),
     ],
 )
 def test_a_config_outside_the_families_is_refused_naming_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         DECODER_CONFIG_ADAPTER.validate_python(raw)
+
+
+def test_mistral_slides_every_layer_and_granite_scales_embeddings_and_logits() -> None:
+    mistral = DECODER_CONFIG_ADAPTER.validate_python(MISTRAL_7B)
+    assert isinstance(mistral, MistralConfig) and mistral.sliding_window == 4096
+    assert mistral.decoder_spec().head_dim == 128
+    granite = DECODER_CONFIG_ADAPTER.validate_python(GRANITE_2B)
+    assert isinstance(granite, GraniteConfig)
+    spec = granite.decoder_spec()
+    assert (spec.embedding_multiplier, spec.logits_multiplier) == (12.0, 1 / 8.0)
+    assert spec.tie_word_embeddings and spec.head_dim == 64
 
 
 def test_pretraining_from_scratch_takes_any_family() -> None:
