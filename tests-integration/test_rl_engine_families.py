@@ -20,6 +20,7 @@ from d9d.hf import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3DenseConfig,
 )
@@ -59,6 +60,8 @@ FAMILIES: list[DecoderFamily] = [
     # post-norms, q/k norms over all heads, biases on q/k/v/o
     Olmo2Config.model_validate({**TINY, "model_type": "olmo2", "attention_bias": True}),
     MistralConfig.model_validate({**TINY, "model_type": "mistral", "sliding_window": 3}),
+    # the checkpoint's fused qkv/gate_up are split on load: the model is Llama's with a window
+    Phi3Config.model_validate({**TINY, "model_type": "phi3", "sliding_window": 3, "pad_token_id": 0}),
     # the embedding, score, residual and logits multipliers
     GraniteConfig.model_validate(
         {

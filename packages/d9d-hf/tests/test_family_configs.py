@@ -190,3 +190,35 @@ def test_mistral_slides_every_layer_and_granite_scales_embeddings_and_logits() -
 def test_pretraining_from_scratch_takes_any_family() -> None:
     scratch = ScratchModelConfig.model_validate({"config": {**LLAMA_3_2_1B, "num_hidden_layers": 2}})
     assert isinstance(scratch.config, LlamaConfig)
+
+
+_PHI3: dict[str, Any] = {"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4}
+_LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({**_PHI3, "rope_scaling": _LONGROPE}, "(?s)rope_scaling.*LongRoPE"),  # Phi-3-mini-128k
+        ({**_PHI3, "rope_scaling": {**_LONGROPE, "type": "su"}}, "(?s)rope_scaling.*LongRoPE"),  # older name
+        ({**_PHI3, "rope_parameters": {**_LONGROPE, "rope_type": "longrope"}}, "(?s)rope_parameters.*LongR"),
+        (
+            {**_PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+            "partial_rotary",
+        ),
+        ({**_PHI3, "resid_pdrop": 0.1}, "resid_pdrop"),
+        ({**_PHI3, "embd_pdrop": 0.1}, "embd_pdrop"),
+    ],
+)
+def test_phi3_refuses_what_it_does_not_implement_naming_the_field(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DECODER_CONFIG_ADAPTER.validate_python(raw)
+
+
+def test_phi3_with_plain_rope_and_a_whole_head_rotary_factor_is_accepted() -> None:
+    # transformers 5 writes partial_rotary_factor: 1.0 into every Phi-3 rope block
+    raw = {
+        **_PHI3,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0},
+    }
+    assert DECODER_CONFIG_ADAPTER.validate_python(raw).decoder_spec().rope_scaling is None

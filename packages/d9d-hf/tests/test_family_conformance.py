@@ -158,6 +158,12 @@ def _granite() -> nn.Module:
     return GraniteForCausalLM(GraniteConfig(**TINY, **multipliers, attention_bias=True))
 
 
+def _phi3() -> nn.Module:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM(Phi3Config(**TINY, sliding_window=4))
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
@@ -168,6 +174,7 @@ FAMILIES = [
     FamilyCase("granite", _granite),  # embedding, score, residual and logits multipliers
     # post-norms, q/k norms over all heads (which tensor parallelism cannot split: refused)
     FamilyCase("olmo2", _olmo2, layouts=("fsdp", "pp", "cp")),
+    FamilyCase("phi3", _phi3),  # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
 ]
 
 

@@ -15,6 +15,7 @@ from d9d.hf._decoder import (
     DecoderSpec,
     DecoderTensorParallelPlan,
     EmbeddingHeadSpec,
+    FusedTensor,
     LanguageModelHeadSpec,
     LayerTensor,
     MegatronDecoderPlan,
@@ -63,6 +64,7 @@ from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
 from d9d.hf.olmo2 import Olmo2Config
+from d9d.hf.phi3 import Phi3Config
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
@@ -86,6 +88,7 @@ __all__ = [
     "DecoderSpec",
     "DecoderTensorParallelPlan",
     "EmbeddingHeadSpec",
+    "FusedTensor",
     "Float8Config",
     "FsdpConfig",
     "GraniteConfig",
@@ -105,6 +108,7 @@ __all__ = [
     "MultiHeadTask",
     "Olmo2Config",
     "ParamDtype",
+    "Phi3Config",
     "PretrainedModelConfig",
     "Qwen2Config",
     "Qwen3DenseConfig",

@@ -19,6 +19,7 @@ from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
 from d9d.hf.olmo2 import Olmo2Config
+from d9d.hf.phi3 import Phi3Config
 from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
@@ -30,6 +31,7 @@ AnyDecoderConfig = (
     | MistralConfig
     | GraniteConfig
     | Olmo2Config
+    | Phi3Config
 )
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
@@ -38,7 +40,7 @@ DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
 
 DECODER_CONFIG_ADAPTER: TypeAdapter[AnyDecoderConfig] = TypeAdapter(DecoderConfig)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "granite", "olmo2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "granite", "olmo2", "phi3")
 """The ``model_type`` values d9d.hf reads."""
 
 
@@ -56,6 +58,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case GraniteConfig():
             return config
         case Olmo2Config():
+            return config
+        case Phi3Config():
             return config
         case _:
             assert_never(config)

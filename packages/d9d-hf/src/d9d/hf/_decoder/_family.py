@@ -39,7 +39,25 @@ class StackedExperts:
     d9d: str
 
 
-LayerTensor = TensorName | StackedExperts
+@dataclass(kw_only=True, frozen=True)
+class FusedTensor:
+    """One Hugging Face tensor that d9d holds as several, cut along dim 0 (a fused QKV or gate/up).
+
+    Loading splits ``hf`` into the ``d9d`` tensors (a ``ChunkMapper``); export joins them back in
+    the same order (a ``ConcatenateMapper``), so the checkpoint keeps its fused layout.
+
+    Attributes:
+        hf: The fused tensor's name, relative to the layer.
+        d9d: The separate tensors' names, relative to the layer, in the fused tensor's order.
+        sizes: Each d9d tensor's size along dim 0 (they sum to the fused tensor's).
+    """
+
+    hf: str
+    d9d: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+LayerTensor = TensorName | StackedExperts | FusedTensor
 """An entry of a family's name table."""
 
 

@@ -3,7 +3,8 @@
 The family's name table lists each decoder-layer tensor with the HF tensor(s) it comes from; the
 core adds the embedding, the final norm and the head, and reads both directions off that table.
 A ``StackedExperts`` row stores per expert ``(out, in)`` ``nn.Linear`` weights in the checkpoint
-and one ``(E, in, out)`` tensor per projection in d9d.
+and one ``(E, in, out)`` tensor per projection in d9d; a ``FusedTensor`` row is one checkpoint
+tensor (a fused QKV or gate/up projection) that d9d holds as separate tensors.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from d9d.hf._decoder._family import DecoderFamily, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._family import DecoderFamily, FusedTensor, LayerTensor, StackedExperts, TensorName
 from d9d.hf._decoder._heads import DecoderHead, as_heads, export_head_of
 from d9d.hf._decoder._stage import StageLayout
 from d9d.hf._head import HeadName
 from d9d.state_mappers import (
+    ChunkMapper,
+    ConcatenateMapper,
     DropMapper,
     FilterMapper,
     ParallelMapper,
@@ -43,7 +46,14 @@ class _Experts:
     d9d: str
 
 
-_Entry = _Tensor | _Experts
+@dataclass(frozen=True)
+class _Fused:
+    hf: str
+    d9d: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+_Entry = _Tensor | _Experts | _Fused
 
 
 def hf_prefix(head: HeadName) -> str:
@@ -61,6 +71,8 @@ def _layer_entry(row: LayerTensor, hf: str, ours: str) -> _Entry:
             return _Tensor(hf + row.hf, ours + row.d9d)
         case StackedExperts():
             return _Experts(tuple(hf + name for name in row.hf), ours + row.d9d)
+        case FusedTensor():
+            return _Fused(hf + row.hf, tuple(ours + name for name in row.d9d), row.sizes)
 
 
 def _entries(
@@ -89,6 +101,8 @@ def _from_hf(entry: _Entry) -> StateMapper:
             return SequentialMapper(
                 [StackMapper(entry.hf, entry.d9d), TransposeMapper(entry.d9d, dim0=1, dim1=2, ndim=3)]
             )
+        case _Fused():
+            return ChunkMapper(entry.hf, entry.d9d, dim=0, sizes=entry.sizes)
 
 
 def _to_hf(entry: _Entry) -> StateMapper:
@@ -99,6 +113,8 @@ def _to_hf(entry: _Entry) -> StateMapper:
             return SequentialMapper(
                 [TransposeMapper(entry.d9d, dim0=1, dim1=2, ndim=3), UnstackMapper(entry.d9d, entry.hf)]
             )
+        case _Fused():
+            return ConcatenateMapper(entry.d9d, entry.hf, dim=0)
 
 
 def decoder_load_mapper(
@@ -128,7 +144,7 @@ def decoder_load_mapper(
     consumed: set[str] = set()
     for entry in entries:
         match entry:
-            case _Tensor():
+            case _Tensor() | _Fused():
                 consumed.add(entry.hf)
             case _Experts():
                 consumed.update(entry.hf)

@@ -1,0 +1,111 @@
+"""Phi-3 config.json, read and written (pydantic, the Hugging Face field names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal, cast
+
+from pydantic import TypeAdapter, field_validator
+
+from d9d.hf._decoder import (
+    DecoderConfigBase,
+    DecoderLayer,
+    DecoderTensorParallelPlan,
+    LayerTensor,
+    MegatronDecoderPlan,
+    read_config_file,
+)
+from d9d.hf.phi3._decoder_layer import Phi3DecoderLayer
+from d9d.hf.phi3._layer_tensors import phi3_layer_tensors
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName
+
+_LONGROPE_NAMES = ("longrope", "su", "yarn")  # Phi-3 files name LongRoPE "su" or "yarn" too
+
+
+class Phi3Config(DecoderConfigBase):
+    """config.json of ``model_type: phi3`` (``Phi3ForCausalLM`` and its heads).
+
+    Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files: plain RoPE, a ``sliding_window`` on every
+    layer when set. LongRoPE (``rope_scaling.type`` ``longrope``/``su``, the 128k variants) is
+    refused, naming the field; so are a ``partial_rotary_factor`` other than 1 (Phi-4-mini) and
+    dropout (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``).
+    """
+
+    architecture_prefix: ClassVar[str] = "Phi3"
+
+    model_type: Literal["phi3"]
+    vocab_size: int = 32064
+    hidden_size: int = 3072
+    intermediate_size: int = 8192
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    original_max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 32000
+    pad_token_id: int | None = 32000
+    sliding_window: int | None = None
+    resid_pdrop: float = 0.0
+    embd_pdrop: float = 0.0
+
+    @field_validator("rope_parameters", "rope_scaling", mode="before")
+    @classmethod
+    def _no_longrope(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        fields = cast(dict[str, Any], value)
+        kind = fields.get("rope_type", fields.get("type"))
+        if kind in _LONGROPE_NAMES:
+            raise ValueError(
+                f"rope type {kind!r} is Phi-3's LongRoPE (the 128k-context files), which d9d does "
+                f"not implement; use a 4k/8k file with plain RoPE"
+            )
+        return fields
+
+    @field_validator("resid_pdrop", "embd_pdrop")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(f"dropout {value} is not implemented (d9d's Phi-3 layer has no dropout)")
+        return value
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """``head_dim``, else ``hidden_size // num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
+        """Megatron's plan: d9d holds q/k/v and gate/up apart (the checkpoint's fusion is split on load)."""
+        return MegatronDecoderPlan()
+
+    def build_decoder_layer(
+        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
+    ) -> DecoderLayer:
+        """A ``Phi3DecoderLayer`` (every layer is the same, window included)."""
+        del index
+        return Phi3DecoderLayer(self, attention_backend=attention_backend)
+
+    def layer_tensors(self, index: int) -> list[LayerTensor]:
+        """Phi-3's name table of layer ``index``: fused qkv and gate/up in the checkpoint."""
+        del index
+        head_dim = self.resolved_head_dim
+        return phi3_layer_tensors(
+            hidden_q=self.num_attention_heads * head_dim,
+            hidden_kv=(self.num_key_value_heads or self.num_attention_heads) * head_dim,
+            intermediate_size=self.intermediate_size,
+        )
+
+
+PHI3_CONFIG_ADAPTER: TypeAdapter[Phi3Config] = TypeAdapter(Phi3Config)
+
+
+def read_phi3_config(directory: Path | str) -> Phi3Config:
+    """Reads and validates ``directory/config.json`` as a Phi-3 config.
+
+    Raises:
+        ValueError: Naming the file and every offending field.
+    """
+    return read_config_file(directory, PHI3_CONFIG_ADAPTER, what="Phi-3")
