@@ -61,7 +61,7 @@ class Phi3Config(DecoderConfigBase):
         if kind in _LONGROPE_NAMES:
             raise ValueError(
                 f"rope type {kind!r} is Phi-3's LongRoPE (the 128k-context files), which d9d does "
-                f"not implement; use a 4k/8k file with plain RoPE"
+                f"not implement; use a 4k-context file (plain RoPE)"
             )
         return fields
 
