@@ -74,6 +74,17 @@ class DecoderConfigBase(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _pad_token_in_vocabulary(self) -> Self:
+        # Phi-3's default (32000) with a smaller vocabulary would otherwise fail deep inside
+        # nn.Embedding with "Padding_idx must be within num_embeddings".
+        if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
+            raise ValueError(
+                f"pad_token_id={self.pad_token_id} is outside the vocabulary (vocab_size={self.vocab_size}): "
+                "set pad_token_id to a token id below vocab_size, or null"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _known_architecture(self) -> Self:
         allowed = [
             self.hf_architecture(head) for head in ("causal_lm", "sequence_classification", "embedding")
