@@ -35,6 +35,8 @@ class GroupedQueryAttention(nn.Module):
             heads at once with a weight per channel (OLMo 2). Under column-sharded projections
             (tensor parallelism) ``"all_heads"`` would see only this rank's heads.
         norm_eps: Epsilon of the q/k norms.
+        qk_norm_zero_centered: The q/k norms scale by ``1 + weight`` (RMSNorm's
+            ``zero_centered_weight``; Gemma's convention).
         bias: Biases on the q/k/v/o projections.
         causal: Causal (decoder) attention.
         sliding_window: Attend only to the last ``sliding_window`` tokens (None: unlimited).
@@ -56,6 +58,7 @@ class GroupedQueryAttention(nn.Module):
         qk_norm: bool = False,
         qk_norm_scope: Literal["head", "all_heads"] = "head",
         norm_eps: float = 1e-6,
+        qk_norm_zero_centered: bool = False,
         bias: bool = False,
         causal: bool = True,
         sliding_window: int | None = None,
@@ -93,8 +96,9 @@ class GroupedQueryAttention(nn.Module):
             if qk_norm_scope == "head"
             else (num_heads * head_dim, num_kv_heads * head_dim)
         )
-        self.q_norm = RMSNorm(q_width, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(k_width, norm_eps) if qk_norm else None
+        centered = qk_norm_zero_centered
+        self.q_norm = RMSNorm(q_width, norm_eps, zero_centered_weight=centered) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, norm_eps, zero_centered_weight=centered) if qk_norm else None
         self.rotary = RotaryApplicator(rope_layout)
         if attention_backend is None or isinstance(attention_backend, str):
             self.attention_backend: AttentionBackend = select_attention_backend(attention_backend)

@@ -1,8 +1,11 @@
-"""SwiGLU feed-forward block: down(silu(gate(x)) * up(x))."""
+"""Gated feed-forward block: down(act(gate(x)) * up(x)), SiLU (SwiGLU) or tanh-approximated GELU."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from d9d.kernels import swiglu
@@ -24,13 +27,23 @@ class SwiGLU(nn.Module):
         intermediate_size: Width of the gated hidden layer.
         bias: Whether the projections have biases.
         init_std: Standard deviation of the truncated-normal weight initialization.
+        activation: The gate's activation: ``"silu"`` (SwiGLU, the fused kernel) or
+            ``"gelu_tanh"`` (GeGLU with the tanh approximation, transformers'
+            ``gelu_pytorch_tanh``).
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, bias: bool = False, init_std: float = 0.02
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        init_std: float = 0.02,
+        activation: Literal["silu", "gelu_tanh"] = "silu",
     ) -> None:
         super().__init__()
         self.init_std = init_std
+        self.activation: Literal["silu", "gelu_tanh"] = activation
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -44,6 +57,13 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
         gate, up = self.gate_proj(x), self.up_proj(x)
-        activation = swiglu(gate, up)
-        with recompute_when_saved(activation, lambda: swiglu(gate.detach(), up.detach())):
+        activation = self._gated(gate, up)
+        with recompute_when_saved(activation, lambda: self._gated(gate.detach(), up.detach())):
             return self.down_proj(activation)
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        match self.activation:
+            case "silu":
+                return swiglu(gate, up)
+            case "gelu_tanh":
+                return F.gelu(gate, approximate="tanh") * up
