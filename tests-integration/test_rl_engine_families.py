@@ -2,8 +2,8 @@
 
 The engine is typed by d9d-hf's core (``DecoderCausalLM``), so a model of any family fits; this
 runs the real producer (each family's layer: q/k norms or none, q/k/v biases, an output bias or
-none, llama3 rope scaling, sliding windows, OLMo 2's post-norms, Granite's multipliers) through
-the real consumer (the engine's cache).
+none, llama3 rope scaling, sliding windows, OLMo 2's post-norms, Granite's multipliers, Gemma 3's
+per-layer rope bases) through the real consumer (the engine's cache).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from d9d.hf import (
     DecoderCausalLM,
     DecoderFamily,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -71,6 +72,20 @@ FAMILIES: list[DecoderFamily] = [
             "attention_multiplier": 0.3,
             "residual_multiplier": 0.22,
             "logits_scaling": 4.0,
+        }
+    ),
+    # a local layer (window, its own rope base) then a global one (linear rope), 1 + w norms, GeGLU
+    Gemma3TextConfig.model_validate(
+        {
+            **TINY,
+            "model_type": "gemma3_text",
+            "head_dim": 8,
+            "query_pre_attn_scalar": 6,
+            "sliding_window": 3,
+            "sliding_window_pattern": 2,
+            "rope_theta": 100000.0,
+            "rope_local_base_freq": 50.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         }
     ),
 ]

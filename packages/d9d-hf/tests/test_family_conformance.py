@@ -164,6 +164,25 @@ def _phi3() -> nn.Module:
     return Phi3ForCausalLM(Phi3Config(**TINY, sliding_window=4))
 
 
+def _gemma3(*, tied: bool = True) -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+    }
+    config = Gemma3TextConfig(
+        **TINY,
+        head_dim=16,
+        query_pre_attn_scalar=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+    )
+    return Gemma3ForCausalLM(config)
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
@@ -175,6 +194,9 @@ FAMILIES = [
     # post-norms, q/k norms over all heads (which tensor parallelism cannot split: refused)
     FamilyCase("olmo2", _olmo2, layouts=("fsdp", "pp", "cp")),
     FamilyCase("phi3", _phi3),  # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
+    # local (sliding, own rope base) and global (linear-scaled rope) layers, four 1+w norms, GeGLU, tied head
+    FamilyCase("gemma3", _gemma3, layouts=("fsdp", "pp", "cp")),
+    FamilyCase("gemma3_untied", lambda: _gemma3(tied=False), layouts=("tp",)),  # Gemma 3's TP plan
 ]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import d9d.hf
 
 SOURCE = Path(d9d.hf.__file__).parent
-FAMILIES = ("qwen3", "llama", "qwen2", "mistral", "granite", "olmo2", "phi3")
+FAMILIES = ("qwen3", "llama", "qwen2", "mistral", "granite", "olmo2", "phi3", "gemma3")
 _IMPORT = re.compile(r"^\s*(?:from|import)\s+d9d\.hf\.(\w+)", re.MULTILINE)
 
 

@@ -60,6 +60,7 @@ from d9d.hf._multi_head_task import (
 from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
+from d9d.hf.gemma3 import Gemma3TextConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
@@ -91,6 +92,7 @@ __all__ = [
     "FusedTensor",
     "Float8Config",
     "FsdpConfig",
+    "Gemma3TextConfig",
     "GraniteConfig",
     "HFModelConfig",
     "HFModelProvider",

@@ -15,6 +15,7 @@ from typing import Annotated, assert_never
 from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
+from d9d.hf.gemma3 import Gemma3TextConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
@@ -32,6 +33,7 @@ AnyDecoderConfig = (
     | GraniteConfig
     | Olmo2Config
     | Phi3Config
+    | Gemma3TextConfig
 )
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
@@ -40,7 +42,17 @@ DecoderConfig = Annotated[AnyDecoderConfig, Field(discriminator="model_type")]
 
 DECODER_CONFIG_ADAPTER: TypeAdapter[AnyDecoderConfig] = TypeAdapter(DecoderConfig)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2", "mistral", "granite", "olmo2", "phi3")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    "llama",
+    "qwen2",
+    "mistral",
+    "granite",
+    "olmo2",
+    "phi3",
+    "gemma3_text",
+)
 """The ``model_type`` values d9d.hf reads."""
 
 
@@ -60,6 +72,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case Olmo2Config():
             return config
         case Phi3Config():
+            return config
+        case Gemma3TextConfig():
             return config
         case _:
             assert_never(config)

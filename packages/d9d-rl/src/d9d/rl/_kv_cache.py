@@ -108,9 +108,9 @@ def forward_with_cache(model: DecoderCausalLM, input_ids: torch.Tensor, cache: K
         raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
     start, length = cache.filled, input_ids.shape[1]
     hidden = backbone.embed(input_ids)
-    position_embeddings = backbone.rotary_emb(cache.positions[:, start : start + length], dtype=hidden.dtype)
+    tables = backbone.position_embeddings(cache.positions[:, start : start + length], dtype=hidden.dtype)
     cache.new_step()
-    for index, layer in enumerate(backbone.decoder_layers()):
+    for index, (layer, position_embeddings) in enumerate(zip(backbone.decoder_layers(), tables, strict=True)):
         slots = _LayerSlots(cache=cache, index=index, length=length)
         hidden = layer(hidden, position_embeddings, None, kv_cache=slots)
     cache.filled = start + length

@@ -53,6 +53,7 @@ class DecoderBackbone(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.pad_token_id = spec.pad_token_id
         self.embedding_multiplier = spec.embedding_multiplier
+        self.round_embedding_multiplier = spec.round_embedding_multiplier
         self.embed_tokens: TokenEmbedding | None = None
         if layout.is_first:
             self.embed_tokens = TokenEmbedding(
@@ -66,8 +67,16 @@ class DecoderBackbone(nn.Module):
                 for i in layout.layers
             }
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last else None
+        self.norm = (
+            RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered_weight=spec.zero_centered_final_norm)
+            if layout.is_last
+            else None
+        )
         self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
+        self.alternate_rotary_emb: RotaryEmbedding | None = None
+        if spec.alternate_rope_theta is not None:
+            self.alternate_rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.alternate_rope_theta)
+        self.alternate_rope_layers = spec.alternate_rope_layers
         self._overlap_point: Callable[[torch.Tensor], None] | None = None
 
     def set_overlap_point(self, point: Callable[[torch.Tensor], None] | None) -> None:
@@ -91,7 +100,8 @@ class DecoderBackbone(nn.Module):
             layer.reset_parameters()
         if self.norm is not None:
             self.norm.reset_parameters()
-        self.rotary_emb.reset_parameters()
+        for rotary in self._rotary_embeddings():
+            rotary.reset_parameters()
 
     @torch.no_grad()
     def _zero_padding_row(self) -> None:
@@ -115,10 +125,10 @@ class DecoderBackbone(nn.Module):
         For a model materialized with ``to_empty`` and then loaded from a checkpoint, which fills
         parameters only.
         """
-        rotary = self.rotary_emb
-        if rotary.inv_freq.dtype != torch.float32:
-            rotary.inv_freq = torch.empty_like(rotary.inv_freq, dtype=torch.float32)
-        rotary.reset_parameters()
+        for rotary in self._rotary_embeddings():
+            if rotary.inv_freq.dtype != torch.float32:
+                rotary.inv_freq = torch.empty_like(rotary.inv_freq, dtype=torch.float32)
+            rotary.reset_parameters()
         for layer in self.decoder_layers():
             if isinstance(layer.mlp, MoELayer):
                 layer.mlp.tokens_per_expert = torch.zeros_like(
@@ -139,6 +149,30 @@ class DecoderBackbone(nn.Module):
         ]
         return torch.stack(statistics).sum(dim=0) if statistics else None
 
+    def _rotary_embeddings(self) -> list[RotaryEmbedding]:
+        alternate = [] if self.alternate_rotary_emb is None else [self.alternate_rotary_emb]
+        return [self.rotary_emb, *alternate]
+
+    def position_embeddings(
+        self, position_ids: torch.Tensor, *, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(cos, sin)`` tables of each of this stage's layers, in ``decoder_layers`` order.
+
+        A layer in the spec's ``alternate_rope_layers`` gets the alternate base's tables, every
+        other layer the main ones; each set is computed once.
+        """
+        main = self.rotary_emb(position_ids, dtype=dtype)
+        alternate = (
+            None
+            if self.alternate_rotary_emb is None
+            else self.alternate_rotary_emb(position_ids, dtype=dtype)
+        )
+        return [
+            alternate if alternate is not None and int(key) in self.alternate_rope_layers else main
+            for key, layer in self.layers.items()
+            if isinstance(layer, DecoderLayer)
+        ]
+
     def decoder_layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers in order."""
         return [layer for layer in self.layers.values() if isinstance(layer, DecoderLayer)]
@@ -148,7 +182,13 @@ class DecoderBackbone(nn.Module):
         if self.embed_tokens is None:
             raise RuntimeError("this stage holds no token embedding (it is not the first stage)")
         embedded = self.embed_tokens(input_ids)
-        return embedded if self.embedding_multiplier == 1.0 else embedded * self.embedding_multiplier
+        if self.embedding_multiplier == 1.0:
+            return embedded
+        if self.round_embedding_multiplier:
+            return embedded * torch.tensor(
+                self.embedding_multiplier, dtype=embedded.dtype, device=embedded.device
+            )
+        return embedded * self.embedding_multiplier
 
     def forward(
         self,
@@ -172,8 +212,8 @@ class DecoderBackbone(nn.Module):
                 stream's shape and dtype), for the pipeline's meta-device shape pass.
         """
         layers = self.decoder_layers() if run_layers else []
-        position_embeddings = self.rotary_emb(position_ids, dtype=hidden_states.dtype)
-        for layer in layers:
+        tables = self.position_embeddings(position_ids, dtype=hidden_states.dtype) if run_layers else []
+        for layer, position_embeddings in zip(layers, tables, strict=True):
             if self.activation_checkpointing and self.training:
                 output = torch.utils.checkpoint.checkpoint(
                     layer,

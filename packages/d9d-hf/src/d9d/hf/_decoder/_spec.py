@@ -36,6 +36,14 @@ class DecoderSpec:
             transformers' ``load_balancing_loss_func`` pools the router logits of all layers.
         embedding_multiplier: Multiplies the token embeddings before the first layer (1: none).
         logits_multiplier: Multiplies the language-model head's logits (1: none).
+        round_embedding_multiplier: Round ``embedding_multiplier`` to the embedding's dtype
+            before multiplying (a bf16 model multiplies by the bf16 value, as Gemma's
+            transformers code does), instead of multiplying at full precision.
+        alternate_rope_theta: A second rotary base, plain RoPE without scaling, for the layers
+            in ``alternate_rope_layers`` (None: every layer uses ``rope_theta`` and ``rope_scaling``).
+        alternate_rope_layers: Global indices of the layers that take the alternate rotary tables.
+        zero_centered_final_norm: The final norm's scale is ``1 + weight`` (weight initialized to
+            zero), RMSNorm's ``zero_centered_weight``.
     """
 
     vocab_size: int
@@ -56,6 +64,10 @@ class DecoderSpec:
     load_balancing_coefficient: float = 0.0
     embedding_multiplier: float = 1.0
     logits_multiplier: float = 1.0
+    round_embedding_multiplier: bool = False
+    alternate_rope_theta: float | None = None
+    alternate_rope_layers: frozenset[int] = frozenset()
+    zero_centered_final_norm: bool = False
 
     @property
     def load_balancing(self) -> bool:
