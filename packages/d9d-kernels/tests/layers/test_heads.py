@@ -9,6 +9,7 @@ from d9d.kernels.layers import (
     EmbeddingHead,
     LanguageModelHead,
     Pooling,
+    check_pooling_mask,
     pool_hidden_states,
 )
 
@@ -73,9 +74,25 @@ def test_pooling_respects_padding(pooling: Pooling, expected: torch.Tensor) -> N
     torch.testing.assert_close(pool_hidden_states(HIDDEN, pooling, attention_mask=MASK), expected)
 
 
-def test_pooling_rejects_empty_rows() -> None:
-    with pytest.raises(ValueError, match="without any real token"):
-        pool_hidden_states(HIDDEN, "mean", attention_mask=torch.zeros(2, 4))
+@pytest.mark.parametrize("pooling", ["first", "last", "mean"])
+def test_pooling_rejects_a_host_mask_with_an_empty_row_naming_it(pooling: Pooling) -> None:
+    mask = MASK.clone()
+    mask[1] = 0
+    with pytest.raises(ValueError, match="row 1 is without any real token"):
+        pool_hidden_states(HIDDEN, pooling, attention_mask=mask)
+    with pytest.raises(ValueError, match="row 1 is without any real token"):
+        check_pooling_mask(mask)
+
+
+@pytest.mark.parametrize("pooling", ["first", "last", "mean"])
+def test_an_unchecked_empty_row_pools_to_nan_and_the_others_are_unchanged(pooling: Pooling) -> None:
+    # what an accelerator's mask gets by default: its values are not read back (no device sync)
+    mask = MASK.clone()
+    mask[1] = 0
+    pooled = pool_hidden_states(HIDDEN, pooling, attention_mask=mask, check=False)
+    expected = pool_hidden_states(HIDDEN, pooling, attention_mask=MASK)
+    torch.testing.assert_close(pooled[0], expected[0])
+    assert pooled[1].isnan().all()
 
 
 @pytest.mark.parametrize("pooling", ["first", "last", "mean"])

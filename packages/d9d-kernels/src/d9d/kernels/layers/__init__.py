@@ -14,6 +14,7 @@ from d9d.kernels.layers._attention_backend_selection import (
     select_attention_backend,
 )
 from d9d.kernels.layers._attention_mask import build_attention_mask
+from d9d.kernels.layers._attention_sinks import SinkAttentionBackend, sdpa_with_sinks
 from d9d.kernels.layers._eager_attention import EagerAttentionBackend
 from d9d.kernels.layers._flash_attention import (
     FLASH_ATTENTION_2_EXTRA,
@@ -26,14 +27,22 @@ from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExpe
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
 from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
+from d9d.kernels.layers._latent_attention import MultiHeadLatentAttention, latent_attention_softmax_scale
 from d9d.kernels.layers._load_balancing import (
     load_balancing_loss,
     load_balancing_statistics,
     pooled_load_balancing_loss,
 )
 from d9d.kernels.layers._moe_layer import MoELayer
-from d9d.kernels.layers._moe_router import RouterOutput, RouterScoreFunction, TopKRouter
-from d9d.kernels.layers._pooling import Pooling, pool_hidden_states
+from d9d.kernels.layers._moe_router import (
+    GroupLimitedSelection,
+    RouterOutput,
+    RouterScoreFunction,
+    RouterSelection,
+    TopKRouter,
+    TopKSelection,
+)
+from d9d.kernels.layers._pooling import Pooling, check_pooling_mask, pool_hidden_states
 from d9d.kernels.layers._positions import (
     cu_seqlens_from_document_ids,
     document_ids_from_cu_seqlens,
@@ -71,12 +80,14 @@ __all__ = [
     "GroupedQueryAttention",
     "GroupedMatmul",
     "GroupedSwiGLUExperts",
+    "GroupLimitedSelection",
     "KeyValueCache",
     "LanguageModelHead",
     "LinearRopeScaling",
     "Llama3RopeScaling",
     "LocalTokenDispatcher",
     "MoELayer",
+    "MultiHeadLatentAttention",
     "NtkRopeScaling",
     "Pooling",
     "RMSNorm",
@@ -85,25 +96,31 @@ __all__ = [
     "RotaryEmbedding",
     "RouterOutput",
     "RouterScoreFunction",
+    "RouterSelection",
     "SdpaAttentionBackend",
     "SharedInputGroupedMatmul",
+    "SinkAttentionBackend",
     "SwiGLU",
     "TokenDispatcher",
     "TokenEmbedding",
     "TopKRouter",
+    "TopKSelection",
     "YarnRopeScaling",
     "attend_cached",
     "build_attention_backend",
     "build_attention_mask",
+    "check_pooling_mask",
     "compute_rope_frequencies",
     "cu_seqlens_from_document_ids",
     "detect_attention_backend",
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
+    "latent_attention_softmax_scale",
     "load_balancing_loss",
     "load_balancing_statistics",
     "pool_hidden_states",
     "pooled_load_balancing_loss",
     "position_ids_from_document_ids",
+    "sdpa_with_sinks",
     "select_attention_backend",
 ]
