@@ -34,12 +34,16 @@ class _Cache:
         return allowed[None, None]
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_decoding_with_the_cache_equals_the_whole_sequence(sliding_window: int | None) -> None:
+def test_decoding_with_the_cache_equals_the_whole_sequence(sliding_window: int | None, sinks: bool) -> None:
     torch.manual_seed(0)
     attention = GroupedQueryAttention(
-        32, 4, 2, qk_norm=True, sliding_window=sliding_window, attention_backend="eager"
+        32, 4, 2, qk_norm=True, sliding_window=sliding_window, sinks=sinks, attention_backend="eager"
     )
+    if attention.sinks is not None:
+        with torch.no_grad():
+            attention.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 4.0]))  # weights that show
     rotary = RotaryEmbedding(8, theta=10_000.0)
     hidden = torch.randn(2, 7, 32)
     positions = torch.arange(7).expand(2, 7)

@@ -10,7 +10,8 @@ from torch import nn
 from d9d.kernels import RopeLayout
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
-from d9d.kernels.layers._init import init_linear_
+from d9d.kernels.layers._attention_sinks import SinkAttentionBackend
+from d9d.kernels.layers._init import init_linear_, init_normal_
 from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
 from d9d.kernels.layers._rms_norm import RMSNorm
 from d9d.kernels.layers._rotary_applicator import RotaryApplicator
@@ -41,6 +42,10 @@ class GroupedQueryAttention(nn.Module):
         causal: Causal (decoder) attention.
         sliding_window: Attend only to the last ``sliding_window`` tokens (None: unlimited).
         softmax_scale: Score multiplier; ``head_dim ** -0.5`` when None.
+        sinks: A learned logit per query head in every softmax denominator (attention sinks,
+            GPT-OSS): the ``sinks`` parameter, ``(num_heads,)``. The backend must attend with sinks
+            (``SinkAttentionBackend``: eager, SDPA); FlashAttention and context parallelism are
+            refused with an error naming the backend.
         rope_layout: Layout of the cos/sin tables passed to ``forward``.
         attention_backend: A backend object, a backend name, or None for ``$D9D_ATTENTION_BACKEND``
             or auto-detection. Stored as the public ``attention_backend`` attribute, which may be
@@ -63,6 +68,7 @@ class GroupedQueryAttention(nn.Module):
         causal: bool = True,
         sliding_window: int | None = None,
         softmax_scale: float | None = None,
+        sinks: bool = False,
         rope_layout: RopeLayout = "half",
         attention_backend: AttentionBackend | AttentionBackendName | None = None,
         init_std: float = 0.02,
@@ -99,17 +105,22 @@ class GroupedQueryAttention(nn.Module):
         centered = qk_norm_zero_centered
         self.q_norm = RMSNorm(q_width, norm_eps, zero_centered_weight=centered) if qk_norm else None
         self.k_norm = RMSNorm(k_width, norm_eps, zero_centered_weight=centered) if qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.rotary = RotaryApplicator(rope_layout)
         if attention_backend is None or isinstance(attention_backend, str):
             self.attention_backend: AttentionBackend = select_attention_backend(attention_backend)
         else:
             self.attention_backend = attention_backend
+        if sinks:
+            self._sink_backend()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Truncated-normal projections, zero biases, unit q/k norm scales."""
+        """Truncated-normal projections and sinks, zero biases, unit q/k norm scales."""
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             init_linear_(linear, self.init_std)
+        if self.sinks is not None:
+            init_normal_(self.sinks, self.init_std)
         if self.q_norm is not None and self.k_norm is not None:
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -157,6 +168,19 @@ class GroupedQueryAttention(nn.Module):
                 kv_cache,
                 softmax_scale=self.softmax_scale,
                 sliding_window=self.sliding_window,
+                sinks=self.sinks,
+            )
+            return self.o_proj(attended.reshape(batch, seq, -1))
+        if self.sinks is not None:
+            attended = self._sink_backend().attend_with_sinks(
+                query,
+                key,
+                value,
+                sinks=self.sinks,
+                causal=self.causal,
+                softmax_scale=self.softmax_scale,
+                sliding_window=self.sliding_window,
+                document_ids=document_ids,
             )
             return self.o_proj(attended.reshape(batch, seq, -1))
         attended = self.attention_backend.attend(
@@ -170,9 +194,18 @@ class GroupedQueryAttention(nn.Module):
         )
         return self.o_proj(attended.reshape(batch, seq, -1))
 
+    def _sink_backend(self) -> SinkAttentionBackend:
+        backend = self.attention_backend
+        if not isinstance(backend, SinkAttentionBackend):
+            raise ValueError(
+                f"attention sinks need an attention backend that attends with them (eager or sdpa); "
+                f"{type(backend).__name__} does not"
+            )
+        return backend
+
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"causal={self.causal}, sliding_window={self.sliding_window}, "
+            f"causal={self.causal}, sliding_window={self.sliding_window}, sinks={self.sinks is not None}, "
             f"backend={type(self.attention_backend).__name__}"
         )

@@ -7,6 +7,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from d9d.kernels.layers._attention_sinks import sdpa_with_sinks
+
 
 class KeyValueCache(Protocol):
     """One attention layer's cache of keys and values, as ``GroupedQueryAttention`` uses it.
@@ -38,6 +40,7 @@ def attend_cached(
     *,
     softmax_scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries to the cache after appending ``key`` and ``value``.
 
@@ -48,11 +51,22 @@ def attend_cached(
         cache: The layer's cache.
         softmax_scale: Score multiplier.
         sliding_window: The layer's window (the cache's mask applies it by position).
+        sinks: ``(q_heads,)`` attention-sink logits (``sdpa_with_sinks``); None for none.
 
     Returns:
         ``(batch, new, q_heads, head_dim)``.
     """
     keys, values = cache.append(key, value)
+    if sinks is not None:
+        out = sdpa_with_sinks(
+            query.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            cache.attention_mask(sliding_window),
+            sinks,
+            softmax_scale=softmax_scale,
+        )
+        return out.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys.transpose(1, 2),

@@ -1,0 +1,115 @@
+"""Attention sinks: eager and SDPA against a plain-PyTorch reference and transformers' GPT-OSS attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d9d.kernels.layers import (
+    EagerAttentionBackend,
+    GroupedQueryAttention,
+    RotaryEmbedding,
+    SdpaAttentionBackend,
+    SinkAttentionBackend,
+)
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal attention with one sink logit per head, written out in float64 (``(b, s, h, d)``)."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    i = torch.arange(q.shape[2])[:, None]
+    j = torch.arange(q.shape[2])[None, :]
+    allowed = (j <= i) & (i - j < window if window is not None else True)
+    exp = torch.exp(scores.masked_fill(~allowed, float("-inf")))
+    denominator = exp.sum(-1, keepdim=True) + torch.exp(sinks.double()).view(1, -1, 1, 1)
+    return ((exp / denominator) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", [EagerAttentionBackend(), SdpaAttentionBackend()], ids=["eager", "sdpa"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_backends_attend_with_sinks_as_the_reference(
+    backend: SinkAttentionBackend, window: int | None
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 8, generator=generator, requires_grad=True)
+    k = torch.randn(2, 7, 2, 8, generator=generator, requires_grad=True)
+    v = torch.randn(2, 7, 2, 8, generator=generator, requires_grad=True)
+    sinks = torch.tensor([3.0, -2.0, 0.0, 1.5], requires_grad=True)
+    out = backend.attend_with_sinks(
+        q, k, v, sinks=sinks, causal=True, softmax_scale=8**-0.5, sliding_window=window
+    )
+    expected = _reference(q, k, v, sinks, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * weight).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((expected * weight).sum(), (q, k, v, sinks))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got[3].abs().min() > 0  # every sink gets a gradient
+
+
+def test_sinks_with_packed_documents_equal_each_document_alone() -> None:
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(32, 4, 2, sinks=True, sliding_window=4, attention_backend="sdpa")
+    rotary = RotaryEmbedding(8)
+    documents = [torch.randn(1, n, 32) for n in (5, 6)]
+    ids = torch.tensor([[0] * 5 + [1] * 6])
+    positions = torch.cat([torch.arange(5), torch.arange(6)]).unsqueeze(0)
+    packed = layer(torch.cat(documents, dim=1), rotary(positions), document_ids=ids)
+    alone = [layer(d, rotary(torch.arange(d.shape[1]).unsqueeze(0))) for d in documents]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=1e-5)
+
+
+class _PlainBackend:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **_: object
+    ) -> torch.Tensor:
+        return query
+
+
+def test_a_backend_without_sinks_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="_PlainBackend does not"):
+        GroupedQueryAttention(32, 4, 2, sinks=True, attention_backend=_PlainBackend())
+    layer = GroupedQueryAttention(32, 4, 2, sinks=True, attention_backend="eager")
+    layer.attention_backend = _PlainBackend()  # as context parallelism would install its own
+    with pytest.raises(ValueError, match="attention sinks need"):
+        layer(torch.randn(1, 3, 32), RotaryEmbedding(8)(torch.arange(3).unsqueeze(0)))
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_gqa_with_sinks_equals_transformers_gpt_oss_attention(layer_type: str) -> None:
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
+
+    config = GptOssConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        sliding_window=3,
+        layer_types=[layer_type],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = GptOssAttention(config, layer_idx=0)
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.normal_(std=0.3)
+    window = 3 if layer_type == "sliding_attention" else None
+    ours = GroupedQueryAttention(32, 4, 2, head_dim=8, bias=True, sinks=True, sliding_window=window)
+    ours.load_state_dict(hf.state_dict())
+    hidden = torch.randn(2, 6, 32)
+    positions = torch.arange(6).expand(2, 6)
+    i, j = positions[0][:, None], positions[0][None, :]
+    allowed = (j <= i) & (i - j < window if window is not None else True)
+    mask = torch.zeros(1, 1, 6, 6).masked_fill(~allowed, float("-inf"))
+    expected, _ = hf(hidden, GptOssRotaryEmbedding(config)(hidden, positions), attention_mask=mask)
+    got = ours(hidden, RotaryEmbedding(8, theta=10000.0)(positions))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
