@@ -8,7 +8,7 @@ from torch import nn
 from d9d.kernels.layers._auxiliary_loss import attach_auxiliary_loss
 from d9d.kernels.layers._grouped_experts import GroupedSwiGLUExperts
 from d9d.kernels.layers._load_balancing import load_balancing_statistics, pooled_load_balancing_loss
-from d9d.kernels.layers._moe_router import RouterScoreFunction, TopKRouter
+from d9d.kernels.layers._moe_router import RouterScoreFunction, RouterSelection, TopKRouter
 from d9d.kernels.layers._swiglu_feed_forward import SwiGLU
 from d9d.kernels.layers._token_dispatcher import LocalTokenDispatcher, TokenDispatcher
 
@@ -46,6 +46,8 @@ class MoELayer(nn.Module):
         score_function: Router scores, ``"softmax"`` or ``"sigmoid"``.
         renormalize: Renormalize the top-k weights to sum to one.
         expert_bias: Keep a selection bias per expert (auxiliary-loss-free balancing).
+        router_selection: How the router picks experts (``TopKRouter``'s ``selection``).
+        routed_scaling_factor: Multiplier of the routed weights (``TopKRouter``'s).
         load_balancing_loss_coefficient: Weight of the load-balancing loss; None disables it.
         collect_load_balancing_loss: Keep the weighted loss for ``pop_load_balancing_loss``
             instead of adding its gradient in backward.
@@ -66,6 +68,8 @@ class MoELayer(nn.Module):
         score_function: RouterScoreFunction = "softmax",
         renormalize: bool = True,
         expert_bias: bool = False,
+        router_selection: RouterSelection | None = None,
+        routed_scaling_factor: float = 1.0,
         load_balancing_loss_coefficient: float | None = None,
         collect_load_balancing_loss: bool = False,
         dispatcher: TokenDispatcher | None = None,
@@ -85,6 +89,8 @@ class MoELayer(nn.Module):
             score_function=score_function,
             renormalize=renormalize,
             expert_bias=expert_bias,
+            selection=router_selection,
+            routed_scaling_factor=routed_scaling_factor,
             init_std=init_std,
         )
         self.experts = GroupedSwiGLUExperts(num_experts, hidden_size, intermediate_size, init_std=init_std)
