@@ -1,4 +1,5 @@
-"""Tokenizer-bound data: chat templates as transformers renders them, record formats, the SFT provider."""
+"""Tokenizer-bound data: chat templates as transformers renders them, record formats, the SFT provider,
+preference pairs."""
 
 from d9d.hf.data._chat_encoding import assistant_spans, encode_chat
 from d9d.hf.data._chat_template import ChatTemplate, ChatTemplateError, Message
@@ -10,6 +11,14 @@ from d9d.hf.data._format_config import (
     PromptCompletionFormatConfig,
     TextFormatConfig,
 )
+from d9d.hf.data._preference_config import (
+    PreferenceChatFormatConfig,
+    PreferenceDataConfig,
+    PreferenceFormatConfig,
+    PreferenceTextFormatConfig,
+)
+from d9d.hf.data._preference_encoder import PreferenceEncoder, PreferencePair
+from d9d.hf.data._preference_reader import PreferenceData, load_preference_pairs, read_preference_pairs
 from d9d.hf.data._provider import sft_data_provider, token_batch
 from d9d.hf.data._tokenizer_files import TokenizerFiles, TokenizerFilesError
 
@@ -19,6 +28,13 @@ __all__ = [
     "ChatTemplateError",
     "FormatConfig",
     "Message",
+    "PreferenceChatFormatConfig",
+    "PreferenceData",
+    "PreferenceDataConfig",
+    "PreferenceEncoder",
+    "PreferenceFormatConfig",
+    "PreferencePair",
+    "PreferenceTextFormatConfig",
     "PromptCompletionFormatConfig",
     "SFTDataConfig",
     "SFTEncoder",
@@ -27,6 +43,8 @@ __all__ = [
     "TokenizerFilesError",
     "assistant_spans",
     "encode_chat",
+    "load_preference_pairs",
+    "read_preference_pairs",
     "sft_data_provider",
     "token_batch",
 ]

@@ -98,14 +98,25 @@ def encode_chat(
     messages: Sequence[Message],
     *,
     variables: Mapping[str, Any] | None = None,
+    learn_from: int = 0,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of a conversation: labels are the ids on assistant turns, else -100.
 
     The text is tokenized as a whole without adding special tokens (the template writes them),
     as ``apply_chat_template(..., tokenize=True)`` does, so ``input_ids`` equal transformers'.
     A token belongs to a turn when it starts inside the turn's span.
+
+    Args:
+        template: The chat template.
+        tokenizer: The checkpoint's tokenizer.
+        messages: The conversation.
+        variables: Extra template variables.
+        learn_from: Only assistant turns at this message index or later are learned (a
+            preference pair's completion after a prompt that holds assistant turns itself).
     """
-    text, spans = assistant_spans(template, messages, variables=variables)
+    text, all_spans = assistant_spans(template, messages, variables=variables)
+    learned = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    spans = [span for i, span in zip(learned, all_spans, strict=True) if i >= learn_from]
     encoding = tokenizer.encode(text, add_special_tokens=False)
     ids: list[int] = list(encoding.ids)
     labels = [IGNORE_INDEX] * len(ids)

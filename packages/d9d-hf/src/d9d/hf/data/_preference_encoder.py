@@ -1,0 +1,133 @@
+"""Preference records to token pairs: the prompt with each answer, labels on the answer only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from tokenizers import Tokenizer
+
+from d9d.hf.data._chat_encoding import IGNORE_INDEX, encode_chat
+from d9d.hf.data._chat_template import ChatTemplate, ChatTemplateError, Message
+from d9d.hf.data._preference_config import PreferenceChatFormatConfig, PreferenceTextFormatConfig
+from d9d.hf.data._tokenizer_files import TokenizerFiles
+from d9d.loop.data import Record, SampleError, TokenRow
+
+
+@dataclass(kw_only=True)
+class PreferencePair:
+    """One preference row as tokens.
+
+    Attributes:
+        chosen: The prompt and the preferred answer; labels on the answer's tokens only.
+        rejected: The prompt and the dispreferred answer, labelled the same way.
+        index: The row's index in the source (0-based), for messages and to key reference scores.
+    """
+
+    chosen: TokenRow
+    rejected: TokenRow
+    index: int
+
+
+def _messages(value: Any, *, role: str, where: str, key: str) -> list[Message]:
+    """A string as one message of ``role``, or a non-empty list of ``{role, content}`` messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise SampleError(f"{where}: '{key}' must be text or a non-empty list of messages")
+    messages: list[Message] = []
+    for i, item in enumerate(cast(list[Any], value)):
+        if not isinstance(item, dict) or "role" not in item:
+            raise SampleError(f"{where}: {key}[{i}] is not a {{role, content}} message")
+        messages.append(cast(Mapping[str, Any], item))
+    return messages
+
+
+class PreferenceEncoder:
+    """Encodes preference records as the format says, with the checkpoint's tokenizer and template.
+
+    Args:
+        files: The tokenizer directory's files.
+        format: The record format.
+        eos_id: Appended after each answer of the text format.
+        pad_id: Padding's token id.
+    """
+
+    def __init__(
+        self,
+        *,
+        files: TokenizerFiles,
+        format: PreferenceChatFormatConfig | PreferenceTextFormatConfig,
+        eos_id: int,
+        pad_id: int,
+    ) -> None:
+        self._tokenizer: Tokenizer = files.tokenizer
+        self._format = format
+        self._eos = eos_id
+        self._pad = pad_id
+        self._template: ChatTemplate | None = None
+        if isinstance(format, PreferenceChatFormatConfig):
+            override = None if format.template is None else format.template.read_text()
+            self._template = files.template(override)
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    def encode(self, record: Record, index: int) -> PreferencePair:
+        """The row's two sequences.
+
+        Raises:
+            SampleError: If the prompt, chosen or rejected field is missing (naming the row's index
+                and the key), mistyped, or an answer has no token to learn.
+        """
+        where = f"row {index} ({record.where})"
+        fmt = self._format
+        for key in (fmt.prompt_field, fmt.chosen_field, fmt.rejected_field):
+            if record.fields.get(key) is None:
+                raise SampleError(f"{where}: missing key '{key}' (the row has {sorted(record.fields)})")
+        prompt = record.fields[fmt.prompt_field]
+        sides = [
+            self._side(prompt, record.fields[key], where=where, key=key)
+            for key in (fmt.chosen_field, fmt.rejected_field)
+        ]
+        return PreferencePair(chosen=sides[0], rejected=sides[1], index=index)
+
+    def _side(self, prompt: Any, answer: Any, *, where: str, key: str) -> TokenRow:
+        match self._format:
+            case PreferenceChatFormatConfig() as fmt:
+                ids, labels = self._chat(fmt, prompt, answer, where=where, key=key)
+            case PreferenceTextFormatConfig() as fmt:
+                if not isinstance(prompt, str) or not isinstance(answer, str):
+                    raise SampleError(
+                        f"{where}: the text format needs a text '{fmt.prompt_field}' and '{key}'"
+                    )
+                head = self._ids(prompt)
+                tail = [*self._ids(fmt.separator + answer), self._eos]
+                ids, labels = head + tail, [IGNORE_INDEX] * len(head) + tail
+        if all(label == IGNORE_INDEX for label in labels):
+            raise SampleError(f"{where}: '{key}' has no token to learn (no assistant turn?)")
+        return TokenRow(input_ids=ids, labels=labels, where=where)
+
+    def _chat(
+        self, fmt: PreferenceChatFormatConfig, prompt: Any, answer: Any, *, where: str, key: str
+    ) -> tuple[list[int], list[int]]:
+        assert self._template is not None  # built in __init__ for this format
+        before = _messages(prompt, role="user", where=where, key=fmt.prompt_field)
+        if fmt.system_prompt is not None and before[0].get("role") != "system":
+            before = [{"role": "system", "content": fmt.system_prompt}, *before]
+        after = _messages(answer, role="assistant", where=where, key=key)
+        try:
+            return encode_chat(
+                self._template,
+                self._tokenizer,
+                [*before, *after],
+                variables=fmt.variables,
+                learn_from=len(before),
+            )
+        except ChatTemplateError as e:
+            raise SampleError(f"{where}: '{key}': {e}") from e
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
