@@ -16,6 +16,13 @@ from d9d.kernels.layers._attention_backend_selection import (
 from d9d.kernels.layers._attention_mask import build_attention_mask
 from d9d.kernels.layers._attention_sinks import SinkAttentionBackend, sdpa_with_sinks
 from d9d.kernels.layers._eager_attention import EagerAttentionBackend
+from d9d.kernels.layers._expert_activation import (
+    ClampedSwiGLU,
+    ExpertActivation,
+    PlainSwiGLU,
+    apply_expert_activation,
+    clamped_swiglu,
+)
 from d9d.kernels.layers._flash_attention import (
     FLASH_ATTENTION_2_EXTRA,
     FLASH_ATTENTION_4_EXTRA,
@@ -72,9 +79,11 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendName",
     "AttentionBackendUnavailableError",
+    "ClampedSwiGLU",
     "ClassificationHead",
     "EagerAttentionBackend",
     "EmbeddingHead",
+    "ExpertActivation",
     "FlashAttention2Backend",
     "FlashAttention4Backend",
     "GroupedQueryAttention",
@@ -89,6 +98,7 @@ __all__ = [
     "MoELayer",
     "MultiHeadLatentAttention",
     "NtkRopeScaling",
+    "PlainSwiGLU",
     "Pooling",
     "RMSNorm",
     "RopeScaling",
@@ -106,10 +116,12 @@ __all__ = [
     "TopKRouter",
     "TopKSelection",
     "YarnRopeScaling",
+    "apply_expert_activation",
     "attend_cached",
     "build_attention_backend",
     "build_attention_mask",
     "check_pooling_mask",
+    "clamped_swiglu",
     "compute_rope_frequencies",
     "cu_seqlens_from_document_ids",
     "detect_attention_backend",

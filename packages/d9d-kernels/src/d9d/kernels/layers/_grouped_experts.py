@@ -7,7 +7,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from d9d.kernels import grouped_mm, swiglu
+from d9d.kernels import grouped_mm
+from d9d.kernels.layers._expert_activation import ExpertActivation, PlainSwiGLU, apply_expert_activation
 from d9d.kernels.layers._init import init_normal_
 
 
@@ -51,15 +52,31 @@ class GroupedSwiGLUExperts(nn.Module):
     ``shared_input_matmul`` is set, the gate and up products run through it instead, as one call
     (so that work on their common input, a cast say, is done once).
 
+    With ``bias`` each projection adds its expert's bias: ``gate_proj_bias`` and ``up_proj_bias``
+    of shape ``(E, I)``, ``down_proj_bias`` of shape ``(E, H)`` (zeros at reset; GPT-OSS).
+
     Args:
         num_experts: Number of experts.
         hidden_size: Model width.
         intermediate_size: Hidden width of every expert.
+        bias: Biases on the three projections.
+        activation: The gated activation (``PlainSwiGLU()`` when None; ``ClampedSwiGLU`` for GPT-OSS).
         init_std: Standard deviation of the truncated-normal initialization.
     """
 
+    gate_proj_bias: nn.Parameter | None
+    up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
+
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        activation: ExpertActivation | None = None,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -71,12 +88,20 @@ class GroupedSwiGLUExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.activation: ExpertActivation = PlainSwiGLU() if activation is None else activation
+        widths = {"gate_proj_bias": intermediate_size, "up_proj_bias": intermediate_size}
+        for name, width in (*widths.items(), ("down_proj_bias", hidden_size)):
+            self.register_parameter(name, nn.Parameter(torch.empty(num_experts, width)) if bias else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Truncated-normal weights."""
+        """Truncated-normal weights, zero biases."""
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             init_normal_(weight, self.init_std)
+        with torch.no_grad():
+            for bias in (self.gate_proj_bias, self.up_proj_bias, self.down_proj_bias):
+                if bias is not None:
+                    bias.zero_()
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Runs each expert on its contiguous group of rows.
@@ -100,10 +125,24 @@ class GroupedSwiGLUExperts(nn.Module):
             up = matmul(tokens, self.up_proj, tokens_per_expert)
         else:
             gate, up = self.shared_input_matmul(tokens, self.gate_proj, self.up_proj, tokens_per_expert)
-        return matmul(swiglu(gate, up), self.down_proj, tokens_per_expert)
+        gate = _add_bias(gate, self.gate_proj_bias, tokens_per_expert)
+        up = _add_bias(up, self.up_proj_bias, tokens_per_expert)
+        hidden = apply_expert_activation(self.activation, gate, up)
+        return _add_bias(
+            matmul(hidden, self.down_proj, tokens_per_expert), self.down_proj_bias, tokens_per_expert
+        )
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}"
+            f"intermediate_size={self.intermediate_size}, bias={self.down_proj_bias is not None}, "
+            f"activation={self.activation}"
         )
+
+
+def _add_bias(rows: torch.Tensor, bias: torch.Tensor | None, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``rows`` plus each row's expert's bias (``output_size`` given: no host sync on the GPU)."""
+    if bias is None:
+        return rows
+    per_row = torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=rows.shape[0])
+    return rows + per_row.to(rows.dtype)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from d9d.kernels.layers._auxiliary_loss import attach_auxiliary_loss
+from d9d.kernels.layers._expert_activation import ExpertActivation
 from d9d.kernels.layers._grouped_experts import GroupedSwiGLUExperts
 from d9d.kernels.layers._load_balancing import load_balancing_statistics, pooled_load_balancing_loss
 from d9d.kernels.layers._moe_router import RouterScoreFunction, RouterSelection, TopKRouter
@@ -52,6 +53,11 @@ class MoELayer(nn.Module):
         collect_load_balancing_loss: Keep the weighted loss for ``pop_load_balancing_loss``
             instead of adding its gradient in backward.
         dispatcher: Token dispatcher; a ``LocalTokenDispatcher`` when None.
+        router_bias: A learned bias on the router's logits (``TopKRouter``'s ``bias``; GPT-OSS).
+        expert_projection_bias: Biases on the experts' projections (``GroupedSwiGLUExperts``'
+            ``bias``; GPT-OSS).
+        expert_activation: The experts' gated activation (``PlainSwiGLU()`` when None;
+            ``ClampedSwiGLU`` for GPT-OSS).
         init_std: Standard deviation of the truncated-normal initialization.
     """
 
@@ -64,6 +70,9 @@ class MoELayer(nn.Module):
         top_k: int,
         intermediate_size: int,
         *,
+        router_bias: bool = False,
+        expert_projection_bias: bool = False,
+        expert_activation: ExpertActivation | None = None,
         shared_expert_intermediate_size: int | None = None,
         score_function: RouterScoreFunction = "softmax",
         renormalize: bool = True,
@@ -86,6 +95,7 @@ class MoELayer(nn.Module):
             hidden_size,
             num_experts,
             top_k,
+            bias=router_bias,
             score_function=score_function,
             renormalize=renormalize,
             expert_bias=expert_bias,
@@ -93,7 +103,14 @@ class MoELayer(nn.Module):
             routed_scaling_factor=routed_scaling_factor,
             init_std=init_std,
         )
-        self.experts = GroupedSwiGLUExperts(num_experts, hidden_size, intermediate_size, init_std=init_std)
+        self.experts = GroupedSwiGLUExperts(
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            bias=expert_projection_bias,
+            activation=expert_activation,
+            init_std=init_std,
+        )
         self.shared_expert = (
             SwiGLU(hidden_size, shared_expert_intermediate_size, init_std=init_std)
             if shared_expert_intermediate_size is not None

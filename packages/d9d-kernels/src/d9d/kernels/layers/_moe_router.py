@@ -98,6 +98,9 @@ class TopKRouter(nn.Module):
         hidden_size: Model width.
         num_experts: Number of experts (global).
         top_k: Experts per token.
+        bias: A learned bias on the gate's logits (GPT-OSS), the ``bias`` parameter; it moves
+            scores and weights alike. GPT-OSS's "top-k of the logits, softmax over those k" is
+            ``score_function="softmax"`` with ``renormalize=True`` (the same weights).
         score_function: ``"softmax"`` (Qwen, Mixtral) or ``"sigmoid"`` (DeepSeek-V3).
         renormalize: Divide the chosen weights by their sum.
         expert_bias: Keep a selection bias per expert.
@@ -116,6 +119,7 @@ class TopKRouter(nn.Module):
         num_experts: int,
         top_k: int,
         *,
+        bias: bool = False,
         score_function: RouterScoreFunction = "softmax",
         renormalize: bool = True,
         expert_bias: bool = False,
@@ -135,6 +139,7 @@ class TopKRouter(nn.Module):
         self.renormalize = renormalize
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         # a None buffer without the bias: ``enable_expert_bias`` can register it later
         self.register_buffer(
             "expert_bias", torch.zeros(num_experts, dtype=torch.float32) if expert_bias else None
@@ -153,15 +158,18 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", bias)
 
     def reset_parameters(self) -> None:
-        """Truncated-normal gate, zero expert bias."""
+        """Truncated-normal gate and gate bias, zero expert bias."""
         init_normal_(self.weight, self.init_std)
+        if self.bias is not None:
+            init_normal_(self.bias, self.init_std)
         if self.expert_bias is not None:
             with torch.no_grad():
                 self.expert_bias.zero_()
 
     def forward(self, hidden: torch.Tensor) -> RouterOutput:
         """Routes ``(tokens, hidden_size)`` tokens."""
-        logits = functional.linear(hidden.to(torch.float32), self.weight.to(torch.float32))
+        gate_bias = None if self.bias is None else self.bias.to(torch.float32)
+        logits = functional.linear(hidden.to(torch.float32), self.weight.to(torch.float32), gate_bias)
         match self.score_function:
             case "softmax":
                 scores = torch.softmax(logits, dim=-1)
