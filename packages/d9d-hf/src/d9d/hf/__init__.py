@@ -59,6 +59,9 @@ from d9d.hf._multi_head_task import (
 )
 from d9d.hf._pretrained import load_pretrained, save_pretrained
 from d9d.hf._provider import HFModelProvider
+from d9d.hf._reward_data import PreferenceLike, RewardBatch, RewardPair, RewardPairs, TokenIds
+from d9d.hf._reward_loss import bradley_terry_loss
+from d9d.hf._reward_task import REWARD_METRICS, RewardTask, check_reward_model, pair_rewards, reward_task
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
 from d9d.hf.gemma3 import Gemma3TextConfig
 from d9d.hf.granite import GraniteConfig
@@ -70,6 +73,7 @@ from d9d.hf.qwen2 import Qwen2Config
 from d9d.hf.qwen3 import Qwen3DenseConfig, Qwen3MoeConfig
 
 __all__ = [
+    "REWARD_METRICS",
     "SNAPSHOT_PATTERNS",
     "CausalLMHeadConfig",
     "CausalLMState",
@@ -111,10 +115,15 @@ __all__ = [
     "Olmo2Config",
     "ParamDtype",
     "Phi3Config",
+    "PreferenceLike",
     "PretrainedModelConfig",
     "Qwen2Config",
     "Qwen3DenseConfig",
     "Qwen3MoeConfig",
+    "RewardBatch",
+    "RewardPair",
+    "RewardPairs",
+    "RewardTask",
     "ScratchModelConfig",
     "SequenceClassificationHeadSpec",
     "StackedExperts",
@@ -123,13 +132,16 @@ __all__ = [
     "TensorName",
     "TensorParallelRefusal",
     "TokenBatch",
+    "TokenIds",
     "TokenSample",
     "attention_names",
+    "bradley_terry_loss",
     "broadcast_tied_weight",
     "build_decoder",
     "causal_lm_targets",
     "causal_lm_task",
     "check_padding_at_row_ends",
+    "check_reward_model",
     "decoder_export_mapper",
     "decoder_load_mapper",
     "dense_mlp_names",
@@ -137,10 +149,12 @@ __all__ = [
     "load_pretrained",
     "load_weights",
     "multi_head_task",
+    "pair_rewards",
     "parallelize_decoder",
     "provider_from_config",
     "read_decoder_config",
     "resolve_snapshot",
+    "reward_task",
     "same_names",
     "save_pretrained",
     "sum_tied_gradients",

@@ -186,7 +186,11 @@ class PretrainedModelConfig(_ModelOptions):
             beside it (an earlier export), else it starts fresh. Export writes the backbone
             and the LM head as a transformers directory, each classification head as
             ``head-<name>.safetensors`` with ``head-<name>.json`` beside it.
-        num_labels: Classes of a fresh sequence-classification head (default: the config's).
+        num_labels: Classes of a fresh sequence-classification head (default: the config's; 1
+            for a reward model).
+        pad_token_id: The padding token id, replacing the config's (a checkpoint whose
+            config.json names none): a sequence-classification head reads each row's score at
+            its last token that is not padding, and the export's config.json carries it.
         activation_checkpointing: Recompute every decoder layer in backward.
         attention_backend: Attention implementation; None auto-detects.
         param_dtype: Compute dtype of the parameters (FSDP mixed precision); None keeps float32.
@@ -223,6 +227,7 @@ class PretrainedModelConfig(_ModelOptions):
     source: str = Field(min_length=1)
     revision: str | None = None
     num_labels: int | None = Field(default=None, ge=1)
+    pad_token_id: int | None = Field(default=None, ge=0)
 
 
 class ScratchModelConfig(_ModelOptions):

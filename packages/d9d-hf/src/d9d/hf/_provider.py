@@ -126,6 +126,8 @@ class HFModelProvider(ModelProvider[DecoderModel]):
                 config = read_decoder_config(directory)
                 if self._config.num_labels is not None:
                     config = config.with_num_labels(self._config.num_labels)
+                if self._config.pad_token_id is not None:
+                    config = config.with_pad_token_id(self._config.pad_token_id)
                 self._resolved = _Resolved(
                     config=self._with_load_balancing(config),
                     checkpoint=SafetensorsCheckpoint(directory),

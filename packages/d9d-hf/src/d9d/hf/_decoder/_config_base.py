@@ -159,6 +159,14 @@ class DecoderConfigBase(BaseModel):
         """A copy whose sequence-classification head has ``num_labels`` classes."""
         return self.model_copy(update={"num_labels": num_labels})
 
+    def with_pad_token_id(self, pad_token_id: int) -> Self:
+        """A copy whose ``pad_token_id`` is ``pad_token_id`` (checked against the vocabulary).
+
+        Raises:
+            ValueError: If it is outside the vocabulary.
+        """
+        return self.model_validate({**self.model_dump(by_alias=True), "pad_token_id": pad_token_id})
+
     def with_output_router_logits(self, enabled: bool) -> Self:
         """A copy whose training objective has (or lacks) the MoE load-balancing loss.
 

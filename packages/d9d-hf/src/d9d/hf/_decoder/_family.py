@@ -111,6 +111,10 @@ class DecoderFamily(Protocol):
         """A copy whose sequence-classification head has ``num_labels`` classes."""
         ...
 
+    def with_pad_token_id(self, pad_token_id: int) -> Self:
+        """A copy whose ``pad_token_id`` is ``pad_token_id``; raises ``ValueError`` outside the vocabulary."""
+        ...
+
     def with_output_router_logits(self, enabled: bool) -> Self:
         """A copy whose training objective has (``enabled``) or lacks the load-balancing loss.
 
