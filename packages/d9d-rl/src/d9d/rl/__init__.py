@@ -18,6 +18,7 @@ from d9d.rl._losses import (
     grpo_loss,
     reinforce_loss,
 )
+from d9d.rl._reference_model import ReferenceConfig, ReferenceModel
 from d9d.rl._rollout_engine import Completion, FinishReason, RolloutEngine, SamplingParams, WeightReceiver
 from d9d.rl._sampling import filter_logits, sample_next
 from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, StreamReport, stream_weights
@@ -35,6 +36,8 @@ __all__ = [
     "KVCache",
     "PolicyLossResult",
     "PromptSource",
+    "ReferenceConfig",
+    "ReferenceModel",
     "RewardFunction",
     "RolloutBatch",
     "RolloutEngine",

@@ -12,7 +12,8 @@ import torch
 from d9d.loop import DataProviderContext, Trainer
 from d9d.rl._grpo_task import RolloutBatch
 from d9d.rl._losses import group_advantages
-from d9d.rl._rollout_engine import RolloutEngine, SamplingParams
+from d9d.rl._reference_model import ReferenceModel
+from d9d.rl._rollout_engine import Completion, RolloutEngine, SamplingParams
 from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, stream_weights
 from d9d.state_mappers import StateMapper
 
@@ -55,11 +56,13 @@ class ColocatedRollouts:
     One iteration, inside ``next_batch`` (the trainer awake, after the previous optimizer step):
     the engine wakes -> the trainer's weights stream to it -> the trainer sleeps -> the engine
     generates ``prompts_per_step * sampling.samples_per_prompt`` completions -> the engine sleeps
-    -> the rewards are scored, group-normalized into advantages -> the trainer wakes and trains
-    on the batch (GRPO steps) -> the next iteration streams the new weights.
+    -> the rewards are scored, group-normalized into advantages -> (with a ``reference``) the
+    reference model computes its log-probs of the completions, alone on the device -> the trainer
+    wakes and trains on the batch (GRPO steps) -> the next iteration streams the new weights.
 
     ``attach(trainer)`` after ``TrainingConfigurator.configure()``: the batch source is built
-    before the trainer exists. Supports one pipeline stage per rank (the whole model, under any
+    before the trainer exists; it also builds the ``reference`` beside the trainer's policy.
+    Supports one pipeline stage per rank (the whole model, under any
     data/tensor parallelism): every rank streams and generates with its own engine.
 
     Random state: step ``s`` samples with the seed ``rollout_seed(seed, step=s, dp_rank=r)``
@@ -87,6 +90,8 @@ class ColocatedRollouts:
         mapper: Maps the trainer's state names to the engine's (None: identity).
         batch_bytes: Weight-streaming batch size.
         seed: The run's rollout seed, from which every step's sampling seed is derived.
+        reference: The frozen reference model whose log-probs each batch carries
+            (``RolloutBatch.ref_log_probs``, for GRPO's KL term); None computes none.
         history: One record per rollout (this rank's view).
     """
 
@@ -99,6 +104,7 @@ class ColocatedRollouts:
     mapper: StateMapper | None = None
     batch_bytes: int = DEFAULT_BATCH_BYTES
     seed: int = 0
+    reference: ReferenceModel | None = None
     history: list[RolloutRecord] = field(default_factory=list[RolloutRecord])
     _trainer: Trainer | None = None
     _dp_rank: int = 0
@@ -129,11 +135,16 @@ class ColocatedRollouts:
         return self
 
     def attach(self, trainer: Trainer) -> None:
-        """Binds the trainer whose weights stream to the engine and which sleeps during rollouts."""
+        """Binds the trainer whose weights stream to the engine and which sleeps during rollouts.
+
+        Builds the ``reference`` (``ReferenceModel.attach``) from the trainer's initial weights.
+        """
         if len(trainer.model_stages) != 1:
             raise ValueError(
                 f"colocated rollouts need one model stage per rank, got {len(trainer.model_stages)}"
             )
+        if self.reference is not None:
+            self.reference.attach(trainer)
         self._trainer = trainer
 
     @property
@@ -164,7 +175,15 @@ class ColocatedRollouts:
         )
         completions = self.engine.generate(prompts, sampling)
         self.engine.sleep()
-        trainer.wake()
+        try:
+            return self._scored_batch(step, prompts, completions)
+        finally:
+            trainer.wake()
+
+    def _scored_batch(
+        self, step: int, prompts: list[list[int]], completions: list[Completion]
+    ) -> RolloutBatch:
+        """Rewards, advantages and (with a reference) reference log-probs; the trainer asleep."""
         rewards = torch.tensor(
             [self.reward(prompt=prompts[c.prompt_index], completion=c.token_ids) for c in completions],
             dtype=torch.float32,
@@ -177,8 +196,14 @@ class ColocatedRollouts:
                 mean_length=sum(len(c.token_ids) for c in completions) / max(len(completions), 1),
             )
         )
+        batch = RolloutBatch.from_completions(
+            prompts, completions, advantages, pad_token_id=self.pad_token_id
+        )
+        if self.reference is not None:
+            # the trainer and the engine asleep: the reference has the device to itself
+            batch.ref_log_probs = self.reference.log_probs(batch.decoder_inputs())
         self._produced += 1
-        return RolloutBatch.from_completions(prompts, completions, advantages, pad_token_id=self.pad_token_id)
+        return batch
 
 
 def rollout_seed(seed: int, *, step: int, dp_rank: int) -> int:

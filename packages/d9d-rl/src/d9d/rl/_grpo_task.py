@@ -16,6 +16,7 @@ from d9d.loop import (
     TrainTask,
 )
 from d9d.rl._losses import GRPOLossConfig, grpo_loss
+from d9d.rl._reference_model import ReferenceModel
 from d9d.rl._rollout_engine import Completion
 
 
@@ -29,12 +30,19 @@ class RolloutBatch:
             token, ``-100`` elsewhere (prompt, padding).
         old_log_probs: ``(rows, seq)`` the sampler's log-probability of each target (0 elsewhere).
         advantages: ``(rows,)`` one advantage per completion.
+        ref_log_probs: ``(rows, seq)`` the reference model's log-probability of each target (0
+            elsewhere), or None without a reference (``ColocatedRollouts(reference=...)`` fills it).
     """
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
+    ref_log_probs: torch.Tensor | None = None
+
+    def decoder_inputs(self) -> DecoderInputs:
+        """The model's input for these rows: the same for the policy and the reference."""
+        return DecoderInputs(input_ids=self.input_ids, labels=self.targets)
 
     @staticmethod
     def from_completions(
@@ -72,6 +80,7 @@ class GRPOState:
     targets: torch.Tensor
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
+    ref_log_probs: torch.Tensor | None = None
 
 
 class GRPOTask(TrainTask[RolloutBatch, DecoderInputs, None, torch.Tensor, GRPOState]):
@@ -80,18 +89,33 @@ class GRPOTask(TrainTask[RolloutBatch, DecoderInputs, None, torch.Tensor, GRPOSt
     The model's training forward returns per-token cross-entropy, which is minus the
     log-probability of each target: the policy's log-probs without any logits in memory. The
     microbatch's loss weight is its token (or sequence) count, so the step optimizes the mean over
-    the whole batch on every layout. The KL term needs reference log-probs and is left to custom
-    tasks (``grpo_loss(ref_log_probs=...)``); ``config.kl_coefficient`` must be 0 here.
+    the whole batch on every layout.
+
+    With a reference model the k3 estimate of KL(policy || reference), weighted by
+    ``config.kl_coefficient``, joins the loss (TRL's ``beta``) and the batch's mean KL is logged as
+    the ``kl`` metric. The reference's log-probs travel in the batch
+    (``RolloutBatch.ref_log_probs``): pass the same ``ReferenceModel`` to ``ColocatedRollouts``,
+    which computes them after each rollout while the trainer sleeps.
 
     Args:
         config: The GRPO constants.
+        reference: The reference model the batches' ``ref_log_probs`` come from; required when
+            ``config.kl_coefficient > 0``.
+
+    Raises:
+        ValueError: If ``config.kl_coefficient > 0`` and no reference is given (before training).
     """
 
-    def __init__(self, config: GRPOLossConfig | None = None) -> None:
+    def __init__(
+        self, config: GRPOLossConfig | None = None, *, reference: ReferenceModel | None = None
+    ) -> None:
         self._config = config if config is not None else GRPOLossConfig()
-        if self._config.kl_coefficient != 0:
+        self._with_reference = reference is not None
+        if self._config.kl_coefficient > 0 and reference is None:
             raise ValueError(
-                f"GRPOTask has no reference model; kl_coefficient={self._config.kl_coefficient} must be 0"
+                f"GRPOLossConfig.kl_coefficient={self._config.kl_coefficient} needs a reference model, and "
+                "none is configured: pass GRPOTask(reference=ReferenceModel(...)) and the same to "
+                "ColocatedRollouts(reference=...), or set kl_coefficient to 0"
             )
 
     def build_forward_inputs(
@@ -99,10 +123,13 @@ class GRPOTask(TrainTask[RolloutBatch, DecoderInputs, None, torch.Tensor, GRPOSt
     ) -> BuildForwardInputsResult[DecoderInputs, None, GRPOState]:
         batch = ctx.batch
         return BuildForwardInputsResult(
-            input=DecoderInputs(input_ids=batch.input_ids, labels=batch.targets),
+            input=batch.decoder_inputs(),
             shared=None,
             state=GRPOState(
-                targets=batch.targets, old_log_probs=batch.old_log_probs, advantages=batch.advantages
+                targets=batch.targets,
+                old_log_probs=batch.old_log_probs,
+                advantages=batch.advantages,
+                ref_log_probs=self._ref_log_probs(batch),
             ),
             num_tokens=int(batch.input_ids.numel()),
         )
@@ -116,7 +143,18 @@ class GRPOTask(TrainTask[RolloutBatch, DecoderInputs, None, torch.Tensor, GRPOSt
             advantages=state.advantages,
             mask=mask,
             config=self._config,
+            ref_log_probs=state.ref_log_probs,
         )
-        return ComputeLossResult(
-            loss=result.loss, loss_weight=result.weight, metrics={"clip_fraction": result.clip_fraction}
-        )
+        metrics = {"clip_fraction": result.clip_fraction}
+        if state.ref_log_probs is not None:
+            metrics["kl"] = result.kl
+        return ComputeLossResult(loss=result.loss, loss_weight=result.weight, metrics=metrics)
+
+    def _ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The batch's reference log-probs; refuses a batch without them when a reference is set."""
+        if self._with_reference and batch.ref_log_probs is None:
+            raise ValueError(
+                "GRPOTask has a reference model but the batch has no ref_log_probs: give the batch "
+                "source the same reference (ColocatedRollouts(reference=...))"
+            )
+        return batch.ref_log_probs if self._with_reference else None

@@ -46,7 +46,7 @@ class PolicyLossResult:
         weight: How many tokens (``token``) or sequences (``sequence``) the mean is over, so that
             ``sum(weight * loss) / sum(weight)`` over microbatches and ranks is the batch's mean.
         clip_fraction: Share of completion tokens whose ratio was clipped (detached; GRPO only).
-        kl: Mean k3 KL estimate over completion tokens (detached; 0 without a reference).
+        kl: Mean k3 KL estimate over completion tokens (detached; 0 without ``ref_log_probs``).
     """
 
     loss: torch.Tensor
@@ -123,7 +123,8 @@ def grpo_loss(
         mask: ``(batch, seq)`` true on completion tokens.
         config: Clipping, KL weight and averaging.
         ref_log_probs: ``(batch, seq)`` under the reference model; needed when
-            ``config.kl_coefficient > 0``.
+            ``config.kl_coefficient > 0``. When given, ``kl`` reports the mean k3 estimate
+            (whatever the coefficient).
     """
     _check_shapes(log_probs, mask, advantages)
     ratio = torch.exp(log_probs - old_log_probs.detach())
@@ -133,12 +134,13 @@ def grpo_loss(
     kl_mean = 0.0
     maskf = mask.to(log_probs.dtype)
     tokens = maskf.sum().clamp(min=1.0)
-    if config.kl_coefficient > 0:
-        if ref_log_probs is None:
-            raise ValueError(f"kl_coefficient={config.kl_coefficient} needs ref_log_probs")
+    if config.kl_coefficient > 0 and ref_log_probs is None:
+        raise ValueError(f"kl_coefficient={config.kl_coefficient} needs ref_log_probs")
+    if ref_log_probs is not None:
         delta = ref_log_probs.detach() - log_probs
         k3 = torch.exp(delta) - delta - 1.0
-        per_token = per_token + config.kl_coefficient * k3
+        if config.kl_coefficient > 0:
+            per_token = per_token + config.kl_coefficient * k3
         kl_mean = float(((k3.detach() * maskf).sum() / tokens).item())
     loss, weight = _average(per_token, mask, config.averaging)
     was_clipped = ((ratio.detach() - clipped.detach()).abs() > 0).to(maskf.dtype)
