@@ -7,6 +7,11 @@ from d9d.rl._colocated_rollouts import (
     RolloutRecord,
     rollout_seed,
 )
+from d9d.rl._dpo_batch import DPOBatch, ReferenceScore, collate_pairs, preference_rows
+from d9d.rl._dpo_data import DPODataProvider, score_pairs
+from d9d.rl._dpo_loss import DPOLossConfig, DPOLossResult, PreferenceLoss, dpo_loss, sequence_log_probs
+from d9d.rl._dpo_task import METRIC_NAMES as DPO_METRIC_NAMES
+from d9d.rl._dpo_task import DPOState, DPOTask
 from d9d.rl._embedded_engine import EmbeddedRolloutEngine
 from d9d.rl._grpo_task import GRPOState, GRPOTask, RolloutBatch
 from d9d.rl._kv_cache import KVCache, forward_with_cache
@@ -25,9 +30,16 @@ from d9d.rl._weight_streaming import DEFAULT_BATCH_BYTES, StreamReport, stream_w
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
+    "DPO_METRIC_NAMES",
     "Averaging",
     "ColocatedRollouts",
     "Completion",
+    "DPOBatch",
+    "DPODataProvider",
+    "DPOLossConfig",
+    "DPOLossResult",
+    "DPOState",
+    "DPOTask",
     "EmbeddedRolloutEngine",
     "FinishReason",
     "GRPOLossConfig",
@@ -35,7 +47,9 @@ __all__ = [
     "GRPOTask",
     "KVCache",
     "PolicyLossResult",
+    "PreferenceLoss",
     "PromptSource",
+    "ReferenceScore",
     "ReferenceConfig",
     "ReferenceModel",
     "RewardFunction",
@@ -45,12 +59,17 @@ __all__ = [
     "SamplingParams",
     "StreamReport",
     "WeightReceiver",
+    "collate_pairs",
+    "dpo_loss",
     "filter_logits",
     "forward_with_cache",
     "group_advantages",
     "grpo_loss",
+    "preference_rows",
     "reinforce_loss",
     "rollout_seed",
     "sample_next",
+    "score_pairs",
+    "sequence_log_probs",
     "stream_weights",
 ]
