@@ -3,23 +3,57 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
-from d9d.rl._kv_cache import KVCache, forward_with_cache
-from d9d.rl._rollout_engine import Completion, FinishReason, SamplingParams
-from d9d.rl._sampling import sample_next
+from d9d.rl._block_pool import BlockPool
+from d9d.rl._engine_config import EmbeddedEngineConfig
+from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
+from d9d.rl._rollout_engine import Completion, SamplingParams
+from d9d.rl._sampling import sample_keyed
+from d9d.rl._scheduler import ContinuousScheduler, SequenceState
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineStats:
+    """What the last ``generate`` call did.
+
+    Attributes:
+        rows: Completions produced.
+        forwards: Model forwards (a step with both prefills and decodes runs two).
+        admissions: Rows admitted (a preempted row counts again when readmitted).
+        preemptions: Rows preempted for lack of free blocks.
+        pool_blocks: Blocks in the call's pool.
+        peak_blocks: Most blocks held at once.
+        free_blocks_after: Free blocks when the call ended (all of them: no row keeps any).
+    """
+
+    rows: int
+    forwards: int
+    admissions: int
+    preemptions: int
+    pool_blocks: int
+    peak_blocks: int
+    free_blocks_after: int
 
 
 class EmbeddedRolloutEngine:
-    """Batched sampling with a KV cache from a whole (unsharded) ``DecoderCausalLM``; a ``RolloutEngine``.
+    """Continuous batching over a paged KV cache, on a whole ``DecoderCausalLM``; a ``RolloutEngine``.
 
     The engine owns ``model`` (its own copy of the policy, e.g. built from the same config and fed
-    by ``stream_weights``). All prompts and samples of a call run as one batch, left-padded, so
-    each row's positions start at 0 as in training. Log-probabilities are those of the model's own
-    distribution (temperature 1, no filtering), equal to the trainer's forward on the same tokens.
+    by ``stream_weights``). Up to ``config.max_rows`` rows decode at once; a row that finishes
+    frees its slot and its cache blocks, and the next waiting row (prompts in order, the samples
+    of a prompt adjacent) is admitted: its prompt is prefilled in the same step as the others'
+    decode. Keys and values live in blocks of ``config.page_size`` tokens taken from a pool as
+    tokens are generated. Each row's positions start at 0 as in training. Log-probabilities are
+    those of the model's own distribution (temperature 1, no filtering), equal to the trainer's
+    forward on the same tokens. Sampling draws each token with noise keyed by (seed, row, token
+    index), so a seeded call gives the same completions whatever the admission order, rows at
+    once or preemptions (up to floating-point differences between batch shapes).
 
     State: the weights (``update_weights`` copies into them) and a seeded generator that every
     unseeded ``generate`` call advances; ``sleep`` moves the weights to the host.
@@ -28,16 +62,36 @@ class EmbeddedRolloutEngine:
         model: The whole model (first and last pipeline stage), on the device to generate on.
         seed: Seeds the engine's generator.
         pad_token_id: Fills padding slots (never attended to).
+        config: Rows at once, page size, context and pool size.
     """
 
-    def __init__(self, model: DecoderCausalLM, *, seed: int = 0, pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        model: DecoderCausalLM,
+        *,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        config: EmbeddedEngineConfig | None = None,
+    ) -> None:
         model.require_whole_model("EmbeddedRolloutEngine")
         self._model = model.eval().requires_grad_(False)
         self._device = next(model.parameters()).device
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._pad = pad_token_id
+        self._config = EmbeddedEngineConfig() if config is None else config
         self._weights = model.state_dict()
         self._offloader = TensorOffloader(self._device)
+        self._last_stats: EngineStats | None = None
+
+    @property
+    def config(self) -> EmbeddedEngineConfig:
+        """How the engine batches and pages."""
+        return self._config
+
+    @property
+    def last_stats(self) -> EngineStats | None:
+        """What the last ``generate`` call did (None before the first)."""
+        return self._last_stats
 
     @property
     def model(self) -> DecoderCausalLM:
@@ -81,77 +135,104 @@ class EmbeddedRolloutEngine:
 
         Raises:
             RuntimeError: If the engine is asleep.
-            ValueError: If a prompt is empty.
+            ValueError: If a prompt is empty or has ``config.max_context`` tokens or more.
         """
         if self._offloader.is_offloaded:
             raise RuntimeError("the engine is asleep; wake() it before generate")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        group = sampling.samples_per_prompt
-        rows = [list(prompt) for prompt in prompts for _ in range(group)]
+        self._check_prompts(prompts)
+        rows = [list(prompt) for prompt in prompts for _ in range(sampling.samples_per_prompt)]
         if not rows:
             return []
-        generator = self._generator
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self._device).manual_seed(sampling.seed)
-        width = max(len(row) for row in rows)
-        cache = KVCache.empty(
-            self._model, rows=len(rows), capacity=width + sampling.max_tokens, device=self._device
+        seed = sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=self._device))
+        pool = BlockPool(self._pool_blocks(rows, sampling.max_tokens))
+        cache = PagedKVCache.empty(
+            self._model, num_blocks=pool.num_blocks, page_size=self._config.page_size, device=self._device
         )
-        prompt_ids = torch.full((len(rows), width), self._pad, dtype=torch.int64)
-        for index, row in enumerate(rows):
-            prompt_ids[index, width - len(row) :] = torch.tensor(row)
-            cache.valid[index, width - len(row) : width] = True
-        cache.positions[:, :width] = (cache.valid[:, :width].cumsum(dim=1) - 1).clamp(min=0)
-        lengths = cache.valid[:, :width].sum(dim=1)
-        logits = forward_with_cache(self._model, prompt_ids.to(self._device), cache)
+        scheduler = ContinuousScheduler(
+            rows,
+            config=self._config,
+            pool=pool,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=sampling.stop_token_ids,
+        )
+        forwards = 0
+        while not scheduler.done:
+            running = scheduler.schedule()
+            logits, runs = self._forward(cache, running)
+            forwards += runs
+            tokens = sample_keyed(
+                logits,
+                sampling,
+                seed=seed,
+                rows=torch.tensor([row.index for row in running], device=self._device),
+                steps=torch.tensor([row.completion_length for row in running], device=self._device),
+            )
+            log_probs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+            scheduler.record(running, cast(list[int], tokens.tolist()), cast(list[float], log_probs.tolist()))
+        self._last_stats = EngineStats(
+            rows=len(rows),
+            forwards=forwards,
+            admissions=scheduler.admissions,
+            preemptions=scheduler.preemptions,
+            pool_blocks=pool.num_blocks,
+            peak_blocks=pool.peak_taken,
+            free_blocks_after=pool.free_count,
+        )
+        return self._completions(scheduler.finished, sampling.samples_per_prompt)
 
-        stop = torch.tensor(sampling.stop_token_ids, dtype=torch.int64, device=self._device)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=self._device)
-        stopped = torch.zeros_like(done)
-        tokens: list[torch.Tensor] = []
-        log_probs: list[torch.Tensor] = []
-        counts = torch.zeros(len(rows), dtype=torch.int64, device=self._device)
-        for step in range(sampling.max_tokens):
-            chosen = sample_next(logits, sampling, generator)
-            chosen = torch.where(done, self._pad, chosen)
-            tokens.append(chosen)
-            log_probs.append(logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
-            counts += (~done).long()
-            hit = torch.isin(chosen, stop) & ~done
-            stopped |= hit
-            done |= hit
-            if step == sampling.max_tokens - 1 or bool(done.all()):
-                break
-            slot = width + step
-            cache.valid[:, slot] = ~done
-            cache.positions[:, slot] = lengths
-            lengths = lengths + (~done).long()
-            logits = forward_with_cache(self._model, chosen[:, None], cache)
-        return self._completions(tokens, log_probs, counts, stopped, group)
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        context = self._config.max_context
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+            if len(prompt) >= context:
+                raise ValueError(
+                    f"prompt {index} has {len(prompt)} tokens, longer than the engine's context allows: "
+                    f"max_context={context} tokens (prompt and completion together) leaves no room "
+                    "for a completion"
+                )
 
-    def _completions(
-        self,
-        tokens: list[torch.Tensor],
-        log_probs: list[torch.Tensor],
-        counts: torch.Tensor,
-        stopped: torch.Tensor,
-        group: int,
-    ) -> list[Completion]:
-        token_matrix = torch.stack(tokens, dim=1).cpu()
-        log_prob_matrix = torch.stack(log_probs, dim=1).float().cpu()
+    def _pool_blocks(self, rows: list[list[int]], max_tokens: int) -> int:
+        """``config.num_blocks``, or enough for ``max_rows`` rows at their longest in this call."""
+        if self._config.num_blocks is not None:
+            return self._config.num_blocks
+        longest = min(max(len(row) for row in rows) + max_tokens - 1, self._config.max_context - 1)
+        return min(len(rows), self._config.max_rows) * self._config.blocks_for(longest)
+
+    def _forward(self, cache: PagedKVCache, running: list[SequenceState]) -> tuple[torch.Tensor, int]:
+        """Next-token logits of every running row: one forward for the decoding rows (one new token
+        each) and one for the rows being prefilled, so a long prompt does not pad the decodes."""
+        groups = [
+            [i for i, row in enumerate(running) if len(row.new_tokens) == 1],
+            [i for i, row in enumerate(running) if len(row.new_tokens) > 1],
+        ]
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        for group in (g for g in groups if g):
+            batch = PagedBatch(
+                tokens=[running[i].new_tokens for i in group],
+                starts=[running[i].cached for i in group],
+                blocks=[running[i].blocks for i in group],
+            )
+            parts.append(forward_paged(self._model, cache, batch, pad_token_id=self._pad))
+            order += group
+        logits = torch.cat(parts)
+        if order != sorted(order):
+            logits = logits[torch.tensor(order, device=logits.device).argsort()]
+        return logits, len(parts)
+
+    def _completions(self, finished: list[SequenceState], group: int) -> list[Completion]:
         out: list[Completion] = []
-        lengths = [int(n) for n in counts.cpu()]
-        hits = [bool(h) for h in stopped.cpu()]
-        for index, (count, hit) in enumerate(zip(lengths, hits, strict=True)):
-            reason: FinishReason = "stop" if hit else "length"
-            row = [int(t) for t in token_matrix[index, :count]]
+        for row in sorted(finished, key=lambda row: row.index):
+            assert row.finish_reason is not None
             out.append(
                 Completion(
-                    prompt_index=index // group,
-                    token_ids=tuple(row),
-                    log_probs=log_prob_matrix[index, :count].clone(),
-                    finish_reason=reason,
+                    prompt_index=row.index // group,
+                    token_ids=tuple(row.tokens[row.prompt_length :]),
+                    log_probs=torch.tensor(row.log_probs, dtype=torch.float32),
+                    finish_reason=row.finish_reason,
                 )
             )
         return out

@@ -1,8 +1,11 @@
-"""Incremental decoding of a d9d-hf decoder model (any family) with a key/value cache.
+"""Incremental decoding of a d9d-hf decoder model (any family) over a paged key/value cache.
 
-The cache owns the slots, positions and validity of every row; each decoder layer runs its own
-forward on the new tokens with its attention's ``kv_cache`` slot (d9d-kernels' ``KeyValueCache``)
-filled by this layer's view of the cache, so generation uses the model's code and the trainer's
+Every layer's keys and values live in one pool of fixed-size blocks; a row owns a list of
+blocks (its block table) that grows with its tokens. A forward runs the new tokens of a batch of
+rows, each from its own cached length: each decoder layer runs its own forward with its
+attention's ``kv_cache`` slot (d9d-kernels' ``KeyValueCache``) filled by this layer's paged view,
+which scatters the new keys and values into the rows' blocks and gathers each row's blocks back
+into a contiguous view for attention. Generation thus uses the model's code and the trainer's
 weights, whatever the family.
 """
 
@@ -16,103 +19,149 @@ from d9d.hf import DecoderCausalLM
 
 
 @dataclass(kw_only=True)
-class KVCache:
-    """Keys and values of every layer for ``rows`` sequences of up to ``capacity`` tokens.
+class PagedKVCache:
+    """Keys and values of every layer in ``num_blocks`` blocks of ``page_size`` tokens.
 
     Attributes:
-        keys: Per layer, ``(rows, capacity, kv_heads, head_dim)``.
+        keys: Per layer, ``(num_blocks * page_size, kv_heads, head_dim)``; block ``b`` holds
+            rows ``b * page_size ..`` of it.
         values: Same shape as ``keys``.
-        valid: ``(rows, capacity)`` true on slots holding a real token (left padding and tokens
-            after a row finished are false).
-        positions: ``(rows, capacity)`` rotary position of each slot.
-        filled: Slots written so far (the same for every row).
+        page_size: Tokens per block.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    valid: torch.Tensor
-    positions: torch.Tensor
-    filled: int = 0
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict[int | None, torch.Tensor])
+    page_size: int
 
     @classmethod
-    def empty(cls, model: DecoderCausalLM, *, rows: int, capacity: int, device: torch.device) -> KVCache:
-        """Allocates the cache for ``model``'s layers in the dtype of its weights."""
+    def empty(
+        cls, model: DecoderCausalLM, *, num_blocks: int, page_size: int, device: torch.device
+    ) -> PagedKVCache:
+        """Allocates the pool for ``model``'s layers in the dtype of its weights."""
         layers = model.model.decoder_layers()
-        dtype = layers[0].self_attn.k_proj.weight.dtype
-        kv_heads, head_dim = model.spec.num_kv_heads, model.spec.head_dim
-        shape = (rows, capacity, kv_heads, head_dim)
+        dtype = next(p.dtype for p in layers[0].parameters() if p.is_floating_point())
+        shape = (num_blocks * page_size, model.spec.num_kv_heads, model.spec.head_dim)
         return cls(
             keys=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
             values=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-            valid=torch.zeros(rows, capacity, dtype=torch.bool, device=device),
-            positions=torch.zeros(rows, capacity, dtype=torch.int64, device=device),
+            page_size=page_size,
         )
-
-    def attention_mask(self, start: int, length: int, sliding_window: int | None) -> torch.Tensor:
-        """``(rows, 1, length, start + length)`` allowed (query, key) pairs for new slots.
-
-        Causal over slots, only valid keys, and ``|position_q - position_k| < sliding_window``;
-        a query always sees itself so that padding rows never softmax over nothing.
-        """
-        cached = self._masks.get(sliding_window)
-        if cached is not None and cached.shape[-2:] == (length, start + length):
-            return cached
-        end = start + length
-        query_slot = torch.arange(start, end, device=self.valid.device)[:, None]
-        key_slot = torch.arange(end, device=self.valid.device)[None, :]
-        allowed = (key_slot <= query_slot)[None] & self.valid[:, None, :end]
-        if sliding_window is not None:
-            distance = self.positions[:, start:end, None] - self.positions[:, None, :end]
-            allowed &= distance.abs() < sliding_window
-        allowed |= (key_slot == query_slot)[None]
-        mask = allowed[:, None]
-        self._masks[sliding_window] = mask
-        return mask
-
-    def new_step(self) -> None:
-        """Forgets the masks of the last forward (the next one covers more slots)."""
-        self._masks.clear()
 
 
 @dataclass(kw_only=True, frozen=True)
-class _LayerSlots:
-    """Layer ``index``'s view of the cache: d9d-kernels' ``KeyValueCache`` slot of its attention."""
+class PagedBatch:
+    """The rows of one forward over the paged cache.
 
-    cache: KVCache
-    index: int
-    length: int
+    Attributes:
+        tokens: Per row, its new tokens (a whole prompt when admitted, then one per step).
+        starts: Per row, its tokens already in the cache (the new ones go after them).
+        blocks: Per row, its block table: enough blocks for ``start + len(tokens)`` tokens.
+    """
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the new slots ``cache.filled ..`` and returns every slot up to them."""
-        start, end = self.cache.filled, self.cache.filled + self.length
-        self.cache.keys[self.index][:, start:end] = key
-        self.cache.values[self.index][:, start:end] = value
-        return self.cache.keys[self.index][:, :end], self.cache.values[self.index][:, :end]
+    tokens: list[list[int]]
+    starts: list[int]
+    blocks: list[list[int]]
+
+
+@dataclass(kw_only=True)
+class _StepIndices:
+    """Where a forward's new tokens go in the pool and which cached slots each query sees."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    new_valid: torch.Tensor
+    write: torch.Tensor
+    read: torch.Tensor
+    last: torch.Tensor
+    visible: torch.Tensor
+    distance: torch.Tensor
+    padding_sees_first: torch.Tensor
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict[int | None, torch.Tensor])
 
     def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The cache's mask for the new slots (shared by the layers with the same window)."""
-        return self.cache.attention_mask(self.cache.filled, self.length, sliding_window)
+        """``(rows, 1, new, total)``: causal over a row's slots, within the window; a padding
+        query sees slot 0 only (so it never softmaxes over nothing)."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            allowed = self.visible
+            if sliding_window is not None:
+                allowed = allowed & (self.distance < sliding_window)
+            mask = (allowed | self.padding_sees_first)[:, None]
+            self._masks[sliding_window] = mask
+        return mask
 
 
-def forward_with_cache(model: DecoderCausalLM, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Runs ``input_ids`` ``(rows, length)`` at slots ``cache.filled ..``; returns the last logits.
+def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: torch.device) -> _StepIndices:
+    lengths = [len(row) for row in batch.tokens]
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.int64)
+    for index, row in enumerate(batch.tokens):
+        input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    table_width = max(len(blocks) for blocks in batch.blocks)
+    table = torch.tensor([blocks + [0] * (table_width - len(blocks)) for blocks in batch.blocks])
+    starts = torch.tensor(batch.starts, dtype=torch.int64)[:, None]
+    counts = torch.tensor(lengths, dtype=torch.int64)[:, None]
+    columns = torch.arange(width)[None]
+    new_valid = columns < counts
+    positions = starts + columns
+    ends = starts + counts
+    total = int(ends.max())
+    slots = torch.arange(total)[None].expand(len(lengths), total)
 
-    ``cache.valid`` and ``cache.positions`` must already describe the new slots.
+    def flat(logical: torch.Tensor) -> torch.Tensor:
+        return table.gather(1, logical // page_size) * page_size + logical % page_size
+
+    distance = positions[:, :, None] - slots[:, None, :]
+    return _StepIndices(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        new_valid=new_valid.to(device),
+        write=flat(positions.where(new_valid, 0))[new_valid].to(device),
+        read=flat(slots.where(slots < ends, 0)).to(device),
+        last=(counts[:, 0] - 1).to(device),
+        visible=(distance >= 0).to(device),
+        distance=distance.to(device),
+        padding_sees_first=(~new_valid[:, :, None] & (slots[:, None, :] == 0)).to(device),
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class _PagedLayerView:
+    """Layer ``index``'s view of the pool: d9d-kernels' ``KeyValueCache`` slot of its attention."""
+
+    cache: PagedKVCache
+    index: int
+    step: _StepIndices
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatters the real new tokens into their blocks; gathers every row's slots so far."""
+        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
+        keys.index_copy_(0, self.step.write, key[self.step.new_valid].to(keys.dtype))
+        values.index_copy_(0, self.step.write, value[self.step.new_valid].to(values.dtype))
+        return keys[self.step.read], values[self.step.read]
+
+    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The step's mask for the new tokens (shared by the layers with the same window)."""
+        return self.step.attention_mask(sliding_window)
+
+
+def forward_paged(
+    model: DecoderCausalLM, cache: PagedKVCache, batch: PagedBatch, *, pad_token_id: int
+) -> torch.Tensor:
+    """Runs ``batch``'s new tokens through ``model``, storing their keys and values in ``cache``.
 
     Returns:
-        ``(rows, vocab)`` float32 next-token logits at the last new slot.
+        ``(rows, vocab)`` float32 next-token logits at each row's last new token.
     """
     backbone = model.model
     if model.lm_head is None or backbone.norm is None:
         raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
-    start, length = cache.filled, input_ids.shape[1]
-    hidden = backbone.embed(input_ids)
-    tables = backbone.position_embeddings(cache.positions[:, start : start + length], dtype=hidden.dtype)
-    cache.new_step()
+    device = cache.keys[0].device
+    step = _step_indices(batch, cache.page_size, pad_token_id, device)
+    hidden = backbone.embed(step.input_ids)
+    tables = backbone.position_embeddings(step.positions, dtype=hidden.dtype)
     for index, (layer, position_embeddings) in enumerate(zip(backbone.decoder_layers(), tables, strict=True)):
-        slots = _LayerSlots(cache=cache, index=index, length=length)
-        hidden = layer(hidden, position_embeddings, None, kv_cache=slots)
-    cache.filled = start + length
-    last = backbone.norm(hidden[:, -1:])
-    return model.lm_head.compute_logits(last)[:, -1].float()
+        view = _PagedLayerView(cache=cache, index=index, step=step)
+        hidden = layer(hidden, position_embeddings, None, kv_cache=view)
+    last = hidden[torch.arange(hidden.shape[0], device=device), step.last][:, None]
+    return model.lm_head.compute_logits(backbone.norm(last))[:, -1].float()

@@ -1,0 +1,44 @@
+"""How the embedded engine batches and pages: rows at once, page size, context, pool size."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EmbeddedEngineConfig(BaseModel):
+    """Continuous batching and the paged KV cache of ``EmbeddedRolloutEngine``.
+
+    Attributes:
+        max_rows: Most sequences decoding at once; a finished row's slot goes to the next
+            waiting prompt.
+        page_size: Tokens per KV-cache block; a row takes a block when its tokens reach it.
+        max_context: Most tokens (prompt and completion) of one sequence. A completion that
+            reaches it ends with ``finish_reason="length"``; a prompt of ``max_context`` tokens or
+            more is refused before generation.
+        num_blocks: Blocks in the pool of a ``generate`` call. None: enough for ``max_rows`` rows at
+            their longest possible length in the call, so no row is ever preempted. Fewer blocks
+            cap the cache's memory: when a running row needs a block and none is free, the most
+            recently admitted row is preempted (its blocks freed; it is recomputed from its prompt
+            and the tokens sampled so far when readmitted). Must hold one row of ``max_context``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_rows: int = Field(default=256, gt=0)
+    page_size: int = Field(default=16, gt=0)
+    max_context: int = Field(default=32768, gt=1)
+    num_blocks: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _pool_holds_one_row(self) -> EmbeddedEngineConfig:
+        needed = self.blocks_for(self.max_context)
+        if self.num_blocks is not None and self.num_blocks < needed:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} cannot hold one row of max_context={self.max_context} "
+                f"tokens at page_size={self.page_size}: it needs at least {needed} blocks"
+            )
+        return self
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens of one row."""
+        return -(-tokens // self.page_size)

@@ -1,0 +1,147 @@
+"""Continuous batching: which rows run the next forward, with blocks for their new tokens.
+
+Rows wait in order; up to ``max_rows`` run at once. A row that finishes gives its slot and its
+blocks back at once, and the next waiting row is admitted (its whole prompt is prefilled in the
+next forward, while the others decode one token). A running row takes a block when its tokens
+reach it; when the pool is empty the most recently admitted row is preempted: its blocks are freed
+and it waits again at the front, to be recomputed from its prompt and the tokens sampled so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from d9d.rl._block_pool import BlockPool
+from d9d.rl._engine_config import EmbeddedEngineConfig
+from d9d.rl._rollout_engine import FinishReason
+
+
+@dataclass(kw_only=True)
+class SequenceState:
+    """One row of a ``generate`` call.
+
+    Attributes:
+        index: The row's place in the call's output (prompt-major, samples adjacent).
+        prompt_length: Tokens of its prompt at the start of ``tokens``.
+        tokens: The prompt, then the sampled tokens.
+        log_probs: Log-probability of each sampled token.
+        cached: Tokens of ``tokens`` whose keys and values are in the cache.
+        blocks: The row's block table (empty while waiting).
+        finish_reason: Set when the row is done.
+    """
+
+    index: int
+    prompt_length: int
+    tokens: list[int]
+    log_probs: list[float] = field(default_factory=list[float])
+    cached: int = 0
+    blocks: list[int] = field(default_factory=list[int])
+    finish_reason: FinishReason | None = None
+
+    @property
+    def completion_length(self) -> int:
+        """Tokens sampled so far."""
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The tokens the next forward runs (not yet cached)."""
+        return self.tokens[self.cached :]
+
+
+class ContinuousScheduler:
+    """Admits, grows, preempts and finishes the rows of one ``generate`` call.
+
+    Args:
+        rows: The call's prompts, one per row (samples of a prompt repeated).
+        config: Rows at once, page size and context.
+        pool: The call's block pool.
+        max_tokens: Most sampled tokens per row.
+        stop_token_ids: Sampling one of these finishes a row (the token is kept).
+    """
+
+    def __init__(
+        self,
+        rows: list[list[int]],
+        *,
+        config: EmbeddedEngineConfig,
+        pool: BlockPool,
+        max_tokens: int,
+        stop_token_ids: tuple[int, ...],
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._max_tokens = max_tokens
+        self._stop = frozenset(stop_token_ids)
+        self._waiting = deque(
+            SequenceState(index=index, prompt_length=len(row), tokens=list(row))
+            for index, row in enumerate(rows)
+        )
+        self._running: list[SequenceState] = []
+        self.finished: list[SequenceState] = []
+        self.preemptions = 0
+        self.admissions = 0
+
+    @property
+    def done(self) -> bool:
+        """No row waits or runs."""
+        return not self._waiting and not self._running
+
+    def schedule(self) -> list[SequenceState]:
+        """The rows of the next forward, each holding blocks for its new tokens, in admission order."""
+        self._grow_running()
+        self._admit()
+        if not self._running:
+            raise RuntimeError("no row could be scheduled: the block pool cannot hold the next prompt")
+        return list(self._running)
+
+    def record(self, rows: list[SequenceState], tokens: list[int], log_probs: list[float]) -> None:
+        """Appends each row's sampled token; finishes rows on a stop token, ``max_tokens`` or the context."""
+        for row, token, log_prob in zip(rows, tokens, log_probs, strict=True):
+            row.cached = len(row.tokens)
+            row.tokens.append(token)
+            row.log_probs.append(log_prob)
+            if token in self._stop:
+                self._finish(row, "stop")
+            elif row.completion_length >= self._max_tokens or len(row.tokens) >= self._config.max_context:
+                self._finish(row, "length")
+
+    def _grow_running(self) -> None:
+        for row in list(self._running):
+            if row.finish_reason is not None or row not in self._running:
+                continue
+            need = self._config.blocks_for(len(row.tokens)) - len(row.blocks)
+            while need > self._pool.free_count:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is row:
+                    break
+            else:
+                row.blocks += self._pool.take(need)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._config.max_rows:
+            need = self._config.blocks_for(len(self._waiting[0].tokens))
+            if need > self._pool.free_count:
+                return
+            row = self._waiting.popleft()
+            row.blocks = self._pool.take(need)
+            self._running.append(row)
+            self.admissions += 1
+
+    def _preempt(self, row: SequenceState) -> None:
+        self._release(row)
+        row.cached = 0
+        self._waiting.appendleft(row)
+        self.preemptions += 1
+
+    def _finish(self, row: SequenceState, reason: FinishReason) -> None:
+        row.finish_reason = reason
+        self._release(row)
+        self.finished.append(row)
+
+    def _release(self, row: SequenceState) -> None:
+        self._pool.give_back(row.blocks)
+        row.blocks = []
+        self._running.remove(row)
