@@ -40,7 +40,9 @@ def test_rows_finish_independently_and_waiting_prompts_take_their_slots() -> Non
     pool = BlockPool(16)
     rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
     lengths = [2, 7, 3, 1]
-    scheduler = ContinuousScheduler(rows, config=config, pool=pool, max_tokens=8, stop_token_ids=(STOP,))
+    scheduler = ContinuousScheduler(
+        rows, config=config, pool=pool, max_tokens=[8] * len(rows), stop_token_ids=(STOP,)
+    )
     steps = _drive(scheduler, pool, lengths, config)
     # row 0 finishes after 2 tokens and row 2 joins while row 1 keeps decoding; row 3 takes row 2's slot
     assert steps == [[0, 1], [0, 1], [1, 2], [1, 2], [1, 2], [1, 3], [1]]
@@ -55,7 +57,9 @@ def test_no_block_leaks_over_many_requests_with_preemption() -> None:
     pool = BlockPool(20)  # less than 5 rows at their longest: rows get preempted
     rows = [[rng.randrange(1, 9) for _ in range(rng.randrange(1, 12))] for _ in range(120)]
     lengths = [rng.randrange(1, 30) for _ in rows]
-    scheduler = ContinuousScheduler(rows, config=config, pool=pool, max_tokens=25, stop_token_ids=(STOP,))
+    scheduler = ContinuousScheduler(
+        rows, config=config, pool=pool, max_tokens=[25] * len(rows), stop_token_ids=(STOP,)
+    )
     _drive(scheduler, pool, lengths, config)
     assert scheduler.preemptions > 0
     assert pool.free_count == pool.num_blocks and pool.peak_taken <= pool.num_blocks
@@ -133,3 +137,15 @@ def test_bad_input_is_refused_before_generation() -> None:
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], SamplingParams())
     assert engine.last_stats is None
+
+
+def test_capped_rows_finish_at_their_own_length() -> None:
+    engine = EmbeddedRolloutEngine(tiny_model(), config=EmbeddedEngineConfig(max_rows=2, page_size=2))
+    caps = [1, 6, 2, 4, 3, 5]
+    completions = engine.generate_capped(PROMPTS, SamplingParams(temperature=0.0), caps)
+    for prompt, cap, completion in zip(PROMPTS, caps, completions, strict=True):
+        assert completion.token_ids == _uncached_greedy(prompt, cap) and completion.finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt 1: max_tokens=0 must be positive"):
+        engine.generate_capped(PROMPTS[:2], SamplingParams(), [3, 0])
+    with pytest.raises(ValueError, match="1 completion caps for 2 prompts"):
+        engine.generate_capped(PROMPTS[:2], SamplingParams(), [3])

@@ -129,7 +129,6 @@ class EmbeddedRolloutEngine:
         if self._offloader.is_offloaded:
             self._offloader.restore()
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         """Samples ``sampling.samples_per_prompt`` completions per prompt (adjacent, in prompt order).
 
@@ -137,16 +136,33 @@ class EmbeddedRolloutEngine:
             RuntimeError: If the engine is asleep.
             ValueError: If a prompt is empty or has ``config.max_context`` tokens or more.
         """
+        return self.generate_capped(prompts, sampling, [sampling.max_tokens] * len(prompts))
+
+    @torch.no_grad()
+    def generate_capped(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, max_tokens: Sequence[int]
+    ) -> list[Completion]:
+        """``generate`` with a cap per prompt: ``max_tokens[i]`` tokens instead of ``sampling.max_tokens``.
+
+        Rows with different caps finish at different steps; their slots go to waiting rows.
+
+        Raises:
+            RuntimeError: If the engine is asleep.
+            ValueError: If a prompt is empty or has ``config.max_context`` tokens or more, or a cap
+                is missing or not positive.
+        """
         if self._offloader.is_offloaded:
             raise RuntimeError("the engine is asleep; wake() it before generate")
-        self._check_prompts(prompts)
-        rows = [list(prompt) for prompt in prompts for _ in range(sampling.samples_per_prompt)]
+        self._check_prompts(prompts, max_tokens)
+        group = sampling.samples_per_prompt
+        rows = [list(prompt) for prompt in prompts for _ in range(group)]
+        caps = [cap for cap in max_tokens for _ in range(group)]
         if not rows:
             return []
         seed = sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=self._device))
-        pool = BlockPool(self._pool_blocks(rows, sampling.max_tokens))
+        pool = BlockPool(self._pool_blocks(rows, caps))
         cache = PagedKVCache.empty(
             self._model, num_blocks=pool.num_blocks, page_size=self._config.page_size, device=self._device
         )
@@ -154,7 +170,7 @@ class EmbeddedRolloutEngine:
             rows,
             config=self._config,
             pool=pool,
-            max_tokens=sampling.max_tokens,
+            max_tokens=caps,
             stop_token_ids=sampling.stop_token_ids,
         )
         forwards = 0
@@ -182,8 +198,10 @@ class EmbeddedRolloutEngine:
         )
         return self._completions(scheduler.finished, sampling.samples_per_prompt)
 
-    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> None:
         context = self._config.max_context
+        if len(max_tokens) != len(prompts):
+            raise ValueError(f"{len(max_tokens)} completion caps for {len(prompts)} prompts")
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
@@ -193,13 +211,22 @@ class EmbeddedRolloutEngine:
                     f"max_context={context} tokens (prompt and completion together) leaves no room "
                     "for a completion"
                 )
+            if max_tokens[index] <= 0:
+                raise ValueError(f"prompt {index}: max_tokens={max_tokens[index]} must be positive")
 
-    def _pool_blocks(self, rows: list[list[int]], max_tokens: int) -> int:
-        """``config.num_blocks``, or enough for ``max_rows`` rows at their longest in this call."""
+    def _pool_blocks(self, rows: list[list[int]], caps: list[int]) -> int:
+        """``config.num_blocks``, or enough for this call's ``max_rows`` longest rows at their longest."""
         if self._config.num_blocks is not None:
             return self._config.num_blocks
-        longest = min(max(len(row) for row in rows) + max_tokens - 1, self._config.max_context - 1)
-        return min(len(rows), self._config.max_rows) * self._config.blocks_for(longest)
+        context = self._config.max_context - 1
+        blocks = sorted(
+            (
+                self._config.blocks_for(min(len(row) + cap - 1, context))
+                for row, cap in zip(rows, caps, strict=True)
+            ),
+            reverse=True,
+        )
+        return sum(blocks[: self._config.max_rows])
 
     def _forward(self, cache: PagedKVCache, running: list[SequenceState]) -> tuple[torch.Tensor, int]:
         """Next-token logits of every running row: one forward for the decoding rows (one new token

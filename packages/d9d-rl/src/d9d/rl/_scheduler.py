@@ -24,6 +24,7 @@ class SequenceState:
     Attributes:
         index: The row's place in the call's output (prompt-major, samples adjacent).
         prompt_length: Tokens of its prompt at the start of ``tokens``.
+        max_tokens: Most tokens to sample.
         tokens: The prompt, then the sampled tokens.
         log_probs: Log-probability of each sampled token.
         cached: Tokens of ``tokens`` whose keys and values are in the cache.
@@ -33,6 +34,7 @@ class SequenceState:
 
     index: int
     prompt_length: int
+    max_tokens: int
     tokens: list[int]
     log_probs: list[float] = field(default_factory=list[float])
     cached: int = 0
@@ -57,7 +59,7 @@ class ContinuousScheduler:
         rows: The call's prompts, one per row (samples of a prompt repeated).
         config: Rows at once, page size and context.
         pool: The call's block pool.
-        max_tokens: Most sampled tokens per row.
+        max_tokens: Per row, most tokens to sample.
         stop_token_ids: Sampling one of these finishes a row (the token is kept).
     """
 
@@ -67,16 +69,15 @@ class ContinuousScheduler:
         *,
         config: EmbeddedEngineConfig,
         pool: BlockPool,
-        max_tokens: int,
+        max_tokens: list[int],
         stop_token_ids: tuple[int, ...],
     ) -> None:
         self._config = config
         self._pool = pool
-        self._max_tokens = max_tokens
         self._stop = frozenset(stop_token_ids)
         self._waiting = deque(
-            SequenceState(index=index, prompt_length=len(row), tokens=list(row))
-            for index, row in enumerate(rows)
+            SequenceState(index=index, prompt_length=len(row), max_tokens=cap, tokens=list(row))
+            for index, (row, cap) in enumerate(zip(rows, max_tokens, strict=True))
         )
         self._running: list[SequenceState] = []
         self.finished: list[SequenceState] = []
@@ -104,7 +105,7 @@ class ContinuousScheduler:
             row.log_probs.append(log_prob)
             if token in self._stop:
                 self._finish(row, "stop")
-            elif row.completion_length >= self._max_tokens or len(row.tokens) >= self._config.max_context:
+            elif row.completion_length >= row.max_tokens or len(row.tokens) >= self._config.max_context:
                 self._finish(row, "length")
 
     def _grow_running(self) -> None:
