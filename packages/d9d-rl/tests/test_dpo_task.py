@@ -22,6 +22,7 @@ from d9d.hf.data import PreferenceDataConfig, PreferencePair, load_preference_pa
 from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
+    BuildForwardInputsContext,
     DataConfig,
     ForwardBackwardFinished,
     ProjectConfig,
@@ -31,7 +32,15 @@ from d9d.loop import (
 from d9d.loop.data import TokenRow
 from d9d.mesh import DistributedContext
 from d9d.mesh.testing import run_distributed
-from d9d.rl import DPO_METRIC_NAMES, DPODataProvider, DPOLossConfig, DPOTask, score_pairs
+from d9d.rl import (
+    DPO_METRIC_NAMES,
+    DPODataProvider,
+    DPOLossConfig,
+    DPOTask,
+    ReferenceModel,
+    collate_pairs,
+    score_pairs,
+)
 
 STEPS = 3
 WORDS = ["red", "green", "blue", "cat", "dog", "fish", "one", "two", "three", "yes", "no"]
@@ -85,7 +94,9 @@ def _data(root: Path) -> Path:
     return path
 
 
-def _train(root: str, mesh: dict[str, int], loss: str) -> dict[str, Any]:
+def _train(root: str, mesh: dict[str, int], *, colocated: bool = False) -> dict[str, Any]:
+    """A short run; the reference scores come from the pass before training, or ``colocated``
+    from a ``ReferenceModel`` laid out like the policy."""
     base = Path(root)
     dp = max(mesh.values(), default=1)
     config = ProjectConfig.model_validate(
@@ -112,12 +123,13 @@ def _train(root: str, mesh: dict[str, int], loss: str) -> dict[str, Any]:
 
     data = DPODataProvider(
         pairs=lambda _: load_preference_pairs(dataset, tokenizer_directory=base / "tokenizer"),
-        reference=reference,
+        reference=None if colocated else reference,
         order=DataConfig(shuffle=False),
         pairs_per_forward=3,
     )
     provider = HFModelProvider(PretrainedModelConfig(source=str(checkpoint), attention_backend="eager"))
-    task = DPOTask(DPOLossConfig.model_validate({"loss": loss, "beta": 0.5}))
+    colocated_reference = ReferenceModel(provider) if colocated else None
+    task = DPOTask(DPOLossConfig(loss="sigmoid", beta=0.5), reference=colocated_reference)
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
@@ -127,6 +139,8 @@ def _train(root: str, mesh: dict[str, int], loss: str) -> dict[str, Any]:
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
+    if colocated_reference is not None:
+        colocated_reference.attach(trainer)
     losses: list[float] = []
     metrics: list[dict[str, float]] = []
     with trainer:
@@ -142,34 +156,53 @@ def _train(root: str, mesh: dict[str, int], loss: str) -> dict[str, Any]:
     return {"losses": losses, "metrics": metrics, "weights": weights}
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Path:
-    _tokenizer_directory(tmp_path)
-    _data(tmp_path)
-    save_pretrained(tiny_model(seed=1, sliding_window=False), tmp_path / "checkpoint")
-    return tmp_path
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dpo")
+    _tokenizer_directory(root)
+    _data(root)
+    save_pretrained(tiny_model(seed=1, sliding_window=False), root / "checkpoint")
+    return root
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_a_tiny_model_learns_to_prefer_the_chosen_answers(job: Path, loss: str) -> None:
-    run = _train(str(job), {}, loss)
-    losses, metrics = run["losses"], run["metrics"]
-    # step 0: the policy is the reference, so every margin is 0: log 2 (sigmoid), (1 / (2 beta))^2 (ipo)
-    assert losses[0] == pytest.approx(0.6931472 if loss == "sigmoid" else 1.0, abs=1e-5)
+@pytest.fixture(scope="module")
+def one_process(job: Path) -> dict[str, Any]:
+    return _train(str(job), {})
+
+
+def test_a_tiny_model_learns_to_prefer_the_chosen_answers(one_process: dict[str, Any]) -> None:
+    losses, metrics = one_process["losses"], one_process["metrics"]
+    # step 0: the policy is the reference, so every margin is 0 and the loss log 2
+    assert losses[0] == pytest.approx(0.6931472, abs=1e-5)
     assert metrics[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     assert losses[-1] < losses[0]
     assert metrics[-1]["rewards/margins"] > 0.0
     assert metrics[-1]["rewards/accuracies"] > 0.5
 
 
-def test_two_fsdp_ranks_equal_one_process(job: Path) -> None:
-    one = _train(str(job), {}, "sigmoid")
-    two = run_distributed(
-        _train, str(job), {"data_parallel_shard": 2}, "sigmoid", world_size=2, timeout_s=600
-    )
-    for rank in two:
-        assert rank["losses"] == pytest.approx(one["losses"], abs=1e-5)
-        for got, want in zip(rank["metrics"], one["metrics"], strict=True):
+def _both(root: str, mesh: dict[str, int]) -> list[dict[str, Any]]:
+    return [_train(root, mesh), _train(root, mesh, colocated=True)]
+
+
+def test_two_fsdp_ranks_equal_one_process_with_either_reference(
+    job: Path, one_process: dict[str, Any]
+) -> None:
+    one = one_process
+    mesh = {"data_parallel_shard": 2}
+    # per rank: the reference scored before training, then a colocated reference under FSDP
+    runs = [
+        run for rank in run_distributed(_both, str(job), mesh, world_size=2, timeout_s=600) for run in rank
+    ]
+    for run in runs:
+        assert run["losses"] == pytest.approx(one["losses"], abs=1e-5)
+        for got, want in zip(run["metrics"], one["metrics"], strict=True):
             assert got == pytest.approx(want, abs=1e-5)  # means over all pairs of both ranks
         for name, value in one["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], value, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(run["weights"][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_without_scores_needs_a_colocated_reference() -> None:
+    pairs = [_pair([3, 4], [5], [6], 0)]
+    batch = collate_pairs(pairs, None, pad_id=0)
+    with pytest.raises(ValueError, match="no ref_log_probs and DPOTask has no reference"):
+        DPOTask().build_forward_inputs(BuildForwardInputsContext(batch=batch, step=0))

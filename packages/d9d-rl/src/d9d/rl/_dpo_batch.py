@@ -37,12 +37,13 @@ class DPOBatch:
         targets: ``(2 * pairs, seq)`` the token position ``t`` should predict where it is an
             answer token, ``-100`` elsewhere (prompt, padding).
         ref_log_probs: ``(2 * pairs,)`` the reference model's summed log-probability of each
-            row's answer tokens.
+            row's answer tokens, scored before training; None when a colocated reference scores
+            them in the step (``DPOTask(reference=...)``).
     """
 
     input_ids: torch.Tensor
     targets: torch.Tensor
-    ref_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor | None = None
 
 
 def _rows(pairs: Sequence[PreferencePair]) -> list[TokenRow]:
@@ -56,15 +57,18 @@ def preference_rows(pairs: Sequence[PreferencePair], *, pad_id: int) -> tuple[to
 
 
 def collate_pairs(
-    pairs: Sequence[PreferencePair], scores: Sequence[ReferenceScore], *, pad_id: int
+    pairs: Sequence[PreferencePair], scores: Sequence[ReferenceScore] | None, *, pad_id: int
 ) -> DPOBatch:
-    """A ``DPOBatch`` of ``pairs`` with their reference scores (in the same order).
+    """A ``DPOBatch`` of ``pairs`` with their reference scores (in the same order; None: without).
 
     Raises:
         ValueError: If there are no pairs or the scores do not match them one to one.
     """
-    if not pairs or len(scores) != len(pairs):
-        raise ValueError(f"{len(pairs)} pairs and {len(scores)} reference scores: need one score per pair")
+    if not pairs or (scores is not None and len(scores) != len(pairs)):
+        count = "no" if scores is None else len(scores)
+        raise ValueError(f"{len(pairs)} pairs and {count} reference scores: need one score per pair")
     input_ids, targets = preference_rows(pairs, pad_id=pad_id)
+    if scores is None:
+        return DPOBatch(input_ids=input_ids, targets=targets)
     ref = torch.tensor([v for s in scores for v in (s.chosen, s.rejected)], dtype=torch.float32)
     return DPOBatch(input_ids=input_ids, targets=targets, ref_log_probs=ref)

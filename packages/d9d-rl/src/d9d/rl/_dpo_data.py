@@ -46,14 +46,16 @@ def score_pairs(
 
 
 class DPODataProvider:
-    """Preference pairs with reference scores computed before training, sharded over the ranks.
+    """Preference pairs, with reference scores computed before training, sharded over the ranks.
 
-    At ``build`` (before the first step) the pairs are read and the reference model is built on
-    every rank; rank ``r`` of ``W`` scores pairs ``r, r + W, ...`` in chunks, the scores are
-    gathered on every rank, and the reference model is dropped before training starts. Each
-    batch then carries its pairs' scores (``DPOBatch.ref_log_probs``): the policy's initial
-    weights as the reference, with no second model in memory while training. The reference is a
-    whole model on each rank (no sharding), so it must fit one device.
+    At ``build`` (before the first step) the pairs are read and, with ``reference``, the
+    reference model is built on every rank; rank ``r`` of ``W`` scores pairs ``r, r + W, ...`` in
+    chunks, the scores are gathered on every rank, and the reference model is dropped before
+    training starts. Each batch then carries its pairs' scores (``DPOBatch.ref_log_probs``): the
+    policy's initial weights as the reference, with no second model in memory while training.
+    That reference is a whole model on each rank (no sharding), so it must fit one device.
+    Without ``reference`` the batches carry no scores, for a colocated reference
+    (``DPOTask(reference=ReferenceModel(...))``, laid out like the policy).
 
     ``trainer.global_batch_size`` and ``trainer.microbatch_size`` count pairs (two rows each).
 
@@ -61,7 +63,7 @@ class DPODataProvider:
         pairs: Reads the pairs on each rank (``load_preference_pairs`` with the tokenizer of the
             checkpoint, say).
         reference: Builds the frozen reference model on each rank (``load_pretrained`` of the
-            policy's checkpoint, on ``dist_context.device``).
+            policy's checkpoint, on ``dist_context.device``); None scores nothing here.
         order: The job's ``data`` section (order, seed, loader workers).
         pairs_per_forward: Pairs scored per reference forward.
     """
@@ -70,7 +72,7 @@ class DPODataProvider:
         self,
         *,
         pairs: Callable[[DistributedContext], PreferenceData],
-        reference: Callable[[DistributedContext], nn.Module],
+        reference: Callable[[DistributedContext], nn.Module] | None,
         order: DataConfig,
         pairs_per_forward: int = 8,
     ) -> None:
@@ -86,12 +88,13 @@ class DPODataProvider:
         dist_context = context.dist_context
         data = self._pairs(dist_context)
         dist_context.logger.info(data.report.summary(data.source))
-        scores = self._score(dist_context, data)
+        scores = None if self._reference is None else self._score(dist_context, data, self._reference)
         dataset = _ScoredPairs(data.pairs, scores)
         pad_id = data.pad_id
 
-        def collate(items: list[tuple[PreferencePair, ReferenceScore]]) -> DPOBatch:
-            return collate_pairs([p for p, _ in items], [s for _, s in items], pad_id=pad_id)
+        def collate(items: list[tuple[PreferencePair, ReferenceScore | None]]) -> DPOBatch:
+            found = [s for _, s in items if s is not None]
+            return collate_pairs([p for p, _ in items], found if scores is not None else None, pad_id=pad_id)
 
         return ShardedBatchSource(
             dataset=dataset,
@@ -103,10 +106,15 @@ class DPODataProvider:
             source=f"{data.source} ({len(data.pairs)} pairs)",
         )
 
-    def _score(self, dist_context: DistributedContext, data: PreferenceData) -> list[ReferenceScore]:
+    def _score(
+        self,
+        dist_context: DistributedContext,
+        data: PreferenceData,
+        reference: Callable[[DistributedContext], nn.Module],
+    ) -> list[ReferenceScore]:
         rank, world = dist_context.rank, dist_context.world_size
         mine = data.pairs[rank::world]
-        model = self._reference(dist_context)
+        model = reference(dist_context)
         model.eval()
         local: list[ReferenceScore] = []
         for start in range(0, len(mine), self._chunk):
@@ -121,10 +129,10 @@ class DPODataProvider:
 
 
 class _ScoredPairs:
-    """Pairs with their reference scores as a map-style dataset."""
+    """Pairs with their reference scores (when scored) as a map-style dataset."""
 
-    def __init__(self, pairs: list[PreferencePair], scores: list[ReferenceScore]) -> None:
-        if len(pairs) != len(scores):
+    def __init__(self, pairs: list[PreferencePair], scores: list[ReferenceScore] | None) -> None:
+        if scores is not None and len(pairs) != len(scores):
             raise ValueError(f"{len(pairs)} pairs but {len(scores)} reference scores")
         self._pairs = pairs
         self._scores = scores
@@ -132,5 +140,5 @@ class _ScoredPairs:
     def __len__(self) -> int:
         return len(self._pairs)
 
-    def __getitem__(self, index: int) -> tuple[PreferencePair, ReferenceScore]:
-        return self._pairs[index], self._scores[index]
+    def __getitem__(self, index: int) -> tuple[PreferencePair, ReferenceScore | None]:
+        return self._pairs[index], None if self._scores is None else self._scores[index]
