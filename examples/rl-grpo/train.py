@@ -30,7 +30,7 @@ from arithmetic import (
 )
 from pydantic import BaseModel, ConfigDict
 
-from d9d.hf import DecoderCausalLM, HFModelProvider, ScratchModelConfig
+from d9d.hf import DecoderCausalLM, HFModelProvider, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf.qwen3 import Qwen3DenseConfig
 from d9d.loop import AutoLRSchedulerProvider, AutoOptimizerProvider, ProjectConfig, TrainingConfigurator
 from d9d.rl import (
@@ -38,13 +38,20 @@ from d9d.rl import (
     EmbeddedRolloutEngine,
     GRPOLossConfig,
     GRPOTask,
+    ReferenceConfig,
+    ReferenceModel,
     SamplingParams,
     stream_weights,
 )
 
 
 class RLConfig(BaseModel):
-    """The ``rl`` section: rollouts per step, sampling and the GRPO loss."""
+    """The ``rl`` section: rollouts per step, sampling, the GRPO loss and its reference model.
+
+    ``reference`` (None: no reference; ``loss.kl_coefficient`` must then be 0) keeps a frozen
+    copy of the policy's starting point for the KL term; ``reference_model`` builds it from
+    another checkpoint instead (None: the policy's own ``model``).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,6 +60,8 @@ class RLConfig(BaseModel):
     reward: Literal["exact", "shaped"] = "exact"
     prompts: Literal["pairs", "balanced"] = "pairs"
     loss: GRPOLossConfig = GRPOLossConfig()
+    reference: ReferenceConfig | None = None
+    reference_model: PretrainedModelConfig | None = None
 
 
 class GRPOProjectConfig(ProjectConfig):
@@ -96,6 +105,13 @@ def run(config: GRPOProjectConfig) -> RunResult:
         seed=config.trainer.seed,
         pad_token_id=PAD,
     )
+    provider = HFModelProvider(ScratchModelConfig(config=config.model, attention_backend="sdpa"))
+    reference = None
+    if config.rl.reference is not None:
+        source = config.rl.reference_model
+        reference = ReferenceModel(
+            provider if source is None else HFModelProvider(source), config.rl.reference
+        )
     rollouts = ColocatedRollouts(
         engine=engine,
         prompts=balanced_prompts if config.rl.prompts == "balanced" else arithmetic_prompts,
@@ -104,12 +120,13 @@ def run(config: GRPOProjectConfig) -> RunResult:
         prompts_per_step=config.rl.prompts_per_step,
         pad_token_id=PAD,
         seed=config.trainer.seed,  # with the step and rank, seeds every rollout: resume is exact
+        reference=reference,  # its log-probs of every rollout, computed while the trainer sleeps
     )
     trainer = TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
-        model_provider=HFModelProvider(ScratchModelConfig(config=config.model, attention_backend="sdpa")),
-        task_provider=lambda _: GRPOTask(config.rl.loss),
+        model_provider=provider,
+        task_provider=lambda _: GRPOTask(config.rl.loss, reference=reference),
         data_provider=rollouts,
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
