@@ -98,7 +98,7 @@ def _train(root: str, mesh: dict[str, int], *, colocated: bool = False) -> dict[
     """A short run; the reference scores come from the pass before training, or ``colocated``
     from a ``ReferenceModel`` laid out like the policy."""
     base = Path(root)
-    dp = max(mesh.values(), default=1)
+    dp = mesh.get("data_parallel_shard", 1)
     config = ProjectConfig.model_validate(
         {
             "mesh": mesh,
@@ -180,25 +180,27 @@ def test_a_tiny_model_learns_to_prefer_the_chosen_answers(one_process: dict[str,
     assert metrics[-1]["rewards/accuracies"] > 0.5
 
 
-def _both(root: str, mesh: dict[str, int]) -> list[dict[str, Any]]:
-    return [_train(root, mesh), _train(root, mesh, colocated=True)]
-
-
-def test_two_fsdp_ranks_equal_one_process_with_either_reference(
-    job: Path, one_process: dict[str, Any]
-) -> None:
-    one = one_process
-    mesh = {"data_parallel_shard": 2}
-    # per rank: the reference scored before training, then a colocated reference under FSDP
-    runs = [
-        run for rank in run_distributed(_both, str(job), mesh, world_size=2, timeout_s=600) for run in rank
+def _layouts(root: str) -> list[dict[str, Any]]:
+    """Every layout on these two ranks: FSDP with either reference, then TP and PP."""
+    fsdp = {"data_parallel_shard": 2}
+    return [
+        _train(root, fsdp),
+        _train(root, fsdp, colocated=True),
+        _train(root, {"tensor_parallel": 2}),
+        _train(root, {"pipeline_parallel": 2}),
     ]
+
+
+def test_fsdp_tp_and_pp_on_two_ranks_equal_one_process(job: Path, one_process: dict[str, Any]) -> None:
+    runs = [run for rank in run_distributed(_layouts, str(job), world_size=2, timeout_s=600) for run in rank]
+    one = one_process
     for run in runs:
         assert run["losses"] == pytest.approx(one["losses"], abs=1e-5)
         for got, want in zip(run["metrics"], one["metrics"], strict=True):
-            assert got == pytest.approx(want, abs=1e-5)  # means over all pairs of both ranks
-        for name, value in one["weights"].items():
-            torch.testing.assert_close(run["weights"][name], value, rtol=1e-4, atol=1e-5)
+            assert got == pytest.approx(want, abs=1e-5)  # means over all pairs of all ranks
+        assert run["weights"] and run["weights"].keys() <= one["weights"].keys()  # PP: this rank's stage
+        for name, value in run["weights"].items():
+            torch.testing.assert_close(value, one["weights"][name], rtol=1e-4, atol=1e-5)
 
 
 def test_a_batch_without_scores_needs_a_colocated_reference() -> None:
