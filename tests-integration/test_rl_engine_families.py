@@ -17,6 +17,7 @@ from d9d.hf import (
     DecoderCausalLM,
     DecoderFamily,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -88,6 +89,17 @@ FAMILIES: list[DecoderFamily] = [
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         }
     ),
+    # attention sinks on a sliding then a full layer, q/k/v/o biases, biased router and experts
+    GptOssConfig.model_validate(
+        {
+            **TINY,
+            "model_type": "gpt_oss",
+            "head_dim": 8,
+            "sliding_window": 3,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        }
+    ),
 ]
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matters
 
@@ -96,9 +108,9 @@ PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matter
 def test_cached_greedy_decoding_equals_the_uncached_model(family: DecoderFamily) -> None:
     torch.manual_seed(0)
     model = DecoderCausalLM(family, attention_backend="eager")
-    with torch.no_grad():  # biases away from their zero initialization, so a dropped one shows
+    with torch.no_grad():  # biases (and sinks) away from their initialization, so a dropped one shows
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith(("bias", "sinks")):
                 parameter.normal_()
     completions = EmbeddedRolloutEngine(model).generate(
         PROMPTS, SamplingParams(max_tokens=6, temperature=0.0)

@@ -99,9 +99,12 @@ def hf_model(directory: Path, kind: str = "causal_lm") -> nn.Module:
 def hf_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """transformers' gradients in checkpoint names (its fused experts split per expert)."""
     out: dict[str, torch.Tensor] = {}
+    fused_on_disk = getattr(model.config, "model_type", None) == "gpt_oss"  # its checkpoint's names
     for name, parameter in model.named_parameters():
         grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if fused_on_disk:
+            out[name] = grad
+        elif name.endswith("mlp.experts.gate_up_proj"):
             base = name.removesuffix("gate_up_proj")
             half = grad.shape[1] // 2
             for e in range(grad.shape[0]):
@@ -113,6 +116,10 @@ def hf_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{base}{e}.down_proj.weight"] = grad[e]
         else:
             out[name] = grad
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied head too
+    for name, buffer in model.state_dict().items():  # a checkpoint buffer (DeepSeek-V3's selection bias)
+        if name not in parameters:
+            out[name] = torch.zeros_like(buffer)  # no gradient, as d9d_gradients gives its buffers
     return out
 
 

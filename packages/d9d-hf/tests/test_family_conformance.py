@@ -183,6 +183,21 @@ def _gemma3(*, tied: bool = True) -> nn.Module:
     return Gemma3ForCausalLM(config)
 
 
+def _gpt_oss() -> nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        **TINY,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,  # layer 0 slides, layer 1 attends fully (transformers' default layer_types)
+        swiglu_limit=1.0,  # low, so the clamps bite on these random weights
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return GptOssForCausalLM(config)
+
+
 FAMILIES = [
     FamilyCase("qwen3", _qwen3),  # q/k norms, q/k/v/o biases, a sliding layer
     FamilyCase("qwen3_moe", _qwen3_moe, layouts=("fsdp", "ep", "pp", "cp")),  # stacked experts
@@ -197,6 +212,9 @@ FAMILIES = [
     # local (sliding, own rope base) and global (linear-scaled rope) layers, four 1+w norms, GeGLU, tied head
     FamilyCase("gemma3", _gemma3, layouts=("fsdp", "pp", "cp")),
     FamilyCase("gemma3_untied", lambda: _gemma3(tied=False), layouts=("tp",)),  # Gemma 3's TP plan
+    # attention sinks (no context-parallel backend has them), q/k/v/o biases, sliding then full
+    # attention, biased router and experts (interleaved gate_up_proj), clamped SwiGLU; TP refused
+    FamilyCase("gpt_oss", _gpt_oss, layouts=("fsdp", "ep", "pp")),
 ]
 
 

@@ -16,6 +16,7 @@ from d9d.hf._decoder import (
     DecoderTensorParallelPlan,
     EmbeddingHeadSpec,
     FusedTensor,
+    InterleavedTensor,
     LanguageModelHeadSpec,
     LayerTensor,
     MegatronDecoderPlan,
@@ -64,6 +65,7 @@ from d9d.hf._reward_loss import bradley_terry_loss
 from d9d.hf._reward_task import REWARD_METRICS, RewardTask, check_reward_model, pair_rewards, reward_task
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
 from d9d.hf.gemma3 import Gemma3TextConfig
+from d9d.hf.gpt_oss import GptOssConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
@@ -94,9 +96,11 @@ __all__ = [
     "DecoderTensorParallelPlan",
     "EmbeddingHeadSpec",
     "FusedTensor",
+    "InterleavedTensor",
     "Float8Config",
     "FsdpConfig",
     "Gemma3TextConfig",
+    "GptOssConfig",
     "GraniteConfig",
     "HFModelConfig",
     "HFModelProvider",

@@ -16,6 +16,7 @@ from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
 from d9d.hf.gemma3 import Gemma3TextConfig
+from d9d.hf.gpt_oss import GptOssConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
@@ -34,6 +35,7 @@ AnyDecoderConfig = (
     | Olmo2Config
     | Phi3Config
     | Gemma3TextConfig
+    | GptOssConfig
 )
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
@@ -52,6 +54,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmo2",
     "phi3",
     "gemma3_text",
+    "gpt_oss",
 )
 """The ``model_type`` values d9d.hf reads."""
 
@@ -74,6 +77,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case Phi3Config():
             return config
         case Gemma3TextConfig():
+            return config
+        case GptOssConfig():
             return config
         case _:
             assert_never(config)

@@ -11,7 +11,14 @@ from d9d.hf._decoder._checkpoint import (
 from d9d.hf._decoder._config_base import DecoderConfigBase
 from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_config
 from d9d.hf._decoder._decoder_layer import DecoderLayer
-from d9d.hf._decoder._family import DecoderFamily, FusedTensor, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._family import (
+    DecoderFamily,
+    FusedTensor,
+    InterleavedTensor,
+    LayerTensor,
+    StackedExperts,
+    TensorName,
+)
 from d9d.hf._decoder._heads import (
     ClassificationHeadSpec,
     DecoderHead,
@@ -67,6 +74,7 @@ __all__ = [
     "EmbeddingHeadSpec",
     "FusedTensor",
     "HeadSpec",
+    "InterleavedTensor",
     "LanguageModelHeadSpec",
     "LayerTensor",
     "LayerType",

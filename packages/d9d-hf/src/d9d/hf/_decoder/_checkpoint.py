@@ -11,6 +11,7 @@ from torch import nn
 from d9d.hf._decoder._expert_bias import expert_bias_names
 from d9d.hf._decoder._heads import DecoderHead, export_head_of
 from d9d.hf._decoder._model import DecoderModel
+from d9d.hf._decoder._quantized_tensors import refuse_quantized_tensors
 from d9d.hf._decoder._state_mapper import (
     HF_HEAD_TENSORS,
     decoder_export_mapper,
@@ -60,6 +61,7 @@ def check_checkpoint(
     """
     heads = model.head_specs if heads is None else heads
     view = heads_state_module(model, heads)
+    refuse_quantized_tensors(checkpoint)
     specs = {name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for name, t in view.state_dict().items()}
     mapper = decoder_export_mapper(model.config, heads, model.layout)
     hf_specs = validate_mapping(mapper, specs).output_specs

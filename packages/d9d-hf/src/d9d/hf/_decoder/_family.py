@@ -57,7 +57,28 @@ class FusedTensor:
     sizes: tuple[int, ...]
 
 
-LayerTensor = TensorName | StackedExperts | FusedTensor
+@dataclass(kw_only=True, frozen=True)
+class InterleavedTensor:
+    """One Hugging Face tensor whose last dim interleaves several d9d tensors, element by element.
+
+    GPT-OSS's ``mlp.experts.gate_up_proj`` ``(E, H, 2I)`` holds the gate at ``[..., 0::2]`` and up
+    at ``[..., 1::2]``. Loading de-interleaves it (a ``ReshapeMapper`` to ``(*leading, -1, n)``, a
+    ``ChunkMapper`` along the new last dim, a reshape back per part); export interleaves the
+    parts back (the reverse, through a ``ConcatenateMapper``).
+
+    Attributes:
+        hf: The interleaved tensor's name, relative to the layer.
+        d9d: The separate tensors' names, relative to the layer, in their interleaving order.
+        leading: The sizes of every dim before the interleaved last one (``(E, H)`` for a weight,
+            ``(E,)`` for a bias).
+    """
+
+    hf: str
+    d9d: tuple[str, ...]
+    leading: tuple[int, ...]
+
+
+LayerTensor = TensorName | StackedExperts | FusedTensor | InterleavedTensor
 """An entry of a family's name table."""
 
 

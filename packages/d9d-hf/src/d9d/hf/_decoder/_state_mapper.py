@@ -4,7 +4,8 @@ The family's name table lists each decoder-layer tensor with the HF tensor(s) it
 core adds the embedding, the final norm and the head, and reads both directions off that table.
 A ``StackedExperts`` row stores per expert ``(out, in)`` ``nn.Linear`` weights in the checkpoint
 and one ``(E, in, out)`` tensor per projection in d9d; a ``FusedTensor`` row is one checkpoint
-tensor (a fused QKV or gate/up projection) that d9d holds as separate tensors.
+tensor (a fused QKV or gate/up projection) that d9d holds as separate tensors; an
+``InterleavedTensor`` row one whose last dim interleaves them (GPT-OSS's experts).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from d9d.hf._decoder._family import DecoderFamily, FusedTensor, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._family import (
+    DecoderFamily,
+    FusedTensor,
+    InterleavedTensor,
+    LayerTensor,
+    StackedExperts,
+    TensorName,
+)
 from d9d.hf._decoder._heads import DecoderHead, as_heads, export_head_of
 from d9d.hf._decoder._stage import StageLayout
 from d9d.hf._head import HeadName
@@ -23,6 +31,7 @@ from d9d.state_mappers import (
     FilterMapper,
     ParallelMapper,
     RenameMapper,
+    ReshapeMapper,
     SequentialMapper,
     StackMapper,
     StateMapper,
@@ -53,7 +62,18 @@ class _Fused:
     sizes: tuple[int, ...]
 
 
-_Entry = _Tensor | _Experts | _Fused
+@dataclass(frozen=True)
+class _Interleaved:
+    hf: str
+    d9d: tuple[str, ...]
+    leading: tuple[int, ...]
+
+    def parts(self) -> tuple[str, ...]:
+        """Names of the parts between the chunk and the final reshape (the d9d names, marked)."""
+        return tuple(f"{name}#interleaved" for name in self.d9d)
+
+
+_Entry = _Tensor | _Experts | _Fused | _Interleaved
 
 
 def hf_prefix(head: HeadName) -> str:
@@ -73,6 +93,8 @@ def _layer_entry(row: LayerTensor, hf: str, ours: str) -> _Entry:
             return _Experts(tuple(hf + name for name in row.hf), ours + row.d9d)
         case FusedTensor():
             return _Fused(hf + row.hf, tuple(ours + name for name in row.d9d), row.sizes)
+        case InterleavedTensor():
+            return _Interleaved(hf + row.hf, tuple(ours + name for name in row.d9d), row.leading)
 
 
 def _entries(
@@ -103,6 +125,20 @@ def _from_hf(entry: _Entry) -> StateMapper:
             )
         case _Fused():
             return ChunkMapper(entry.hf, entry.d9d, dim=0, sizes=entry.sizes)
+        case _Interleaved():
+            leading, parts = entry.leading, entry.parts()
+            return SequentialMapper(
+                [
+                    ReshapeMapper(entry.hf, (*leading, -1, len(parts))),
+                    ChunkMapper(entry.hf, parts, dim=len(leading) + 1),
+                    ParallelMapper(
+                        [
+                            ReshapeMapper(part, (*leading, -1), target=name)
+                            for part, name in zip(parts, entry.d9d, strict=True)
+                        ]
+                    ),
+                ]
+            )
 
 
 def _to_hf(entry: _Entry) -> StateMapper:
@@ -115,6 +151,20 @@ def _to_hf(entry: _Entry) -> StateMapper:
             )
         case _Fused():
             return ConcatenateMapper(entry.d9d, entry.hf, dim=0)
+        case _Interleaved():
+            leading, parts = entry.leading, entry.parts()
+            return SequentialMapper(
+                [
+                    ParallelMapper(
+                        [
+                            ReshapeMapper(name, (*leading, -1, 1), target=part)
+                            for part, name in zip(parts, entry.d9d, strict=True)
+                        ]
+                    ),
+                    ConcatenateMapper(parts, entry.hf, dim=len(leading) + 1),
+                    ReshapeMapper(entry.hf, (*leading, -1)),
+                ]
+            )
 
 
 def decoder_load_mapper(
@@ -144,7 +194,7 @@ def decoder_load_mapper(
     consumed: set[str] = set()
     for entry in entries:
         match entry:
-            case _Tensor() | _Fused():
+            case _Tensor() | _Fused() | _Interleaved():
                 consumed.add(entry.hf)
             case _Experts():
                 consumed.update(entry.hf)
