@@ -10,15 +10,9 @@ from d9d.hf._decoder._checkpoint import (
 )
 from d9d.hf._decoder._config_base import DecoderConfigBase
 from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_config
+from d9d.hf._decoder._config_with_head_dim import DecoderConfigWithHeadDim
 from d9d.hf._decoder._decoder_layer import DecoderLayer
-from d9d.hf._decoder._family import (
-    DecoderFamily,
-    FusedTensor,
-    InterleavedTensor,
-    LayerTensor,
-    StackedExperts,
-    TensorName,
-)
+from d9d.hf._decoder._family import DecoderFamily, FusedTensor, LayerTensor, StackedExperts, TensorName
 from d9d.hf._decoder._heads import (
     ClassificationHeadSpec,
     DecoderHead,
@@ -37,7 +31,9 @@ from d9d.hf._decoder._inputs import (
     check_padding_at_row_ends,
     resolve_positions,
 )
+from d9d.hf._decoder._layer_builder import build_layer
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
+from d9d.hf._decoder._layer_recipe import FeedForwardActivation, LayerRecipe, NormLayout, QkNorm
 from d9d.hf._decoder._layer_windows import LayerType, layer_windows, resolve_layer_types
 from d9d.hf._decoder._model import DecoderCausalLM, DecoderModel, MultiHeadOutput, build_decoder
 from d9d.hf._decoder._parallelize import FsdpSettings, parallelize_decoder
@@ -64,6 +60,7 @@ __all__ = [
     "DecoderBackbone",
     "DecoderCausalLM",
     "DecoderConfigBase",
+    "DecoderConfigWithHeadDim",
     "DecoderFamily",
     "DecoderInputs",
     "DecoderLayer",
@@ -72,14 +69,17 @@ __all__ = [
     "DecoderSpec",
     "DecoderTensorParallelPlan",
     "EmbeddingHeadSpec",
+    "FeedForwardActivation",
     "FusedTensor",
     "HeadSpec",
-    "InterleavedTensor",
     "LanguageModelHeadSpec",
+    "LayerRecipe",
     "LayerTensor",
     "LayerType",
     "MegatronDecoderPlan",
     "MultiHeadOutput",
+    "NormLayout",
+    "QkNorm",
     "SequenceClassificationHeadSpec",
     "StackedExperts",
     "StageHandoff",
@@ -89,6 +89,7 @@ __all__ = [
     "attention_names",
     "base_state_module",
     "build_decoder",
+    "build_layer",
     "causal_lm_targets",
     "check_checkpoint",
     "check_padding_at_row_ends",

@@ -6,10 +6,13 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from d9d.hf._decoder._decoder_layer import DecoderLayer
+from d9d.hf._decoder._layer_builder import build_layer
+from d9d.hf._decoder._layer_recipe import LayerRecipe
 from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._head import HeadName
 from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
-from d9d.kernels.layers import RopeScaling
+from d9d.kernels.layers import AttentionBackend, AttentionBackendName, RopeScaling
 
 ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
 
@@ -20,7 +23,10 @@ class DecoderConfigBase(BaseModel):
     A family subclasses it with its ``model_type`` literal, its own fields and defaults (a
     field redeclared with the family's default), and ``architecture_prefix`` (``"Llama"`` gives
     ``LlamaForCausalLM``, ``LlamaModel``, ...). ``decoder_spec`` reads the shared fields; a family
-    whose numbers differ (a ``head_dim`` rule, experts) overrides it.
+    whose numbers differ (a ``head_dim`` rule, experts) overrides it. ``layer_recipe`` describes
+    a layer from the shared fields, and a family sets the switches its layers differ by there;
+    ``build_decoder_layer`` builds that recipe. A field is redeclared only where the family's
+    default differs from the one here.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -140,6 +146,30 @@ class DecoderConfigBase(BaseModel):
             num_labels=self.resolved_num_labels,
             initializer_range=self.initializer_range,
         )
+
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Layer ``index``'s widths from the shared fields, with the plain layer's switches.
+
+        That is a pre-norm layer with no biases, no q/k norms, full attention and a SiLU-gated
+        MLP; a family returns ``dataclasses.replace(super().layer_recipe(index), ...)`` with its
+        own switches (biases, a window, q/k norms, the norm layout, score and residual scales).
+        """
+        del index
+        return LayerRecipe(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
+            head_dim=self.resolved_head_dim,
+            intermediate_size=self.intermediate_size,
+            norm_eps=self.rms_norm_eps,
+            init_std=self.initializer_range,
+        )
+
+    def build_decoder_layer(
+        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
+    ) -> DecoderLayer:
+        """Decoder layer ``index``, built by the core from ``layer_recipe(index)``."""
+        return build_layer(self.layer_recipe(index), attention_backend=attention_backend)
 
     def hf_architecture(self, head: HeadName) -> str:
         """The transformers class name for ``head`` (``{prefix}ForCausalLM`` and its siblings)."""

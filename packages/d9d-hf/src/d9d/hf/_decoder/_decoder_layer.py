@@ -1,4 +1,4 @@
-"""The pre-norm decoder layer every family shares: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+"""The decoder layer every family shares: attention then a feed-forward, each added to the residual."""
 
 from __future__ import annotations
 
@@ -7,26 +7,35 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from d9d.hf._decoder._layer_recipe import NormLayout
 from d9d.kernels.layers import GroupedQueryAttention, KeyValueCache, MoELayer, RMSNorm, SwiGLU
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer whose submodule names follow Hugging Face's.
 
-    A family's layer subclasses this and builds the parts its config asks for (q/k norms,
-    biases, a sliding window, a dense ``SwiGLU`` or a ``MoELayer``). The computation is
-    ``block``, the pre-norm ``x + attn(norm(x))`` then ``x + mlp(norm(x))``: a family whose layer
-    computes otherwise (OLMo 2's norms after attention and after the feed-forward, say) overrides
-    ``block`` and composes ``attend`` and ``feed_forward``; the regional compilation, the
-    incremental decoding and the resets stay the core's. A family that adds modules extends
-    ``reset_parameters`` too.
+    ``build_layer`` builds it from a family's ``LayerRecipe``. The computation is ``block``:
+    attention, then the feed-forward, each added to the residual stream, with the norms where
+    ``norm_layout`` puts them (``NormLayout``) and each branch times ``residual_multiplier``. A
+    family whose layer computes otherwise still overrides ``block`` and composes ``attend`` and
+    ``feed_forward``; the regional compilation, the incremental decoding and the resets stay the
+    core's. A family that adds modules extends ``reset_parameters`` too.
 
     Args:
-        input_layernorm: The norm before attention; None for a layer that attends to the
-            residual stream itself (OLMo 2 normalizes after attention instead).
+        input_layernorm: The norm before attention ("pre", "sandwich"); None for a layer that
+            attends to the residual stream itself ("post", or "pre" without it).
         self_attn: The attention.
-        post_attention_layernorm: The norm before the feed-forward.
+        post_attention_layernorm: The norm before the feed-forward ("pre"), or of the attention's
+            output ("post", "sandwich"), as transformers names it in each.
         mlp: The feed-forward.
+        pre_feedforward_layernorm: The norm before the feed-forward ("sandwich" only).
+        post_feedforward_layernorm: The norm of the feed-forward's output ("post", "sandwich").
+        norm_layout: Where the norms sit.
+        residual_multiplier: Each branch's output is multiplied by it as it joins the residual
+            stream (1: unscaled).
+
+    Raises:
+        ValueError: If the norms given do not match ``norm_layout``, naming the layout and the norm.
     """
 
     def __init__(
@@ -36,12 +45,21 @@ class DecoderLayer(nn.Module):
         self_attn: GroupedQueryAttention,
         post_attention_layernorm: RMSNorm,
         mlp: SwiGLU | MoELayer,
+        pre_feedforward_layernorm: RMSNorm | None = None,
+        post_feedforward_layernorm: RMSNorm | None = None,
+        norm_layout: NormLayout = "pre",
+        residual_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
+        _check_norms(norm_layout, input_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm)
         self.input_layernorm = input_layernorm
         self.self_attn = self_attn
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        self.pre_feedforward_layernorm = pre_feedforward_layernorm
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+        self.norm_layout: NormLayout = norm_layout
+        self.residual_multiplier = residual_multiplier
         self._block: Callable[..., torch.Tensor] = self.block
 
     def reset_parameters(self) -> None:
@@ -51,6 +69,9 @@ class DecoderLayer(nn.Module):
         self.self_attn.reset_parameters()
         self.post_attention_layernorm.reset_parameters()
         self.mlp.reset_parameters()
+        for norm in (self.pre_feedforward_layernorm, self.post_feedforward_layernorm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def compile_block(self) -> None:
         """Compiles this layer's computation with ``torch.compile`` (regional compilation).
@@ -109,20 +130,65 @@ class DecoderLayer(nn.Module):
         kv_cache: KeyValueCache | None = None,
         token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The layer's computation, the extension point of a family: pre-norm attention, then
-        pre-norm feed-forward, each added to the residual.
+        """The layer's computation, the extension point of a family: attention, then the
+        feed-forward, each added to the residual stream, the norms where ``norm_layout`` puts them.
 
         ``forward`` calls it (compiled after ``compile_block``, eager with a ``kv_cache``). An
-        override keeps this signature and computes from ``attend`` and ``feed_forward``; for
-        OLMo 2's post-norms, with a ``post_feedforward_layernorm`` the family's layer adds::
-
-            hidden_states = hidden_states + self.post_attention_layernorm(
-                self.attend(hidden_states, position_embeddings, document_ids, kv_cache)
-            )
-            fed = self.feed_forward(hidden_states, token_mask)
-            return hidden_states + self.post_feedforward_layernorm(fed)
+        override keeps this signature and computes from ``attend`` and ``feed_forward``.
         """
         normed = hidden_states if self.input_layernorm is None else self.input_layernorm(hidden_states)
         attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
-        hidden_states = hidden_states + attended
-        return hidden_states + self.feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
+        match self.norm_layout:
+            case "pre":
+                hidden_states = hidden_states + self._scaled(attended)
+                fed = self.feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
+                return hidden_states + self._scaled(fed)
+            case "post" | "sandwich":
+                hidden_states = hidden_states + self._scaled(self.post_attention_layernorm(attended))
+                before = self.pre_feedforward_layernorm
+                fed = self.feed_forward(
+                    hidden_states if before is None else before(hidden_states), token_mask
+                )
+                after = self.post_feedforward_layernorm
+                if after is None:  # _check_norms: never in these layouts; the type checker cannot tell
+                    raise RuntimeError(
+                        f"norm_layout={self.norm_layout!r} without a post_feedforward_layernorm"
+                    )
+                return hidden_states + self._scaled(after(fed))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """``branch`` times ``residual_multiplier`` (unchanged at 1)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
+
+
+def _check_norms(
+    layout: NormLayout,
+    input_layernorm: RMSNorm | None,
+    pre_feedforward_layernorm: RMSNorm | None,
+    post_feedforward_layernorm: RMSNorm | None,
+) -> None:
+    """Raises a ``ValueError`` naming ``layout`` and the norm it lacks or does not take."""
+    match layout:
+        case "pre":
+            wanted = {"pre_feedforward_layernorm": False, "post_feedforward_layernorm": False}
+        case "post":
+            wanted = {
+                "input_layernorm": False,
+                "pre_feedforward_layernorm": False,
+                "post_feedforward_layernorm": True,
+            }
+        case "sandwich":
+            wanted = {
+                "input_layernorm": True,
+                "pre_feedforward_layernorm": True,
+                "post_feedforward_layernorm": True,
+            }
+    given = {
+        "input_layernorm": input_layernorm is not None,
+        "pre_feedforward_layernorm": pre_feedforward_layernorm is not None,
+        "post_feedforward_layernorm": post_feedforward_layernorm is not None,
+    }
+    for name, needed in wanted.items():
+        if given[name] != needed:
+            verb = "needs" if needed else "takes no"
+            raise ValueError(f"DecoderLayer(norm_layout={layout!r}) {verb} {name}")

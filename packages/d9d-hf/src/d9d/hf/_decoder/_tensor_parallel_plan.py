@@ -58,9 +58,11 @@ class TensorParallelRefusal:
 class MegatronDecoderPlan:
     """Megatron's layout for a layer of separate q/k/v/o and gate/up/down projections.
 
-    Norms run on the sequence slice; attention and the feed-forward gather the sequence on
-    entry, split heads / the inner width by columns and reduce-scatter back to the slice by
-    rows. Per-head q/k norms (Qwen3) see this rank's heads. The plan of Qwen3, Llama and Qwen2.
+    Norms run on the sequence slice, whichever the layer's ``norm_layout`` has (the residual
+    stream and each branch's output are both this rank's slice there); attention and the
+    feed-forward gather the sequence on entry, split heads / the inner width by columns and
+    reduce-scatter back to the slice by rows. Per-head q/k norms (Qwen3) see this rank's heads.
+    The plan of Qwen3, Llama, Qwen2, Mistral, Phi-3, Granite and Gemma 3.
     """
 
     def layer_styles(self, layer: DecoderLayer) -> dict[str, ParallelStyle]:
@@ -87,8 +89,13 @@ class MegatronDecoderPlan:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
-        if layer.input_layernorm is not None:
-            styles["input_layernorm"] = SequenceParallelNorm()
+        for name, norm in (
+            ("input_layernorm", layer.input_layernorm),
+            ("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
+            ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
+        ):
+            if norm is not None:
+                styles[name] = SequenceParallelNorm()
         if layer.self_attn.q_norm is not None:
             # per-head norms see this rank's heads: their weight gradients are partial sums
             styles["self_attn.q_norm"] = SequenceParallelNorm()

@@ -10,17 +10,15 @@ from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from d9d.hf._decoder import (
     DecoderConfigBase,
-    DecoderLayer,
     DecoderSpec,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     LayerType,
+    MegatronDecoderPlan,
     read_config_file,
 )
-from d9d.hf.gemma3._decoder_layer import Gemma3DecoderLayer
 from d9d.hf.gemma3._layer_tensors import gemma3_layer_tensors
-from d9d.hf.gemma3._tensor_parallel_plan import Gemma3DecoderPlan
-from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 _GLOBAL_ROPE_THETA = 1_000_000.0
 _LOCAL_ROPE_THETA = 10_000.0
@@ -151,16 +149,25 @@ class Gemma3TextConfig(DecoderConfigBase):
         )
 
     def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
-        """Megatron's layout with the two feed-forward norms on the sequence slice."""
-        return Gemma3DecoderPlan()
+        """Megatron's layout (``MegatronDecoderPlan``), all four norms on the sequence slice."""
+        return MegatronDecoderPlan()
 
-    def build_decoder_layer(
-        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
-    ) -> DecoderLayer:
-        """A ``Gemma3DecoderLayer``, sliding or global as ``layer_types`` says."""
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Gemma 3's layer: four ``1 + weight`` norms around both branches (``norm_layout="sandwich"``),
+        per-head q/k norms, scores times ``query_pre_attn_scalar ** -0.5``, the GELU-tanh gated MLP,
+        and layer ``index``'s window (``sliding_window`` on a sliding layer, None on a global one)."""
         sliding = self.resolved_layer_types()[index] == "sliding_attention"
-        window = self.sliding_window if sliding else None
-        return Gemma3DecoderLayer(self, window=window, attention_backend=attention_backend)
+        return dataclasses.replace(
+            super().layer_recipe(index),
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            qk_norm="head",
+            sliding_window=self.sliding_window if sliding else None,
+            softmax_scale=self.query_pre_attn_scalar**-0.5,
+            activation="gelu_tanh",
+            norm_layout="sandwich",
+            zero_centered_norms=True,
+        )
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """Gemma 3's name table of layer ``index``."""

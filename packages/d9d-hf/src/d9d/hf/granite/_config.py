@@ -10,16 +10,14 @@ from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import (
     DecoderConfigBase,
-    DecoderLayer,
     DecoderSpec,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     MegatronDecoderPlan,
     read_config_file,
 )
-from d9d.hf.granite._decoder_layer import GraniteDecoderLayer
 from d9d.hf.granite._layer_tensors import granite_layer_tensors
-from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 
 class GraniteConfig(DecoderConfigBase):
@@ -35,13 +33,6 @@ class GraniteConfig(DecoderConfigBase):
     architecture_prefix: ClassVar[str] = "Granite"
 
     model_type: Literal["granite"]
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    max_position_embeddings: int = 2048
     attention_bias: bool = False
     mlp_bias: bool = False
     embedding_multiplier: float = 1.0
@@ -61,12 +52,17 @@ class GraniteConfig(DecoderConfigBase):
         """Granite's layers: separate q/k/v/o and gate/up/down projections (``MegatronDecoderPlan``)."""
         return MegatronDecoderPlan()
 
-    def build_decoder_layer(
-        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
-    ) -> DecoderLayer:
-        """A ``GraniteDecoderLayer`` (every layer is the same)."""
-        del index
-        return GraniteDecoderLayer(self, attention_backend=attention_backend)
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Granite's layer: Llama's biases, scores times ``attention_multiplier`` (in place of
+        ``head_dim ** -0.5``), each branch times ``residual_multiplier`` as it joins the residual."""
+        return dataclasses.replace(
+            super().layer_recipe(index),
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            softmax_scale=self.attention_multiplier,
+            residual_multiplier=self.residual_multiplier,
+        )
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """Granite's name table of layer ``index``."""

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import TypeAdapter
 
 from d9d.hf._decoder import (
-    DecoderConfigBase,
-    DecoderLayer,
+    DecoderConfigWithHeadDim,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     TensorParallelRefusal,
     read_config_file,
 )
-from d9d.hf.olmo2._decoder_layer import Olmo2DecoderLayer
 from d9d.hf.olmo2._layer_tensors import olmo2_layer_tensors
-from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 
-class Olmo2Config(DecoderConfigBase):
+class Olmo2Config(DecoderConfigWithHeadDim):
     """config.json of ``model_type: olmo2`` (``Olmo2ForCausalLM`` and its heads).
 
     Defaults are transformers' (OLMo-2-1124-7B): ``rms_norm_eps`` 1e-5, ``pad_token_id`` 1,
@@ -32,35 +31,27 @@ class Olmo2Config(DecoderConfigBase):
 
     model_type: Literal["olmo2"]
     vocab_size: int = 50304
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     pad_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 50279
     attention_bias: bool = False
 
-    @property
-    def resolved_head_dim(self) -> int:
-        """``head_dim``, else ``hidden_size // num_attention_heads``."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """OLMo 2's layer: ``x + norm(attn(x))`` then ``x + norm(mlp(x))`` (``norm_layout="post"``), the
+        q/k norms over the whole projection of all heads, biases on q/k/v/o with ``attention_bias``."""
+        return dataclasses.replace(
+            super().layer_recipe(index),
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            qk_norm="all_heads",
+            norm_layout="post",
+        )
 
     def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | TensorParallelRefusal | None:
         """A refusal: OLMo 2's q/k norms span all heads, which column-split projections divide over ranks."""
         return TensorParallelRefusal(
             reason="its q/k norms span all heads' channels at once, and a tp rank holds only some heads"
         )
-
-    def build_decoder_layer(
-        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
-    ) -> DecoderLayer:
-        """An ``Olmo2DecoderLayer`` (every layer is the same)."""
-        del index
-        return Olmo2DecoderLayer(self, attention_backend=attention_backend)
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """OLMo 2's name table of layer ``index``."""

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
 
 from pydantic import TypeAdapter, field_validator
 
 from d9d.hf._decoder import (
-    DecoderConfigBase,
-    DecoderLayer,
+    DecoderConfigWithHeadDim,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     MegatronDecoderPlan,
     read_config_file,
 )
-from d9d.hf.phi3._decoder_layer import Phi3DecoderLayer
 from d9d.hf.phi3._layer_tensors import phi3_layer_tensors
-from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 _LONGROPE_NAMES = ("longrope", "su", "yarn")  # Phi-3 files name LongRoPE "su" or "yarn" too
 
 
-class Phi3Config(DecoderConfigBase):
+class Phi3Config(DecoderConfigWithHeadDim):
     """config.json of ``model_type: phi3`` (``Phi3ForCausalLM`` and its heads).
 
     Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files: plain RoPE, a ``sliding_window`` on every
@@ -37,10 +36,6 @@ class Phi3Config(DecoderConfigBase):
     vocab_size: int = 32064
     hidden_size: int = 3072
     intermediate_size: int = 8192
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
     max_position_embeddings: int = 4096
     original_max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
@@ -72,21 +67,14 @@ class Phi3Config(DecoderConfigBase):
             raise ValueError(f"dropout {value} is not implemented (d9d's Phi-3 layer has no dropout)")
         return value
 
-    @property
-    def resolved_head_dim(self) -> int:
-        """``head_dim``, else ``hidden_size // num_attention_heads``."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Phi-3's layer: Llama's parts held apart (the checkpoint's fused ones are split on load),
+        ``sliding_window`` (when set) on every layer."""
+        return dataclasses.replace(super().layer_recipe(index), sliding_window=self.sliding_window)
 
     def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | None:
         """Megatron's plan: d9d holds q/k/v and gate/up apart (the checkpoint's fusion is split on load)."""
         return MegatronDecoderPlan()
-
-    def build_decoder_layer(
-        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
-    ) -> DecoderLayer:
-        """A ``Phi3DecoderLayer`` (every layer is the same, window included)."""
-        del index
-        return Phi3DecoderLayer(self, attention_backend=attention_backend)
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """Phi-3's name table of layer ``index``: fused qkv and gate/up in the checkpoint."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -9,17 +10,15 @@ from pydantic import TypeAdapter, model_validator
 
 from d9d.hf._decoder import (
     DecoderConfigBase,
-    DecoderLayer,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     LayerType,
     MegatronDecoderPlan,
     layer_windows,
     read_config_file,
 )
-from d9d.hf.qwen2._decoder_layer import Qwen2DecoderLayer
 from d9d.hf.qwen2._layer_tensors import qwen2_layer_tensors
-from d9d.kernels.layers import AttentionBackend, AttentionBackendName
 
 
 class Qwen2Config(DecoderConfigBase):
@@ -33,10 +32,7 @@ class Qwen2Config(DecoderConfigBase):
 
     model_type: Literal["qwen2"]
     vocab_size: int = 151936
-    hidden_size: int = 4096
     intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
     num_key_value_heads: int | None = 32
     max_position_embeddings: int = 32768
     use_sliding_window: bool = False
@@ -63,11 +59,11 @@ class Qwen2Config(DecoderConfigBase):
         """Qwen2's layers: separate q/k/v/o and gate/up/down projections (``MegatronDecoderPlan``)."""
         return MegatronDecoderPlan()
 
-    def build_decoder_layer(
-        self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
-    ) -> DecoderLayer:
-        """A ``Qwen2DecoderLayer`` with layer ``index``'s window."""
-        return Qwen2DecoderLayer(self, self.windows()[index], attention_backend=attention_backend)
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Qwen2's layer: biases on the q/k/v projections but not on ``o_proj``, layer ``index``'s window."""
+        return dataclasses.replace(
+            super().layer_recipe(index), qkv_bias=True, sliding_window=self.windows()[index]
+        )
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """Qwen2's name table of layer ``index``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
@@ -12,15 +13,17 @@ from d9d.hf._decoder import (
     DecoderLayer,
     DecoderSpec,
     DecoderTensorParallelPlan,
+    LayerRecipe,
     LayerTensor,
     LayerType,
     MegatronDecoderPlan,
+    build_layer,
     layer_windows,
     read_config_file,
     resolve_layer_types,
 )
 from d9d.hf._head import HeadName
-from d9d.hf.qwen3._decoder_layer import Qwen3DecoderLayer
+from d9d.hf.qwen3._feed_forward import qwen3_feed_forward
 from d9d.hf.qwen3._layer_tensors import qwen3_layer_tensors
 from d9d.hf.qwen3._spec import Qwen3MoeSpec, Qwen3Spec
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName
@@ -60,11 +63,29 @@ class _Qwen3CommonConfig(DecoderConfigBase):
         """
         return MegatronDecoderPlan()
 
+    def layer_recipe(self, index: int) -> LayerRecipe:
+        """Qwen3's layer: per-head q/k norms, biases on q/k/v/o with ``attention_bias``, layer
+        ``index``'s window."""
+        spec = self.qwen3_spec()
+        return dataclasses.replace(
+            super().layer_recipe(index),
+            head_dim=spec.head_dim,
+            qkv_bias=spec.attention_bias,
+            o_bias=spec.attention_bias,
+            qk_norm="head",
+            sliding_window=spec.sliding_windows[index],
+        )
+
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
     ) -> DecoderLayer:
-        """A ``Qwen3DecoderLayer``: q/k norms, a dense or sparse feed-forward by ``index``."""
-        return Qwen3DecoderLayer(self.qwen3_spec(), index, attention_backend=attention_backend)
+        """Layer ``index`` of ``layer_recipe``, its feed-forward dense or the experts by ``index``."""
+        spec = self.qwen3_spec()
+        return build_layer(
+            self.layer_recipe(index),
+            attention_backend=attention_backend,
+            feed_forward=lambda: qwen3_feed_forward(spec, index),
+        )
 
     def layer_tensors(self, index: int) -> list[LayerTensor]:
         """Qwen3's name table of layer ``index``."""
