@@ -370,3 +370,18 @@ def test_adamw_step_rounding_is_unbiased_and_independent_across_elements_and_sta
         assert abs(both - p_param**2) < 0.012, f"elements {lag} apart round together: {both} vs {p_param**2}"
 
     assert abs(float((param_up * avg_rounded_up).mean()) - p_param * p_avg) < 0.012
+
+
+def test_stochastic_adamw_reads_step_counts_without_a_scalar_read_per_parameter() -> None:
+    # A LoRA model has hundreds of small parameters: a `.item()` per parameter per step kept the
+    # device idle for ~20 ms of host time on an 8B LoRA step. The counts are read in one go.
+    params = [torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16)) for _ in range(40)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = StochasticAdamW(params, lr=1e-3)
+    optimizer.step()
+    with torch.profiler.profile() as profile:
+        optimizer.step()
+    reads = [event.name for event in profile.events() if event.name == "aten::item"]
+    assert reads == []
+    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0] * 40

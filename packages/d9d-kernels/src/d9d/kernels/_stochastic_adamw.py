@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,6 +17,19 @@ from d9d.kernels._stochastic_rounding import adamw_step_stochastic_multi_, draw_
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _advance_steps(steps: list[torch.Tensor]) -> list[int]:
+    """Adds one to every step counter and returns the new counts, in a few ops for all of them.
+
+    A per-parameter ``+= 1`` and ``.item()`` cost two dispatches each: for the 504 adapters of an
+    8B LoRA that was about 20 ms of host time per step with the device idle.
+    """
+    if not steps:
+        return []
+    torch._foreach_add_(steps, 1.0)  # pyright: ignore[reportPrivateUsage]
+    counts = cast(list[float], torch.stack(steps).tolist())
+    return [int(n) for n in counts]
 
 
 def _host_zeros_like(param: torch.Tensor, dtype: torch.dtype | None, *, pin: bool) -> torch.Tensor:
@@ -170,16 +183,17 @@ class StochasticAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
-                state["step"] += 1
             # One launch per (step, device, dtypes): parameters that missed steps lag behind.
             buckets: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = defaultdict(list)
             resident: dict[tuple[Any, ...], list[bool]] = defaultdict(list)
-            for param in stepped:
+            for param, step in zip(
+                stepped, _advance_steps([self.state[p]["step"] for p in stepped]), strict=True
+            ):
                 state = self.state[param]
                 operands = tuple(
                     _local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
                 )
-                key = (int(state["step"].item()), operands[0].device, *(t.dtype for t in operands))
+                key = (step, operands[0].device, *(t.dtype for t in operands))
                 buckets[key].append(operands)
                 resident[key].append(id(param) in self._resident)
             for key, members in buckets.items():
