@@ -61,7 +61,7 @@ def _run(mesh: dict[str, int]) -> dict[str, Any]:
         {
             "mesh": mesh,
             "trainer": {
-                "max_steps": 3,
+                "max_steps": 2,
                 "global_batch_size": 8 * dp,
                 "microbatch_size": 4,
                 "seed": 3,
@@ -125,9 +125,9 @@ def test_the_reference_is_the_policys_start_sharded_like_it_and_the_kl_grows_fro
     # the reference's values are the policy's initial ones (the trainer has trained since)
     torch.testing.assert_close(single["reference"], single["initial"], atol=1e-6, rtol=0)
     kl = single["kl"]
-    assert sorted(kl) == [0, 1, 2]
+    assert sorted(kl) == [0, 1]
     assert abs(kl[0]) < 1e-9  # step 0 trains the initial policy: k3 of equal log-probs
-    assert kl[2] > 1e-6
+    assert kl[1] > 1e-6
 
     sharded = run_distributed(_run, {"data_parallel_shard": 2}, world_size=2, timeout_s=600)
     for rank, result in enumerate(sharded):
@@ -137,4 +137,4 @@ def test_the_reference_is_the_policys_start_sharded_like_it_and_the_kl_grows_fro
             assert ours == policys, (rank, name)
         # ... and computes one process's values
         torch.testing.assert_close(result["reference"], single["reference"], atol=1e-6, rtol=1e-6)
-        assert abs(result["kl"][0]) < 1e-9 and result["kl"][2] > 1e-6
+        assert abs(result["kl"][0]) < 1e-9 and result["kl"][1] > 1e-6
