@@ -92,21 +92,22 @@ class _StepIndices:
 
 
 def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: torch.device) -> _StepIndices:
+    """Builds the step's small tables on the host, moves them once, and derives the rest on ``device``."""
     lengths = [len(row) for row in batch.tokens]
     width = max(lengths)
+    total = max(start + length for start, length in zip(batch.starts, lengths, strict=True))
     input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.int64)
     for index, row in enumerate(batch.tokens):
         input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
     table_width = max(len(blocks) for blocks in batch.blocks)
     table = torch.tensor([blocks + [0] * (table_width - len(blocks)) for blocks in batch.blocks])
-    starts = torch.tensor(batch.starts, dtype=torch.int64)[:, None]
-    counts = torch.tensor(lengths, dtype=torch.int64)[:, None]
-    columns = torch.arange(width)[None]
+    table = table.to(device)
+    starts = torch.tensor(batch.starts, dtype=torch.int64).to(device)[:, None]
+    counts = torch.tensor(lengths, dtype=torch.int64).to(device)[:, None]
+    columns = torch.arange(width, device=device)[None]
     new_valid = columns < counts
     positions = starts + columns
-    ends = starts + counts
-    total = int(ends.max())
-    slots = torch.arange(total)[None].expand(len(lengths), total)
+    slots = torch.arange(total, device=device)[None].expand(len(lengths), total)
 
     def flat(logical: torch.Tensor) -> torch.Tensor:
         return table.gather(1, logical // page_size) * page_size + logical % page_size
@@ -114,14 +115,14 @@ def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: 
     distance = positions[:, :, None] - slots[:, None, :]
     return _StepIndices(
         input_ids=input_ids.to(device),
-        positions=positions.to(device),
-        new_valid=new_valid.to(device),
-        write=flat(positions.where(new_valid, 0))[new_valid].to(device),
-        read=flat(slots.where(slots < ends, 0)).to(device),
-        last=(counts[:, 0] - 1).to(device),
-        visible=(distance >= 0).to(device),
-        distance=distance.to(device),
-        padding_sees_first=(~new_valid[:, :, None] & (slots[:, None, :] == 0)).to(device),
+        positions=positions,
+        new_valid=new_valid,
+        write=flat(positions.where(new_valid, 0))[new_valid],
+        read=flat(slots.where(slots < starts + counts, 0)),
+        last=counts[:, 0] - 1,
+        visible=distance >= 0,
+        distance=distance,
+        padding_sees_first=~new_valid[:, :, None] & (slots[:, None, :] == 0),
     )
 
 
