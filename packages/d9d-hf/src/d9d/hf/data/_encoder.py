@@ -23,16 +23,24 @@ def _text(record: Record, field: str) -> str:
     return value
 
 
-def _messages(record: Record, field: str) -> list[Message]:
-    value = record.fields.get(field)
+def message_list(value: Any, *, where: str, field: str) -> list[Message]:
+    """``value`` as a non-empty list of ``{role, content}`` messages.
+
+    Raises:
+        SampleError: If it is not one, naming ``where`` and ``field`` (and the bad item).
+    """
     if not isinstance(value, list) or not value:
-        raise SampleError(f"{record.where}: field '{field}' must be a non-empty list of messages")
+        raise SampleError(f"{where}: field '{field}' must be a non-empty list of messages")
     messages: list[Message] = []
     for i, item in enumerate(cast(list[Any], value)):
         if not isinstance(item, dict) or "role" not in item:
-            raise SampleError(f"{record.where}: {field}[{i}] is not a {{role, content}} message")
+            raise SampleError(f"{where}: {field}[{i}] is not a {{role, content}} message")
         messages.append(cast(Mapping[str, Any], item))
     return messages
+
+
+def _messages(record: Record, field: str) -> list[Message]:
+    return message_list(record.fields.get(field), where=record.where, field=field)
 
 
 class SFTEncoder:

@@ -12,18 +12,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ChatFormatConfig(_Strict):
-    """A conversation rendered with the checkpoint's chat template; loss on assistant turns only.
+class ChatTemplateOptions(_Strict):
+    """How conversations are rendered (shared by the chat formats of SFT and preference data).
 
     Attributes:
-        messages_field: The record's list of ``{"role": ..., "content": ...}`` messages.
         system_prompt: A system message put first where a conversation has none.
         template: A ``.jinja`` file to use instead of the checkpoint's ``chat_template``.
         variables: Extra template variables (``{enable_thinking: false}``).
     """
 
-    kind: Literal["chat"] = "chat"
-    messages_field: str = "messages"
     system_prompt: str | None = None
     template: Path | None = None
     variables: dict[str, Any] = Field(default_factory=dict[str, Any])
@@ -35,6 +32,20 @@ class ChatFormatConfig(_Strict):
         if template is not None and not template.is_file():
             raise ValueError(f"template file {template} does not exist")
         return template
+
+
+class ChatFormatConfig(ChatTemplateOptions):
+    """A conversation rendered with the checkpoint's chat template; loss on assistant turns only.
+
+    Attributes:
+        messages_field: The record's list of ``{"role": ..., "content": ...}`` messages.
+        system_prompt: A system message put first where a conversation has none.
+        template: A ``.jinja`` file to use instead of the checkpoint's ``chat_template``.
+        variables: Extra template variables (``{enable_thinking: false}``).
+    """
+
+    kind: Literal["chat"] = "chat"
+    messages_field: str = "messages"
 
 
 class PromptCompletionFormatConfig(_Strict):

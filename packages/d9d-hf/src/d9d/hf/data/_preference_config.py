@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from d9d.hf.data._format_config import ChatTemplateOptions
 from d9d.loop.data import DataSourceConfig, OverlongPolicy
 
 
@@ -14,7 +14,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class PreferenceChatFormatConfig(_Strict):
+class PreferenceChatFormatConfig(ChatTemplateOptions):
     """Prompt and answers as conversations, rendered with the checkpoint's chat template.
 
     ``prompt`` is a list of messages (or a string: one user message); ``chosen`` and
@@ -34,16 +34,6 @@ class PreferenceChatFormatConfig(_Strict):
     prompt_field: str = "prompt"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
-    system_prompt: str | None = None
-    template: Path | None = None
-    variables: dict[str, Any] = Field(default_factory=dict[str, Any])
-
-    @field_validator("template")
-    @classmethod
-    def _template_exists(cls, template: Path | None) -> Path | None:
-        if template is not None and not template.is_file():
-            raise ValueError(f"template file {template} does not exist")
-        return template
 
 
 class PreferenceTextFormatConfig(_Strict):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from d9d.hf.data._chat_encoding import IGNORE_INDEX, encode_chat
 from d9d.hf.data._chat_template import ChatTemplate, ChatTemplateError, Message
+from d9d.hf.data._encoder import message_list
 from d9d.hf.data._preference_config import PreferenceChatFormatConfig, PreferenceTextFormatConfig
 from d9d.hf.data._tokenizer_files import TokenizerFiles
 from d9d.loop.data import Record, SampleError, TokenRow
@@ -31,17 +31,10 @@ class PreferencePair:
 
 
 def _messages(value: Any, *, role: str, where: str, key: str) -> list[Message]:
-    """A string as one message of ``role``, or a non-empty list of ``{role, content}`` messages."""
+    """A string as one message of ``role``, else a non-empty list of ``{role, content}`` messages."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not value:
-        raise SampleError(f"{where}: '{key}' must be text or a non-empty list of messages")
-    messages: list[Message] = []
-    for i, item in enumerate(cast(list[Any], value)):
-        if not isinstance(item, dict) or "role" not in item:
-            raise SampleError(f"{where}: {key}[{i}] is not a {{role, content}} message")
-        messages.append(cast(Mapping[str, Any], item))
-    return messages
+    return message_list(value, where=where, field=key)
 
 
 class PreferenceEncoder:
