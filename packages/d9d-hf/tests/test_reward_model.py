@@ -1,7 +1,8 @@
 """A reward model: one score per row (transformers' ``*ForSequenceClassification``, ``num_labels=1``),
 trained with the Bradley-Terry pairwise loss on preference pairs.
 
-The loss and the metrics equal a hand computation; the gradients of a tiny Llama and Qwen3 equal
+The loss and the metrics equal a hand computation (synced over two ranks of uneven pair
+counts: those of all pairs); the gradients of a tiny Llama and Qwen3 equal
 plain PyTorch's loss on transformers' scores of the raw rows (an end token that is also the
 padding token included); a job trains from a causal-LM checkpoint without a padding id (set by
 ``model.pad_token_id``), exports a directory transformers loads as ``Qwen3ForSequenceClassification``
@@ -106,6 +107,35 @@ def test_loss_and_metrics_equal_a_hand_computation(center: float | None) -> None
     assert metrics["margin"].compute().item() == pytest.approx(3 / 4)
     assert metrics["chosen_reward"].compute().item() == pytest.approx(1.5 / 4)
     assert metrics["rejected_reward"].compute().item() == pytest.approx(-1.5 / 4)
+
+
+RANK_PAIRS = [([1.0], [0.0]), ([1.0, 0.0, -1.0], [2.0, 0.0, -2.0])]  # rank 0: 1 of 1 won, rank 1: 1 of 3
+
+
+def _synced_metrics() -> dict[str, float]:
+    import torch.distributed as dist
+
+    chosen, rejected = RANK_PAIRS[dist.get_rank()]
+    task = RewardTask()
+    metrics = task.create_metrics(CreateMetricsContext(purpose="train")).metrics
+    scores = _scores(chosen, rejected)
+    task.update_metrics(
+        UpdateMetricsContext(pipeline_results=scores, state=None, metrics=metrics, purpose="train")
+    )
+    values: dict[str, float] = {}
+    for name, metric in metrics.items():
+        metric.sync(None)  # what d9d-loop does over the loss-reduction group
+        value = metric.compute()
+        assert isinstance(value, torch.Tensor)
+        values[name] = value.item()
+    return values
+
+
+def test_metrics_over_ranks_of_uneven_pair_counts_are_those_of_all_pairs() -> None:
+    for values in run_distributed(_synced_metrics, world_size=2, timeout_s=60):
+        assert values["accuracy"] == pytest.approx(2 / 4)  # not the mean of 1/1 and 1/3
+        assert values["margin"] == pytest.approx((1.0 - 1.0 + 0.0 + 1.0) / 4)
+        assert values["chosen_reward"] == pytest.approx(1.0 / 4)
 
 
 def _hf_reward_model(family: str) -> Any:
