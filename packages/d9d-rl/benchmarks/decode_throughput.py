@@ -12,6 +12,10 @@ Random weights of the Qwen3 widths (the same config on both sides; the weights d
 not change the work). Each point: one warm-up call per side (compilation), then ``--repeats``
 alternating timed calls; the table prints the medians.
 
+Both models stay in memory for the alternation, and transformers keeps its static cache between
+calls: at the 8B width and batch 256 the two caches and weights may not fit one GPU together
+(pass fewer ``--batches``). On CPU transformers compiles only with ``--compile-cpu`` (slow).
+
 GPU (one H200; the issue's table):
     uv run packages/d9d-rl/benchmarks/decode_throughput.py
 CPU smoke run (tiny widths, seconds):
@@ -99,7 +103,7 @@ def _transformers_generate(
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
     finally:
         torch.set_default_dtype(default)
-    compile_config = transformers.CompileConfig(fullgraph=True)
+    compile_config = transformers.CompileConfig()  # transformers' defaults (mode reduce-overhead)
     compile_config._compile_all_devices = compile_cpu  # transformers' switch to compile off CUDA too
     waves = [
         (
