@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from d9d.kernels.layers import (
+    ATTENTION_BACKEND_ENV_VAR,
     EagerAttentionBackend,
     GroupedQueryAttention,
     RotaryEmbedding,
     SdpaAttentionBackend,
     SinkAttentionBackend,
+    detect_attention_backend,
+    select_attention_backend,
 )
 
 
@@ -70,6 +73,13 @@ class _PlainBackend:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **_: object
     ) -> torch.Tensor:
         return query
+
+
+def test_auto_detection_picks_a_backend_with_sinks() -> None:
+    assert isinstance(select_attention_backend(environ={}, sinks=True), SdpaAttentionBackend)
+    assert detect_attention_backend(sinks=True) == "sdpa"  # never FlashAttention, even on a GPU
+    chosen = select_attention_backend(environ={ATTENTION_BACKEND_ENV_VAR: "eager"}, sinks=True)
+    assert isinstance(chosen, EagerAttentionBackend)  # an explicit choice is kept
 
 
 def test_a_backend_without_sinks_is_refused_naming_it() -> None:

@@ -40,13 +40,14 @@ def build_attention_backend(name: AttentionBackendName) -> AttentionBackend:
             return FlashAttention4Backend()
 
 
-def detect_attention_backend() -> AttentionBackendName:
+def detect_attention_backend(*, sinks: bool = False) -> AttentionBackendName:
     """The fastest backend installed and supported by the current CUDA device, else ``"sdpa"``.
 
     FlashAttention 4 is chosen on Hopper/Blackwell (compute capability 9.x/10.x) when installed,
-    FlashAttention 2 on Ampere and newer when installed; everything else uses SDPA.
+    FlashAttention 2 on Ampere and newer when installed; everything else uses SDPA. With
+    ``sinks`` only backends that attend with sinks compete: SDPA.
     """
-    if not torch.cuda.is_available():
+    if sinks or not torch.cuda.is_available():
         return "sdpa"
     major, _ = torch.cuda.get_device_capability()
     candidates: list[AttentionBackendName] = []
@@ -72,13 +73,18 @@ def _parse_name(value: str, *, source: str) -> AttentionBackendName:
 
 
 def select_attention_backend(
-    name: AttentionBackendName | None = None, *, environ: Mapping[str, str] | None = None
+    name: AttentionBackendName | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    sinks: bool = False,
 ) -> AttentionBackend:
     """Resolves the backend: ``name`` if given, else ``$D9D_ATTENTION_BACKEND``, else auto-detection.
 
     Args:
         name: Explicit choice; wins over everything.
         environ: Environment to read (``os.environ`` when None).
+        sinks: The layer has attention sinks: auto-detection picks a backend that attends with
+            them (an explicit choice is kept, and the layer refuses it if it cannot).
 
     Raises:
         ValueError: If the environment variable names no backend.
@@ -90,4 +96,4 @@ def select_attention_backend(
     configured = environment.get(ATTENTION_BACKEND_ENV_VAR, "").strip()
     if configured:
         return build_attention_backend(_parse_name(configured, source=ATTENTION_BACKEND_ENV_VAR))
-    return build_attention_backend(detect_attention_backend())
+    return build_attention_backend(detect_attention_backend(sinks=sinks))

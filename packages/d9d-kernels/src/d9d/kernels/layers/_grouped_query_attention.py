@@ -44,8 +44,8 @@ class GroupedQueryAttention(nn.Module):
         softmax_scale: Score multiplier; ``head_dim ** -0.5`` when None.
         sinks: A learned logit per query head in every softmax denominator (attention sinks,
             GPT-OSS): the ``sinks`` parameter, ``(num_heads,)``. The backend must attend with sinks
-            (``SinkAttentionBackend``: eager, SDPA); FlashAttention and context parallelism are
-            refused with an error naming the backend.
+            (``SinkAttentionBackend``: eager, SDPA; auto-detection picks SDPA); FlashAttention and
+            context parallelism are refused with an error naming the backend.
         rope_layout: Layout of the cos/sin tables passed to ``forward``.
         attention_backend: A backend object, a backend name, or None for ``$D9D_ATTENTION_BACKEND``
             or auto-detection. Stored as the public ``attention_backend`` attribute, which may be
@@ -108,7 +108,9 @@ class GroupedQueryAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.rotary = RotaryApplicator(rope_layout)
         if attention_backend is None or isinstance(attention_backend, str):
-            self.attention_backend: AttentionBackend = select_attention_backend(attention_backend)
+            self.attention_backend: AttentionBackend = select_attention_backend(
+                attention_backend, sinks=sinks
+            )
         else:
             self.attention_backend = attention_backend
         if sinks:
