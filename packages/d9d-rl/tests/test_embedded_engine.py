@@ -9,7 +9,7 @@ from rl_tiny_model import VOCAB, tiny_model
 from d9d.hf import DecoderInputs
 from d9d.rl import EmbeddedRolloutEngine, SamplingParams
 
-PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6], [11, 12]]  # ragged: left padding matters
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6], [11, 12]]  # ragged: per-row positions and masks matter
 
 
 def _trainer_log_probs(prompt: list[int], completion: tuple[int, ...]) -> torch.Tensor:
