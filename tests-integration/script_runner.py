@@ -2,13 +2,15 @@
 
 Started once per test module as ``python script_runner.py`` (a plain interpreter, not the pytest
 process), through :func:`start_runner`: it imports torch, which every guide and example script
-imports first (directly or through d9d), then reads one request per line on stdin (JSON: script,
-args, stdout, stderr, and ``preload``: modules the script imports at its top, imported here once for
-every later request). For each request it forks a child that runs the script as ``python SCRIPT
-ARGS`` run from the request's working directory would: as ``__main__``, with ``sys.argv`` set, the
-script's directory first on ``sys.path`` and the interpreter's normal exit (atexit handlers run); it
-answers with the child's exit status. The child starts with the modules a fresh interpreter holds
-once the script's own import lines ran; only the seconds of those imports are saved per run.
+imports first (directly or through d9d), then reads one request per line on stdin (JSON: script or
+module, args, stdout, stderr, and ``preload``: modules the script imports at its top, imported here
+once for every later request). For each request it forks a child that runs the script as ``python
+SCRIPT ARGS`` run from the request's working directory would: as ``__main__``, with ``sys.argv`` set,
+the script's directory first on ``sys.path`` and the interpreter's normal exit (atexit handlers
+run); a module request runs as ``python -m MODULE ARGS`` would (the working directory first on
+``sys.path``). It answers with the child's exit status. The child starts with the modules a fresh
+interpreter holds once the script's own import lines ran; only the seconds of those imports are
+saved per run.
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ RUNNER = Path(__file__).resolve()
 
 
 def _child(request: dict[str, Any]) -> int:
-    script: str = request["script"]
     os.chdir(request["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-    sys.argv = [script, *request["args"]]
-    sys.path[0] = os.path.dirname(script)  # as for `python SCRIPT` (this runner's directory is not there)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if "module" in request:
+            sys.argv = ["-m", *request["args"]]  # run_module sets argv[0] to the module's file
+            sys.path[0] = request["cwd"]  # as for `python -m MODULE`
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            script: str = request["script"]
+            sys.argv = [script, *request["args"]]
+            sys.path[0] = os.path.dirname(script)  # as for `python SCRIPT` (this runner's directory is not)
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -100,26 +107,46 @@ def run_script(
     preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """``python script *args`` run from ``cwd`` in a child of ``runner``: its status, stdout and stderr."""
+    request = {"script": str(script), "args": list(args), "preload": list(preload)}
+    return _run(runner, request, script.stem, str(script), cwd=cwd, timeout_s=timeout_s)
+
+
+def run_module(
+    runner: subprocess.Popen[str],
+    module: str,
+    *args: str,
+    cwd: Path,
+    timeout_s: float,
+    preload: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` run from ``cwd`` in a child of ``runner``: its status, stdout and stderr."""
+    request = {"module": module, "args": list(args), "preload": list(preload)}
+    return _run(runner, request, module, module, cwd=cwd, timeout_s=timeout_s)
+
+
+def _run(
+    runner: subprocess.Popen[str],
+    request: dict[str, Any],
+    stem: str,
+    what: str,
+    *,
+    cwd: Path,
+    timeout_s: float,
+) -> subprocess.CompletedProcess[str]:
+    """Sends ``request`` (its script or module, args and preload) and waits for the child's status."""
     assert runner.stdin is not None and runner.stdout is not None
-    stdout, stderr = cwd / f"{script.stem}.stdout", cwd / f"{script.stem}.stderr"
-    request = {
-        "script": str(script),
-        "args": list(args),
-        "cwd": str(cwd),
-        "stdout": str(stdout),
-        "stderr": str(stderr),
-        "preload": list(preload),
-    }
+    stdout, stderr = cwd / f"{stem}.stdout", cwd / f"{stem}.stderr"
+    request = {**request, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
     runner.stdin.write(json.dumps(request) + "\n")
     runner.stdin.flush()
     ready, _, _ = select.select([runner.stdout], [], [], timeout_s)
     if not ready:
         os.killpg(runner.pid, signal.SIGKILL)
-        raise AssertionError(f"{script} did not finish within {timeout_s:.0f} s")
+        raise AssertionError(f"{what} did not finish within {timeout_s:.0f} s")
     line = runner.stdout.readline()
     assert line, f"the script runner ended (status {runner.poll()})"
     return subprocess.CompletedProcess(
-        [str(script), *args], json.loads(line)["returncode"], stdout.read_text(), stderr.read_text()
+        [what, *request["args"]], json.loads(line)["returncode"], stdout.read_text(), stderr.read_text()
     )
 
 

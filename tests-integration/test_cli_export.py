@@ -3,13 +3,14 @@
 A tiny Qwen3 trains 2 steps on 4 CPU ranks and saves a DCP checkpoint, and the job exports itself
 with ``Trainer.export``; then the ``d9d export`` command, in its own process, turns the checkpoint
 into a Hugging Face directory from the job's YAML alone. transformers loads both and gives the
-same logits; every tensor is equal.
+same logits; every tensor is equal. The command runs as ``python -m d9d.loop.cli`` would, in a
+process forked by the session's script runner (see script_runner), which imported torch and d9d
+once instead of once per command.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from script_runner import run_module
 
 from d9d.hf import HFModelProvider, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
 from d9d.loop import (
@@ -29,6 +31,8 @@ from d9d.loop import (
 from d9d.mesh.testing import run_distributed
 
 SEQ = 16
+# What the command imports before it reads its arguments: imported once in the session's runner.
+CLI_IMPORTS = ("d9d.loop", "d9d.hf", "d9d.loop.cli._commands", "d9d.loop.cli._checkpoint_export")
 
 
 class _Rows:
@@ -82,7 +86,9 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(tmp_path: Path) -> None:
+def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -97,16 +103,10 @@ def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(tmp_p
 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    command = [
-        sys.executable,
-        "-m",
-        "d9d.loop.cli",
-        "export",
-        str(config),
-        str(tmp_path / "ckpt"),
-        str(tmp_path / "cli"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    arguments = ["export", str(config), str(tmp_path / "ckpt"), str(tmp_path / "cli")]
+    result = run_module(
+        torch_runner, "d9d.loop.cli", *arguments, cwd=tmp_path, timeout_s=240, preload=CLI_IMPORTS
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step_000000002" in result.stdout
 
@@ -130,7 +130,9 @@ def test_d9d_export_of_a_pp2_x_fsdp2_checkpoint_equals_the_jobs_own_export(tmp_p
 
 
 @pytest.mark.slow
-def test_d9d_export_refuses_a_config_of_another_family_naming_the_tensors_it_lacks(tmp_path: Path) -> None:
+def test_d9d_export_refuses_a_config_of_another_family_naming_the_tensors_it_lacks(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     # Issue 42: a Llama config of the same widths on a Qwen3 checkpoint exported a Llama without
     # Qwen3's q/k norms (logits off by 0.52) and exited 0.
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -149,9 +151,9 @@ def test_d9d_export_refuses_a_config_of_another_family_naming_the_tensors_it_lac
     raw["model"]["source"] = str(tmp_path / "llama")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    command = [sys.executable, "-m", "d9d.loop.cli", "export", str(config), str(tmp_path / "ckpt")]
-    result = subprocess.run(
-        [*command, str(tmp_path / "out")], capture_output=True, text=True, timeout=240, check=False
+    arguments = ["export", str(config), str(tmp_path / "ckpt"), str(tmp_path / "out")]
+    result = run_module(
+        torch_runner, "d9d.loop.cli", *arguments, cwd=tmp_path, timeout_s=240, preload=CLI_IMPORTS
     )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "q_norm" in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
