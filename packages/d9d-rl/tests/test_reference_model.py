@@ -84,7 +84,8 @@ def _batch() -> RolloutBatch:
 def _transformers_log_probs(directory: Path, batch: RolloutBatch) -> torch.Tensor:
     """log p(target) from transformers' forward of the checkpoint (0 where there is no target)."""
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
-    logits = model(input_ids=batch.input_ids).logits.float()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits.float()
     taken = torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.clamp(min=0)[..., None])[..., 0]
     return taken.masked_fill(batch.targets == -100, 0.0)
 

@@ -109,9 +109,19 @@ class ReferenceModel:
     def build(self, *, dist_context: DistributedContext, policy: nn.Module) -> None:
         """Builds the reference on ``dist_context``'s mesh, laid out and checked like ``policy``.
 
+        ``attach`` calls this with the trainer's context and stage; call it directly to use the
+        reference without a ``Trainer`` (every rank of the mesh calls it: FSDP and TP are
+        collective).
+
+        Args:
+            dist_context: The mesh the policy is laid out on.
+            policy: The policy's stage: the reference's names and shapes must be its, and its
+                current weights are the reference's when the provider loads none.
+
         Raises:
             ValueError: If a tensor's name or shape differs from the policy's (naming it), before
                 any value is loaded.
+            RuntimeError: If the reference is built already.
         """
         if self._model is not None:
             raise RuntimeError("the reference model is built already")
