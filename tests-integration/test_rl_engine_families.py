@@ -16,6 +16,7 @@ import torch
 from d9d.hf import (
     DecoderCausalLM,
     DecoderFamily,
+    DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
     GraniteConfig,
@@ -98,6 +99,25 @@ FAMILIES: list[DecoderFamily] = [
             "sliding_window": 3,
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
+        }
+    ),
+    # MLA (low-rank q/kv, interleaved rope, values narrower than q/k: zero-padded in the cache),
+    # a dense layer, then sigmoid group-limited routing with a selection bias and shared experts
+    DeepseekV3Config.model_validate(
+        {
+            **TINY,
+            "model_type": "deepseek_v3",
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 8,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
         }
     ),
 ]

@@ -183,6 +183,30 @@ def _gemma3(*, tied: bool = True) -> nn.Module:
     return Gemma3ForCausalLM(config)
 
 
+def _deepseek_v3() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **{**TINY, "num_key_value_heads": TINY["num_attention_heads"]},  # MLA: keys and values per head
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,  # group-limited: one group of two experts kept per token
+        topk_group=1,
+        n_shared_experts=2,
+        first_k_dense_replace=1,  # layer 0 dense, layer 1 sparse
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,  # narrower than q/k (24): zero-padded in d9d
+    )
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # a selection bias that changes which experts win (a buffer: set here)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    return model
+
+
 def _gpt_oss() -> nn.Module:
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -215,6 +239,9 @@ FAMILIES = [
     # attention sinks (no context-parallel backend has them), q/k/v/o biases, sliding then full
     # attention, biased router and experts (interleaved gate_up_proj), clamped SwiGLU; TP refused
     FamilyCase("gpt_oss", _gpt_oss, layouts=("fsdp", "ep", "pp")),
+    # MLA (q/kv low rank, interleaved rope), a dense layer then sigmoid group-limited routing with
+    # the checkpoint's selection bias and shared experts; TP refused (experts take EP)
+    FamilyCase("deepseek_v3", _deepseek_v3, layouts=("fsdp", "ep", "pp", "cp")),
 ]
 
 

@@ -67,6 +67,7 @@ from d9d.hf._reward_data import PreferenceLike, RewardBatch, RewardPair, RewardP
 from d9d.hf._reward_loss import bradley_terry_loss
 from d9d.hf._reward_task import REWARD_METRICS, RewardTask, check_reward_model, pair_rewards, reward_task
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
+from d9d.hf.deepseek_v3 import DeepseekV3Config
 from d9d.hf.gemma3 import Gemma3TextConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
@@ -97,6 +98,7 @@ __all__ = [
     "DecoderModel",
     "DecoderSpec",
     "DecoderTensorParallelPlan",
+    "DeepseekV3Config",
     "EmbeddingHeadSpec",
     "FusedTensor",
     "Float8Config",

@@ -15,6 +15,7 @@ from typing import Annotated, assert_never
 from pydantic import Field, TypeAdapter
 
 from d9d.hf._decoder import DecoderFamily, read_config_file
+from d9d.hf.deepseek_v3 import DeepseekV3Config
 from d9d.hf.gemma3 import Gemma3TextConfig
 from d9d.hf.gpt_oss import GptOssConfig
 from d9d.hf.granite import GraniteConfig
@@ -36,6 +37,7 @@ AnyDecoderConfig = (
     | Phi3Config
     | Gemma3TextConfig
     | GptOssConfig
+    | DeepseekV3Config
 )
 """Every family's config.json model (a new family adds its own here and in ``as_family``)."""
 
@@ -55,6 +57,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "gemma3_text",
     "gpt_oss",
+    "deepseek_v3",
 )
 """The ``model_type`` values d9d.hf reads."""
 
@@ -79,6 +82,8 @@ def as_family(config: AnyDecoderConfig) -> DecoderFamily:
         case Gemma3TextConfig():
             return config
         case GptOssConfig():
+            return config
+        case DeepseekV3Config():
             return config
         case _:
             assert_never(config)

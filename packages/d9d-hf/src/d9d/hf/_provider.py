@@ -210,7 +210,8 @@ class HFModelProvider(ModelProvider[DecoderModel]):
             return LoadModelStageResult(loaded=False)
         show_progress = context.dist_context.is_main_process
         load_stage_from_checkpoint(model, checkpoint, show_progress=show_progress)
-        zero_expert_bias(model)  # not in the checkpoint: left as materialized
+        if not model.spec.checkpoint_expert_bias:
+            zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
         return LoadModelStageResult(loaded=True)
 
@@ -265,7 +266,8 @@ class HFModelProvider(ModelProvider[DecoderModel]):
             ).encode()
         mapper = export_mapper_of(model)
         files.update(head_files(model))  # collective over the stage's ranks
-        biases = expert_bias_names(model)  # the job's, not the architecture's: not exported
+        # the job's biases are not exported; a family whose checkpoint holds them exports them
+        biases = [] if model.spec.checkpoint_expert_bias else expert_bias_names(model)
         if biases:
             mapper = ParallelMapper([mapper, DropMapper(biases)])
         return PrepareExportModelStageResult(state_mapper=mapper, files=files)

@@ -72,10 +72,15 @@ class DecoderBackbone(nn.Module):
             if layout.is_last
             else None
         )
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.rope_theta, scaling=spec.rope_scaling)
+        rotary_dim = spec.head_dim if spec.rotary_dim is None else spec.rotary_dim
+        self.rotary_emb = RotaryEmbedding(
+            rotary_dim, theta=spec.rope_theta, scaling=spec.rope_scaling, layout=spec.rope_layout
+        )
         self.alternate_rotary_emb: RotaryEmbedding | None = None
         if spec.alternate_rope_theta is not None:
-            self.alternate_rotary_emb = RotaryEmbedding(spec.head_dim, theta=spec.alternate_rope_theta)
+            self.alternate_rotary_emb = RotaryEmbedding(
+                rotary_dim, theta=spec.alternate_rope_theta, layout=spec.rope_layout
+            )
         self.alternate_rope_layers = spec.alternate_rope_layers
         self._overlap_point: Callable[[torch.Tensor], None] | None = None
 

@@ -21,16 +21,17 @@ from d9d.loop.peft import view_of, without_adapters
 from d9d.state_mappers import SafetensorsCheckpoint, StateMapper, TensorSpec, validate_mapping
 
 
-def base_state_module(module: nn.Module) -> nn.Module:
+def base_state_module(module: nn.Module, *, keep_expert_bias: bool = False) -> nn.Module:
     """``module``'s own tensors under their names, without LoRA adapters (``d9d.loop.peft``) and
-    without the job's MoE selection biases (``expert_bias_names``).
+    without the job's MoE selection biases (``expert_bias_names``) unless ``keep_expert_bias``
+    (a family whose checkpoint holds them: ``DecoderSpec.checkpoint_expert_bias``).
 
     An HF checkpoint holds the base model only: with adapters injected (a LoRA run), they are
     no target of loading or checking; they start at ``B = 0`` afterwards, the biases at 0. The
     same tensor objects, so loading into the view fills ``module`` (sharded tensors stay sharded).
     """
     base = without_adapters(module)
-    biases = set(expert_bias_names(base))
+    biases: set[str] = set() if keep_expert_bias else set(expert_bias_names(base))
     if not biases:
         return base
     return view_of({k: v for k, v in base.state_dict(keep_vars=True).items() if k not in biases})
@@ -39,7 +40,8 @@ def base_state_module(module: nn.Module) -> nn.Module:
 def heads_state_module(model: DecoderModel, heads: Sequence[DecoderHead]) -> nn.Module:
     """``base_state_module(model)`` with the tensors of the backbone and of ``heads`` only."""
     others = tuple(head.module_path + "." for head in model.head_specs if head not in heads)
-    state = base_state_module(model).state_dict(keep_vars=True)
+    keep = model.spec.checkpoint_expert_bias
+    state = base_state_module(model, keep_expert_bias=keep).state_dict(keep_vars=True)
     return view_of({name: t for name, t in state.items() if not name.startswith(others)})
 
 
@@ -60,6 +62,7 @@ def check_checkpoint(
         ValueError: Naming the file and tensor of each missing or mis-shaped tensor.
     """
     heads = model.head_specs if heads is None else heads
+    _refuse_layers_beyond(checkpoint, model.spec.num_layers)
     view = heads_state_module(model, heads)
     refuse_quantized_tensors(checkpoint)
     specs = {name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for name, t in view.state_dict().items()}
@@ -80,6 +83,23 @@ def check_checkpoint(
             )
     if problems:
         raise ValueError("checkpoint does not fit its config.json: " + "; ".join(problems))
+
+
+def _refuse_layers_beyond(checkpoint: SafetensorsCheckpoint, num_layers: int) -> None:
+    """Raises naming the first tensor of a layer at or past ``num_layers`` (``model.layers.{N}.*``).
+
+    Such layers are multi-token-prediction modules (DeepSeek-V3's ``num_nextn_predict_layers``),
+    which d9d does not implement: refused rather than dropped, so no weight is lost unnoticed.
+    """
+    for name in sorted(checkpoint.specs):
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= num_layers:
+            raise ValueError(
+                f"{checkpoint.file_of(name)}: tensor {name!r} belongs to layer {parts[1]}, past "
+                f"num_hidden_layers={num_layers}: a multi-token-prediction module (DeepSeek-V3's "
+                "num_nextn_predict_layers), which d9d does not implement; remove those tensors "
+                "from the checkpoint to train without them"
+            )
 
 
 def head_files(model: DecoderModel) -> dict[str, bytes]:

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from d9d.hf._decoder._layer_recipe import NormLayout
-from d9d.kernels.layers import GroupedQueryAttention, KeyValueCache, MoELayer, RMSNorm, SwiGLU
+from d9d.kernels.layers import (
+    GroupedQueryAttention,
+    KeyValueCache,
+    MoELayer,
+    MultiHeadLatentAttention,
+    RMSNorm,
+    SwiGLU,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -24,7 +31,7 @@ class DecoderLayer(nn.Module):
     Args:
         input_layernorm: The norm before attention ("pre", "sandwich"); None for a layer that
             attends to the residual stream itself ("post", or "pre" without it).
-        self_attn: The attention.
+        self_attn: The attention (grouped-query, or multi-head latent for DeepSeek-V3).
         post_attention_layernorm: The norm before the feed-forward ("pre"), or of the attention's
             output ("post", "sandwich"), as transformers names it in each.
         mlp: The feed-forward.
@@ -42,7 +49,7 @@ class DecoderLayer(nn.Module):
         self,
         *,
         input_layernorm: RMSNorm | None,
-        self_attn: GroupedQueryAttention,
+        self_attn: GroupedQueryAttention | MultiHeadLatentAttention,
         post_attention_layernorm: RMSNorm,
         mlp: SwiGLU | MoELayer,
         pre_feedforward_layernorm: RMSNorm | None = None,

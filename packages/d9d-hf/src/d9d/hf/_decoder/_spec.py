@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from d9d.kernels import RopeLayout
 from d9d.kernels.layers import RopeScaling
 
 
@@ -17,7 +18,8 @@ class DecoderSpec:
         num_layers: Decoder layers.
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
-        head_dim: Per-head size (also the rotary dimension).
+        head_dim: Per-head size of the cached keys and values (also the rotary dimension unless
+            ``rotary_dim`` says otherwise).
         rms_norm_eps: Epsilon of the final RMSNorm.
         rope_theta: Rotary base.
         rope_scaling: Rotary context extension, None for plain RoPE.
@@ -44,6 +46,12 @@ class DecoderSpec:
         alternate_rope_layers: Global indices of the layers that take the alternate rotary tables.
         zero_centered_final_norm: The final norm's scale is ``1 + weight`` (weight initialized to
             zero), RMSNorm's ``zero_centered_weight``.
+        rotary_dim: Width of the rotary tables when it is not ``head_dim`` (DeepSeek-V3's MLA
+            rotates only ``qk_rope_head_dim`` channels); None: ``head_dim``.
+        rope_layout: Layout of the rotary tables (``"interleaved"``: rotate pairs, DeepSeek-V3's
+            ``rope_interleave``).
+        checkpoint_expert_bias: The checkpoint holds the routers' selection biases (DeepSeek-V3's
+            ``e_score_correction_bias``): they are loaded, exported and kept, not the job's zeros.
     """
 
     vocab_size: int
@@ -68,6 +76,9 @@ class DecoderSpec:
     alternate_rope_theta: float | None = None
     alternate_rope_layers: frozenset[int] = frozenset()
     zero_centered_final_norm: bool = False
+    rotary_dim: int | None = None
+    rope_layout: RopeLayout = "half"
+    checkpoint_expert_bias: bool = False
 
     @property
     def load_balancing(self) -> bool:

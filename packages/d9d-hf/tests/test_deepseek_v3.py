@@ -1,0 +1,182 @@
+"""DeepSeek-V3's family beyond the conformance suite: its refusals, and the checkpoint's selection bias.
+
+The conformance suite (``test_family_conformance.py``) proves logits, loss, gradients, round trip
+and every parallelism against transformers; here: multi-token-prediction weights refused naming
+the tensor, config.json values d9d does not implement refused naming the field, tensor
+parallelism refused naming the reason, and the routers' ``e_score_correction_bias`` loaded from
+the checkpoint, moved by ``model.expert_bias_update_rate`` and exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import d9d.hf
+from d9d.hf import (
+    DecoderCausalLM,
+    DeepseekV3Config,
+    HFModelProvider,
+    PretrainedModelConfig,
+    TokenBatch,
+    TokenSample,
+    causal_lm_task,
+)
+from d9d.hf._decoder import tensor_parallel_plan_of
+from d9d.loop import (
+    AutoDataProvider,
+    AutoLRSchedulerProvider,
+    AutoOptimizerProvider,
+    ProjectConfig,
+    TrainingConfigurator,
+)
+from d9d.mesh.testing import run_distributed
+
+TINY: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+}
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def _shard(directory: Path) -> Path:
+    (shard,) = directory.glob("*.safetensors")  # the tiny model's one shard
+    return shard
+
+
+def _rewrite(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replaces the shard's tensors, listing them in the shard index too."""
+    shard = _shard(directory)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = dict.fromkeys(tensors, shard.name)
+    index_file.write_text(json.dumps(index))
+
+
+def _checkpoint(directory: Path) -> Path:
+    """A tiny checkpoint written by d9d, with a nonzero selection bias."""
+    torch.manual_seed(0)
+    model = DecoderCausalLM(DeepseekV3Config.model_validate(TINY), attention_backend="eager")
+    d9d.hf.save_pretrained(model, directory)
+    tensors = load_file(_shard(directory))
+    tensors[BIAS] = torch.tensor([0.3, -0.2, 0.1, 0.0])
+    _rewrite(directory, tensors)
+    return directory
+
+
+def test_multi_token_prediction_weights_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ckpt")
+    tensors = load_file(_shard(directory))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)  # MTP module 0 = layer num_hidden_layers
+    _rewrite(directory, tensors)
+    with pytest.raises(ValueError, match=r"'model\.layers\.2\.eh_proj\.weight'.*multi-token-prediction"):
+        d9d.hf.load_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"output_router_logits": True}, "computes no auxiliary loss"),  # transformers has none
+        ({"head_dim": 8}, "head_dim=8 must equal qk_rope_head_dim=4"),  # transformers writes rope's
+        ({"qk_head_dim": 16}, "qk_head_dim=16 must equal"),
+        ({"scoring_func": "softmax"}, "scoring_func"),  # DeepSeek-V2's router: not this family
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),  # FP8 files unread
+    ],
+)
+def test_config_values_not_implemented_are_refused_naming_the_field(
+    update: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeepseekV3Config.model_validate({**TINY, **update})
+
+
+def test_written_config_of_transformers_reads_with_its_derived_widths() -> None:
+    config = DeepseekV3Config.model_validate(
+        {**TINY, "head_dim": 4, "qk_head_dim": 12, "num_nextn_predict_layers": 1}
+    )
+    spec = config.decoder_spec()
+    assert (spec.head_dim, spec.rotary_dim, spec.rope_layout) == (12, 4, "interleaved")
+    assert spec.checkpoint_expert_bias and spec.load_balancing_coefficient == 0.0
+
+
+def test_tensor_parallel_is_refused_naming_family_and_reason() -> None:
+    config = DeepseekV3Config.model_validate(TINY)
+    assert tensor_parallel_plan_of(config, tensor_parallel=1) is None
+    with pytest.raises(
+        ValueError, match=r"model_type deepseek_v3 does not support mesh\.tensor_parallel=2: its MoE"
+    ):
+        tensor_parallel_plan_of(config, tensor_parallel=2)
+
+
+class _Tokens:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> TokenSample:
+        ids = torch.randint(1, 64, (12,), generator=torch.Generator().manual_seed(index))
+        return TokenSample(input_ids=ids, labels=ids.clone())
+
+
+def _train_one_step(directory: Path, export: Path, rate: float) -> None:
+    config = ProjectConfig.model_validate(
+        {
+            "trainer": {
+                "max_steps": 1,
+                "global_batch_size": 4,
+                "microbatch_size": 4,
+                "logging": {"progress_bar": False},
+                "device": "cpu",
+            },
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+        }
+    )
+    model = PretrainedModelConfig(
+        source=str(directory), attention_backend="eager", expert_bias_update_rate=rate
+    )
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=HFModelProvider(model),
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: _Tokens(), collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    with trainer:
+        trainer.train()
+        trainer.export(export)
+
+
+def test_checkpoint_selection_bias_is_loaded_updated_and_exported(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ckpt")
+    rate = 0.01
+    run_distributed(_train_one_step, directory, tmp_path / "export", rate, world_size=1, timeout_s=180)
+    before = load_file(_shard(directory))[BIAS]
+    after = load_file(_shard(tmp_path / "export"))[BIAS]
+    moved = (after - before) / rate  # each expert moved by one step of -rate, 0 or +rate from the loaded bias
+    torch.testing.assert_close(moved, moved.round(), atol=1e-4, rtol=0)
+    assert set(moved.round().tolist()) <= {-1.0, 0.0, 1.0} and moved.abs().sum() > 0
