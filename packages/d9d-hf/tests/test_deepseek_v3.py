@@ -180,3 +180,25 @@ def test_checkpoint_selection_bias_is_loaded_updated_and_exported(tmp_path: Path
     moved = (after - before) / rate  # each expert moved by one step of -rate, 0 or +rate from the loaded bias
     torch.testing.assert_close(moved, moved.round(), atol=1e-4, rtol=0)
     assert set(moved.round().tolist()) <= {-1.0, 0.0, 1.0} and moved.abs().sum() > 0
+
+
+def test_yarn_rope_and_its_softmax_scale_match_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    rope = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    rope |= {"original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    hf_fields = {k: v for k, v in TINY.items() if k != "model_type"}
+    config = transformers.DeepseekV3Config(
+        **hf_fields,
+        num_key_value_heads=2,
+        rope_parameters=rope,
+        max_position_embeddings=64,
+        rope_interleave=False,
+    )
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))  # past the original 16
+    with torch.no_grad():
+        torch.testing.assert_close(
+            d9d.hf.load_pretrained(tmp_path).eval().logits(ids), hf(ids).logits, atol=1e-5, rtol=1e-5
+        )
