@@ -8,6 +8,7 @@ chain visits at most 8 functions and never re-enters a file it left for another 
 
 from __future__ import annotations
 
+import functools
 import sys
 from itertools import pairwise
 from pathlib import Path
@@ -50,12 +51,22 @@ def _in_core(path: Path) -> bool:
     return any(path == core or core in path.parents for core in CORE)
 
 
+@functools.cache
+def _place(file: str) -> tuple[str, bool] | None:
+    """A d9d-hf file's path relative to the package and whether it is the core's; None outside
+    d9d-hf. Cached: the profile hook below asks for every frame of every call."""
+    path = Path(file)
+    if ROOT not in path.parents:
+        return None
+    return path.relative_to(ROOT).as_posix(), _in_core(path)
+
+
 class _Walks:
     """The d9d-hf chains of every call made while it is active (see the module)."""
 
     def __init__(self) -> None:
         self.chains: set[Chain] = set()
-        self._stack: list[tuple[str, str]] = []
+        self._stack: list[tuple[tuple[str, bool] | None, str]] = []
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         del arg
@@ -63,14 +74,14 @@ class _Walks:
             self._stack.pop()
         if event != "call":
             return
-        self._stack.append((frame.f_code.co_filename, frame.f_code.co_name))
+        self._stack.append((_place(frame.f_code.co_filename), frame.f_code.co_name))
         chain: list[tuple[str, str]] = []
-        for file, name in self._stack:
-            path = Path(file)
-            if ROOT not in path.parents or name.startswith("<"):  # another package, a comprehension
+        for place, name in self._stack:
+            if place is None or name.startswith("<"):  # another package, a comprehension
                 continue
-            chain.append((path.relative_to(ROOT).as_posix(), name))
-            if not _in_core(path):  # a family's method: the protocol boundary
+            relative, core = place
+            chain.append((relative, name))
+            if not core:  # a family's method: the protocol boundary
                 break
         self.chains.add(tuple(chain))
 
