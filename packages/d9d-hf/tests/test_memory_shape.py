@@ -36,6 +36,23 @@ QWEN2: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+DEEPSEEK_V3: dict[str, Any] = {
+    **{key: value for key, value in TINY.items() if key != "head_dim"},  # MLA's own widths below
+    "model_type": "deepseek_v3",
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 0,  # every layer sparse (layers that differ are stated as the largest)
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+}
+
 
 def _shape(config: dict[str, Any]) -> ModelMemoryShape:
     provider = HFModelProvider(
@@ -75,8 +92,9 @@ def _reference(config: dict[str, Any]) -> transformers.PreTrainedModel:
         {**TINY, "model_type": "llama"},  # no q/k norms
         QWEN2,  # q/k/v biases, no q/k norms
         TINY_MOE,  # every layer sparse: stacked experts and a router
+        DEEPSEEK_V3,  # latent attention, shared expert, a router's selection bias (a buffer)
     ],
-    ids=["qwen3", "qwen3-tied", "llama", "qwen2", "qwen3-moe"],
+    ids=["qwen3", "qwen3-tied", "llama", "qwen2", "qwen3-moe", "deepseek-v3"],
 )
 def test_shape_counts_every_parameter(config: dict[str, Any]) -> None:
     shape = _shape(config)
