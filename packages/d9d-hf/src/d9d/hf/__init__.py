@@ -17,6 +17,7 @@ from d9d.hf._decoder import (
     DecoderTensorParallelPlan,
     EmbeddingHeadSpec,
     FusedTensor,
+    InterleavedTensor,
     LanguageModelHeadSpec,
     LayerRecipe,
     LayerTensor,
@@ -69,6 +70,7 @@ from d9d.hf._reward_task import REWARD_METRICS, RewardTask, check_reward_model, 
 from d9d.hf._tied_embeddings import broadcast_tied_weight, sum_tied_gradients
 from d9d.hf.deepseek_v3 import DeepseekV3Config
 from d9d.hf.gemma3 import Gemma3TextConfig
+from d9d.hf.gpt_oss import GptOssConfig
 from d9d.hf.granite import GraniteConfig
 from d9d.hf.llama import LlamaConfig
 from d9d.hf.mistral import MistralConfig
@@ -101,9 +103,11 @@ __all__ = [
     "DeepseekV3Config",
     "EmbeddingHeadSpec",
     "FusedTensor",
+    "InterleavedTensor",
     "Float8Config",
     "FsdpConfig",
     "Gemma3TextConfig",
+    "GptOssConfig",
     "GraniteConfig",
     "HFModelConfig",
     "HFModelProvider",

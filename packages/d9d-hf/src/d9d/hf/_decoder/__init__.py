@@ -12,7 +12,14 @@ from d9d.hf._decoder._config_base import DecoderConfigBase
 from d9d.hf._decoder._config_file import CONFIG_FILE, read_config_file, write_config
 from d9d.hf._decoder._config_with_head_dim import DecoderConfigWithHeadDim
 from d9d.hf._decoder._decoder_layer import DecoderLayer
-from d9d.hf._decoder._family import DecoderFamily, FusedTensor, LayerTensor, StackedExperts, TensorName
+from d9d.hf._decoder._family import (
+    DecoderFamily,
+    FusedTensor,
+    InterleavedTensor,
+    LayerTensor,
+    StackedExperts,
+    TensorName,
+)
 from d9d.hf._decoder._heads import (
     ClassificationHeadSpec,
     DecoderHead,
@@ -72,6 +79,7 @@ __all__ = [
     "FeedForwardActivation",
     "FusedTensor",
     "HeadSpec",
+    "InterleavedTensor",
     "LanguageModelHeadSpec",
     "LayerRecipe",
     "LayerTensor",
