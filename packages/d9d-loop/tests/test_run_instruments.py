@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from loop_toy_job import build_trainer, toy_config
 
-from d9d.loop import GarbageCollectionConfig
+from d9d.loop import EventBus, GarbageCollectionConfig, StepFinished
 from d9d.loop.observability._gc_control import GarbageCollection
 from d9d.loop.observability._step_metrics import StepMetrics, StepWork
 from d9d.loop.observability._step_timing import StepTimer
@@ -131,3 +131,26 @@ def test_gc_is_off_during_training_and_collects_every_n_steps() -> None:
     finally:
         if not was_enabled:
             gc.disable()
+
+
+def _gc_enabled_during_and_after_training() -> tuple[list[bool], bool]:
+    config = toy_config(trainer={"max_steps": 3})
+    assert config.trainer.garbage_collection == GarbageCollectionConfig(every_steps=50, generation=1)
+    events = EventBus()
+    during: list[bool] = []
+    events.subscribe(StepFinished, lambda _e: during.append(gc.isenabled()))
+    trainer = build_trainer(config, events=events)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return during, gc.isenabled()
+
+
+def test_automatic_gc_is_off_while_training_by_default() -> None:
+    # A full automatic collection of a compiled model's process can stall a step for most of a
+    # second, at a different step on every rank: by default the loop collects at fixed steps.
+    gc.enable()
+    during, after = run_distributed(_gc_enabled_during_and_after_training, world_size=1)[0]
+    assert during == [False, False, False]
+    assert after

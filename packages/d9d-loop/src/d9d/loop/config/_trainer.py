@@ -222,7 +222,8 @@ class TrainerConfig(_Strict):
         pipeline: The pipeline schedule (used when ``mesh.pipeline_parallel > 1``); the schedule's
             microbatches are this rank's ``global_batch_size / (data_parallel * microbatch_size)``.
         profiling: A ``torch.profiler`` window (None: off).
-        garbage_collection: Collect at fixed steps with automatic GC off (None: Python's default).
+        garbage_collection: Collect at fixed steps with automatic GC off (the default: a young
+            collection every 50 steps); None: Python's automatic collection.
         evaluation: Evaluate on held-out data during training (None: never).
         peft: ``{kind: full}`` (default) or ``{kind: lora, target, r, alpha, ...}``.
     """
@@ -242,7 +243,7 @@ class TrainerConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     pipeline: PipelineScheduleConfig = Field(default_factory=OneFOneBScheduleConfig)
     profiling: ProfilingConfig | None = None
-    garbage_collection: GarbageCollectionConfig | None = None
+    garbage_collection: GarbageCollectionConfig | None = GarbageCollectionConfig()
     evaluation: EvaluationConfig | None = None
     peft: PeftConfig = FullFineTuningConfig()
 
