@@ -243,3 +243,19 @@ def test_the_collator_refuses_padding_between_real_tokens_naming_the_row() -> No
         MultiHeadBatch.collate(samples)
     batch = MultiHeadBatch.collate(samples[:2])  # rows padded at their ends are taken
     assert batch.attention_mask is not None and batch.attention_mask.shape == (2, max(LENGTHS))
+
+
+def test_a_row_with_nothing_to_pool_is_refused_when_the_batch_is_built() -> None:
+    # The pooled heads no longer read an accelerator's mask back: the host collator names the row.
+    ids = torch.ones(3, 4, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    samples = [
+        MultiHeadSample(input_ids=i, attention_mask=m, class_labels={"sentiment": torch.tensor(1)})
+        for i, m in zip(ids, mask, strict=True)
+    ]
+    with pytest.raises(ValueError, match="attention_mask row 1 is without any real token"):
+        MultiHeadBatch.collate(samples)
+    # without a pooled head's labels an all-padding row is only ignored by the LM loss
+    MultiHeadBatch.collate(
+        [MultiHeadSample(input_ids=i, attention_mask=m) for i, m in zip(ids, mask, strict=True)]
+    )

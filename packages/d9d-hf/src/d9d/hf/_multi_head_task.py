@@ -10,6 +10,7 @@ import torch
 from d9d.hf._causal_lm_task import IGNORE_INDEX
 from d9d.hf._decoder import DecoderInputs, MultiHeadOutput, causal_lm_targets, check_padding_at_row_ends
 from d9d.hf._head_config import HeadConfig
+from d9d.kernels.layers import check_pooling_mask
 from d9d.loop import (
     BuildForwardInputsContext,
     BuildForwardInputsResult,
@@ -60,12 +61,14 @@ class MultiHeadBatch:
     def collate(samples: list[MultiHeadSample]) -> MultiHeadBatch:
         """Stacks equal-length samples (a collator for ``AutoDataProvider``).
 
-        Checks the ``attention_mask`` here, on the host (``check_padding_at_row_ends``): the
-        model's forward then reads nothing back from the device.
+        Checks the ``attention_mask`` here, on the host (``check_padding_at_row_ends``, and with
+        class labels ``check_pooling_mask``): the model's forward then reads nothing back from the
+        device.
 
         Raises:
             ValueError: If some samples have labels or a mask and others not, the class labels'
-                keys differ, or a row has padding between real tokens (the row is named).
+                keys differ, a row has padding between real tokens, or (with class labels) a row
+                has no real token to pool (the row is named).
         """
 
         def stack(values: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -82,6 +85,8 @@ class MultiHeadBatch:
         attention_mask = stack([s.attention_mask for s in samples])
         if attention_mask is not None:
             check_padding_at_row_ends(attention_mask)
+            if names:  # a pooled head needs a real token in every row; checked here, not on the device
+                check_pooling_mask(attention_mask)
         return MultiHeadBatch(
             input_ids=torch.stack([s.input_ids for s in samples]),
             labels=stack([s.labels for s in samples]),
