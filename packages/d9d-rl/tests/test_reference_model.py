@@ -7,6 +7,7 @@ clipped ratio, ``bnpo`` token mean or ``grpo`` per-sequence mean).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,14 @@ def _provider(source: Path) -> HFModelProvider:
     return HFModelProvider(PretrainedModelConfig(source=str(source), attention_backend="eager"))
 
 
-def _single_process() -> DistributedContext:
-    return DistributedContext(MeshParameters(), device_type="cpu")
+@pytest.fixture
+def single_process() -> Iterator[DistributedContext]:
+    """A one-rank context, closed after the test (a process group left open leaks into later tests)."""
+    context = DistributedContext(MeshParameters(), device_type="cpu")
+    try:
+        yield context
+    finally:
+        context.close()
 
 
 def _batch() -> RolloutBatch:
@@ -90,14 +97,16 @@ def _transformers_log_probs(directory: Path, batch: RolloutBatch) -> torch.Tenso
     return taken.masked_fill(batch.targets == -100, 0.0)
 
 
-def test_reference_log_probs_equal_transformers_on_the_reference_checkpoint(tmp_path: Path) -> None:
+def test_reference_log_probs_equal_transformers_on_the_reference_checkpoint(
+    tmp_path: Path, single_process: DistributedContext
+) -> None:
     policy_dir = _checkpoint(tmp_path / "policy", seed=0)
     reference_dir = _checkpoint(tmp_path / "reference", seed=1)  # another checkpoint, same shapes
     policy = _policy()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     # three rows per forward: the five rows run as 3 + 2, which must not change any value
     reference = ReferenceModel(_provider(reference_dir), ReferenceConfig(microbatch_size=3))
-    reference.build(dist_context=_single_process(), policy=policy)
+    reference.build(dist_context=single_process, policy=policy)
     batch = _batch()
 
     got = reference.log_probs(batch.decoder_inputs())
@@ -114,21 +123,25 @@ def test_reference_log_probs_equal_transformers_on_the_reference_checkpoint(tmp_
     assert torch.equal(again, got)
 
 
-def test_offload_false_keeps_the_weights_on_the_device(tmp_path: Path) -> None:
+def test_offload_false_keeps_the_weights_on_the_device(
+    tmp_path: Path, single_process: DistributedContext
+) -> None:
     reference = ReferenceModel(
         _provider(_checkpoint(tmp_path / "ref", seed=1)), ReferenceConfig(offload=False)
     )
-    reference.build(dist_context=_single_process(), policy=_policy())
+    reference.build(dist_context=single_process, policy=_policy())
     reference.log_probs(_batch().decoder_inputs())
     assert not reference.is_offloaded
     assert all(p.untyped_storage().nbytes() > 0 for p in reference.module.parameters())
 
 
-def test_a_reference_checkpoint_of_other_shapes_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+def test_a_reference_checkpoint_of_other_shapes_is_refused_naming_the_tensor(
+    tmp_path: Path, single_process: DistributedContext
+) -> None:
     wider = _checkpoint(tmp_path / "wider", seed=1, intermediate_size=64)
     reference = ReferenceModel(_provider(wider))
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' has shape \(32, 64\)"):
-        reference.build(dist_context=_single_process(), policy=_policy())
+        reference.build(dist_context=single_process, policy=_policy())
 
 
 def test_kl_coefficient_without_a_reference_is_refused_naming_the_key() -> None:
@@ -151,11 +164,13 @@ def _trl_objective(
     return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
 
 
-def test_grpo_task_with_a_reference_equals_trls_objective_and_gradients(tmp_path: Path) -> None:
+def test_grpo_task_with_a_reference_equals_trls_objective_and_gradients(
+    tmp_path: Path, single_process: DistributedContext
+) -> None:
     policy_dir = _checkpoint(tmp_path / "policy", seed=0)
     reference_dir = _checkpoint(tmp_path / "reference", seed=1)
     reference = ReferenceModel(_provider(reference_dir))
-    reference.build(dist_context=_single_process(), policy=_policy())
+    reference.build(dist_context=single_process, policy=_policy())
     batch = _batch()
     batch.ref_log_probs = reference.log_probs(batch.decoder_inputs())
     hf = AutoModelForCausalLM.from_pretrained(policy_dir, attn_implementation="eager", dtype=torch.float32)
