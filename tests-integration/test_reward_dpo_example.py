@@ -26,6 +26,23 @@ SCRIPT = EXAMPLE / "train_dpo.py"
 SHIPPED = (EXAMPLE / "dpo.yaml").read_text()
 
 
+# Module names the example's scripts import from their own folder; other examples have files of
+# the same names (examples/classification/toy_data.py), which an earlier test may have imported.
+EXAMPLE_MODULES = ("toy_data", "train_reward", "train_dpo", "completions")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _example_modules_of_this_folder() -> Iterator[None]:
+    """While this file runs, ``toy_data`` and its siblings are imported from this example's folder."""
+    saved = {name: sys.modules.pop(name) for name in EXAMPLE_MODULES if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name in EXAMPLE_MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
 @pytest.fixture(scope="module")
 def train_dpo() -> Iterator[ModuleType]:
     """The script as a module (its directory first on ``sys.path``, as ``python train_dpo.py`` has it)."""
