@@ -9,6 +9,7 @@ from d9d.kernels._grouped_mm import grouped_mm
 from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
+from d9d.kernels._paged_attention import paged_decode_attention
 from d9d.kernels._rms_norm import rms_norm
 from d9d.kernels._rope import RopeLayout, apply_rope
 from d9d.kernels._stochastic_adamw import StochasticAdamW
@@ -34,6 +35,7 @@ __all__ = [
     "linear_cross_entropy",
     "moe_permute",
     "moe_unpermute",
+    "paged_decode_attention",
     "rms_norm",
     "swiglu",
 ]
