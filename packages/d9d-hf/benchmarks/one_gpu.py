@@ -19,6 +19,9 @@ Jobs (seq 4096, batch 1 by default):
   it with ``full4b`` at ``--cap-gib 141`` for the cost of the offload.
 * ``qlora14b``: Qwen3-14B widths, LoRA r16 on all seven projections over a frozen NF4 base
   (``trainer.peft.base: {kind: nf4}``; needs bitsandbytes); d9d only.
+* For bigger cards (pass ``--cap-gib 48``, ``80`` or ``141``): ``full8b`` / ``full14b`` (Qwen3-8B /
+  Qwen3-14B widths, every parameter trained) and ``lora14b`` / ``lora32b`` (LoRA r16 on all seven
+  projections, bf16 base).
 
 d9d runs its whole job (config -> TrainingConfigurator -> Trainer) with activation checkpointing,
 ``compile: true``, bf16 parameters as the master weights (``master_dtype: bfloat16``) and
@@ -90,6 +93,12 @@ QWEN3_14B: dict[str, Any] = {
     "num_attention_heads": 40,
     "intermediate_size": 17408,
 }
+QWEN3_32B: dict[str, Any] = {
+    **QWEN3_14B,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "intermediate_size": 25600,
+}
 QUICK: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -106,6 +115,11 @@ JOBS: dict[str, tuple[dict[str, Any], bool]] = {
     "full4b": (QWEN3_4B, False),
     "full4b_offload": (QWEN3_4B, False),
     "qlora14b": (QWEN3_14B, True),
+    # bigger cards (run with --cap-gib 48 / 80 / 141)
+    "full8b": (QWEN3_8B, False),
+    "full14b": (QWEN3_14B, False),
+    "lora14b": (QWEN3_14B, True),
+    "lora32b": (QWEN3_32B, True),
 }
 # d9d stores the adapted projections' frozen base in NF4 (trainer.peft.base)
 NF4_JOBS = frozenset({"qlora14b"})
