@@ -3,8 +3,9 @@
 The conformance suite (``test_family_conformance.py``) proves logits, loss, gradients, round trip
 and every parallelism against transformers; here: multi-token-prediction weights refused naming
 the tensor, config.json values d9d does not implement refused naming the field, tensor
-parallelism refused naming the reason, and the routers' ``e_score_correction_bias`` loaded from
-the checkpoint, moved by ``model.expert_bias_update_rate`` and exported.
+parallelism refused with MoE layers naming the reason and, on dense layers, equal to one process
+(MLA split by heads), and the routers' ``e_score_correction_bias`` loaded from the checkpoint,
+moved by ``model.expert_bias_update_rate`` and exported.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 import d9d.hf
 from d9d.hf import (
@@ -32,6 +34,8 @@ from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
+    ForwardBackwardFinished,
+    OptimizerStepStarted,
     ProjectConfig,
     TrainingConfigurator,
 )
@@ -131,18 +135,19 @@ def test_tensor_parallel_is_refused_naming_family_and_reason() -> None:
 
 class _Tokens:
     def __len__(self) -> int:
-        return 4
+        return 8
 
     def __getitem__(self, index: int) -> TokenSample:
         ids = torch.randint(1, 64, (12,), generator=torch.Generator().manual_seed(index))
         return TokenSample(input_ids=ids, labels=ids.clone())
 
 
-def _train_one_step(directory: Path, export: Path, rate: float) -> None:
+def _trainer(directory: Path, mesh: dict[str, int], steps: int, rate: float | None = None) -> Any:
     config = ProjectConfig.model_validate(
         {
+            "mesh": mesh,
             "trainer": {
-                "max_steps": 1,
+                "max_steps": steps,
                 "global_batch_size": 4,
                 "microbatch_size": 4,
                 "logging": {"progress_bar": False},
@@ -155,7 +160,7 @@ def _train_one_step(directory: Path, export: Path, rate: float) -> None:
     model = PretrainedModelConfig(
         source=str(directory), attention_backend="eager", expert_bias_update_rate=rate
     )
-    trainer = TrainingConfigurator(
+    return TrainingConfigurator(
         mesh=config.mesh,
         parameters=config.trainer,
         model_provider=HFModelProvider(model),
@@ -166,6 +171,10 @@ def _train_one_step(directory: Path, export: Path, rate: float) -> None:
         optimizer_provider=AutoOptimizerProvider(config.optimizer),
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
     ).configure()
+
+
+def _train_one_step(directory: Path, export: Path, rate: float) -> None:
+    trainer = _trainer(directory, {}, 1, rate)
     with trainer:
         trainer.train()
         trainer.export(export)
@@ -202,3 +211,57 @@ def test_yarn_rope_and_its_softmax_scale_match_transformers(tmp_path: Path) -> N
         torch.testing.assert_close(
             d9d.hf.load_pretrained(tmp_path).eval().logits(ids), hf(ids).logits, atol=1e-5, rtol=1e-5
         )
+
+
+DENSE = {**TINY, "first_k_dense_replace": TINY["num_hidden_layers"]}  # every layer dense: TP applies
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _train_recording(directory: Path, mesh: dict[str, int]) -> dict[str, Any]:
+    """Three steps: the losses, every whole gradient of the first step, the whole parameters after."""
+    losses: list[float] = []
+    gradients: dict[str, torch.Tensor] = {}
+    trainer = _trainer(directory, mesh, steps=3)
+    with trainer:
+        model = trainer.model_stages[0]
+
+        def record_gradients(event: OptimizerStepStarted) -> None:
+            if event.step == 0:
+                for name, parameter in model.named_parameters():
+                    assert parameter.grad is not None, name
+                    gradients[name] = _full(parameter.grad)
+
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.events.subscribe(OptimizerStepStarted, record_gradients)
+        trainer.train()
+        parameters = {name: _full(parameter) for name, parameter in model.named_parameters()}
+    return {"losses": losses, "gradients": gradients, "parameters": parameters}
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        {"q_lora_rank": 16, "attention_bias": True},  # q_a/q_b with the latent norm; q_a, kv_a, o biases
+        {"q_lora_rank": None},  # a plain q_proj, split by columns
+    ],
+)
+def test_tensor_parallel_splits_latent_attention_by_heads_equal_to_one_process(
+    tmp_path: Path, attention: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    config = DeepseekV3Config.model_validate({**DENSE, "num_attention_heads": 4, **attention})
+    d9d.hf.save_pretrained(DecoderCausalLM(config, attention_backend="eager"), tmp_path)
+    (expected,) = run_distributed(_train_recording, tmp_path, {}, world_size=1, timeout_s=180)
+    results = run_distributed(_train_recording, tmp_path, {"tensor_parallel": 2}, world_size=2, timeout_s=180)
+    assert len(expected["losses"]) == 3
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in expected["gradients"]
+    for result in results:
+        torch.testing.assert_close(result["losses"], expected["losses"], atol=1e-5, rtol=1e-5)
+        assert result["gradients"].keys() == expected["gradients"].keys()
+        for name, gradient in expected["gradients"].items():
+            torch.testing.assert_close(result["gradients"][name], gradient, atol=1e-6, rtol=1e-4, msg=name)
+        for name, parameter in expected["parameters"].items():
+            torch.testing.assert_close(result["parameters"][name], parameter, atol=1e-6, rtol=1e-4, msg=name)

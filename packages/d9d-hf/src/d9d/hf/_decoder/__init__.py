@@ -38,6 +38,7 @@ from d9d.hf._decoder._inputs import (
     check_padding_at_row_ends,
     resolve_positions,
 )
+from d9d.hf._decoder._latent_attention_plan import LatentAttentionDecoderPlan
 from d9d.hf._decoder._layer_builder import build_layer
 from d9d.hf._decoder._layer_names import attention_names, dense_mlp_names, same_names
 from d9d.hf._decoder._layer_recipe import FeedForwardActivation, LayerRecipe, NormLayout, QkNorm
@@ -81,6 +82,7 @@ __all__ = [
     "HeadSpec",
     "InterleavedTensor",
     "LanguageModelHeadSpec",
+    "LatentAttentionDecoderPlan",
     "LayerRecipe",
     "LayerTensor",
     "LayerType",

@@ -13,24 +13,19 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from d9d.hf._decoder._family import DecoderFamily
 from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._tensor_parallel_plan import (
     DecoderTensorParallelPlan,
+    ReplicatedParallel,
     TensorParallelRefusal,
     gather_sequence,
 )
 from d9d.kernels.layers import MoELayer
 from d9d.loop.peft import place_adapters_like_base
-from d9d.parallel import (
-    LocalParameterSlot,
-    SequenceParallelNorm,
-    VocabParallelEmbedding,
-    install_local_forward,
-)
+from d9d.parallel import SequenceParallelNorm, VocabParallelEmbedding
 
 
 def tensor_parallel_plan_of(
@@ -65,14 +60,7 @@ def tensor_parallel_plan_of(
 def _replicate_head(head: nn.Module, mesh: DeviceMesh, num_args: int) -> None:
     """The whole sequence and a replicated weight on every tp rank: identical outputs and gradients."""
     parallelize_module(head, mesh, gather_sequence(num_args))
-    slots: list[LocalParameterSlot] = []
-    for owner in head.modules():
-        for name, parameter in list(owner.named_parameters(recurse=False)):
-            replicated = DTensor.from_local(parameter.detach(), mesh, [Replicate()], run_check=False)
-            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=parameter.requires_grad))
-            slots.append(LocalParameterSlot(owner=owner, name=name, grad_placements=(Replicate(),)))
-    if slots:
-        install_local_forward(head, slots)
+    parallelize_module(head, mesh, ReplicatedParallel())
 
 
 def _localize_padding_idx(embedding: nn.Embedding, mesh: DeviceMesh) -> None:

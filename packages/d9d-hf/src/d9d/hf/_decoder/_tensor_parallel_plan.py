@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -21,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from d9d.hf._decoder._decoder_layer import DecoderLayer
-from d9d.parallel import SequenceParallelNorm
+from d9d.parallel import LocalParameterSlot, SequenceParallelNorm, install_local_forward
 
 
 def gather_sequence(num_args: int) -> PrepareModuleInput:
@@ -30,6 +32,52 @@ def gather_sequence(num_args: int) -> PrepareModuleInput:
     return PrepareModuleInput(
         input_layouts=(Shard(1), *passed), desired_input_layouts=(Replicate(), *passed), use_local_output=True
     )
+
+
+def feed_forward_styles(layer: DecoderLayer) -> dict[str, ParallelStyle]:
+    """The layer's norms on the sequence slice and its SwiGLU split by the inner width.
+
+    What every plan of a layer with a dense ``mlp.{gate,up,down}_proj`` shares.
+    """
+    styles: dict[str, ParallelStyle] = {
+        "post_attention_layernorm": SequenceParallelNorm(),
+        "mlp": gather_sequence(1),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for name, norm in (
+        ("input_layernorm", layer.input_layernorm),
+        ("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
+        ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
+    ):
+        if norm is not None:
+            styles[name] = SequenceParallelNorm()
+    return styles
+
+
+def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+    """``module``'s parameters as ``Replicate()`` DTensors, forward on local tensors, gradients complete."""
+    slots: list[LocalParameterSlot] = []
+    for owner in module.modules():
+        for name, parameter in list(owner.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(parameter.detach(), mesh, [Replicate()], run_check=False)
+            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=parameter.requires_grad))
+            slots.append(LocalParameterSlot(owner=owner, name=name, grad_placements=(Replicate(),)))
+    if slots:
+        install_local_forward(module, slots)
+
+
+class ReplicatedParallel(ParallelStyle):
+    """A module whose input is whole on every tp rank and whose output gradient is complete there.
+
+    Its parameters become ``Replicate()`` DTensors (forward sees local tensors, so custom kernels
+    run); their gradients are the same on every rank and need no reduction.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _replicate_parameters(module, device_mesh)
+        return module
 
 
 class DecoderTensorParallelPlan(Protocol):
@@ -83,19 +131,8 @@ class MegatronDecoderPlan:
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallelNorm(),
-            "mlp": gather_sequence(1),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            **feed_forward_styles(layer),
         }
-        for name, norm in (
-            ("input_layernorm", layer.input_layernorm),
-            ("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
-            ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
-        ):
-            if norm is not None:
-                styles[name] = SequenceParallelNorm()
         if layer.self_attn.q_norm is not None:
             # per-head norms see this rank's heads: their weight gradients are partial sums
             styles["self_attn.q_norm"] = SequenceParallelNorm()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
@@ -11,6 +11,7 @@ from d9d.hf._decoder import (
     DecoderConfigBase,
     DecoderLayer,
     DecoderTensorParallelPlan,
+    LatentAttentionDecoderPlan,
     LayerTensor,
     TensorParallelRefusal,
     read_config_file,
@@ -100,6 +101,10 @@ class DeepseekV3Config(DecoderConfigBase):
             )
         return self
 
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config.json content, ``q_lora_rank: null`` kept (its absence reads as the default 1536)."""
+        return {**super().to_json_dict(), "q_lora_rank": self.q_lora_rank}
+
     def with_output_router_logits(self, enabled: bool) -> Self:
         """Refused when ``enabled``: transformers' DeepSeek-V3 has no load-balancing loss.
 
@@ -157,13 +162,21 @@ class DeepseekV3Config(DecoderConfigBase):
         )
 
     def tensor_parallel_plan(self) -> DecoderTensorParallelPlan | TensorParallelRefusal | None:
-        """A refusal: the MoE layers take expert parallelism, and MLA has no tensor-parallel plan yet."""
-        return TensorParallelRefusal(
-            reason=(
-                "its MoE layers split by expert parallelism (mesh.expert_parallel), and its "
-                "multi-head latent attention has no tensor-parallel plan yet"
+        """MLA split by heads (``LatentAttentionDecoderPlan``) when every layer is dense; else a refusal.
+
+        The MoE layers take expert parallelism (``mesh.expert_parallel``), not tensor parallelism,
+        so a model with any sparse layer (``first_k_dense_replace < num_hidden_layers``) is refused.
+        """
+        if self.first_k_dense_replace < self.num_hidden_layers:
+            return TensorParallelRefusal(
+                reason=(
+                    f"its MoE layers ({self.first_k_dense_replace} to {self.num_hidden_layers - 1}: "
+                    f"first_k_dense_replace={self.first_k_dense_replace} < num_hidden_layers="
+                    f"{self.num_hidden_layers}) split by expert parallelism (mesh.expert_parallel), not "
+                    f"tensor parallelism; only its attention (MLA) and dense layers have a tp plan"
+                )
             )
-        )
+        return LatentAttentionDecoderPlan()
 
     def build_decoder_layer(
         self, index: int, *, attention_backend: AttentionBackend | AttentionBackendName | None
