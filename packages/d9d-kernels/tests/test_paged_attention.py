@@ -7,13 +7,15 @@ contiguous slice.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from d9d.kernels import paged_decode_attention
+from d9d.kernels import KernelBackend, paged_decode_attention
 from d9d.kernels.layers import sdpa_with_sinks
 
 
@@ -42,9 +44,9 @@ class _Paged:
     sinks: torch.Tensor | None
 
 
-def _paged(case: _Case, dtype: torch.dtype = torch.float32, seed: int = 0) -> _Paged:
+def _paged(case: _Case, dtype: torch.dtype = torch.float32, device: str = "cpu") -> _Paged:
     """Random rows scattered into a pool with spare blocks, block ids shuffled across rows."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     rows = len(case.lengths)
     num_blocks = rows * case.max_blocks + 3
     order = torch.randperm(num_blocks, generator=gen)
@@ -60,14 +62,14 @@ def _paged(case: _Case, dtype: torch.dtype = torch.float32, seed: int = 0) -> _P
     query = torch.randn(rows, case.q_heads, case.head_dim, generator=gen).to(dtype)
     sinks = torch.randn(case.q_heads, generator=gen) if case.sinks else None
     return _Paged(
-        query=query,
+        query=query.to(device),
         keys=keys,
         values=values,
-        key_cache=key_cache.to(dtype),
-        value_cache=value_cache.to(dtype),
-        block_table=table,
-        lengths=torch.tensor(case.lengths, dtype=torch.int32),
-        sinks=sinks,
+        key_cache=key_cache.to(device, dtype),
+        value_cache=value_cache.to(device, dtype),
+        block_table=table.to(device),
+        lengths=torch.tensor(case.lengths, dtype=torch.int32, device=device),
+        sinks=None if sinks is None else sinks.to(device),
     )
 
 
@@ -170,3 +172,120 @@ def test_bad_page_size_and_window_raise() -> None:
         _call(_Case(lengths=(3, 2), page_size=3), paged, 0.25)
     with pytest.raises(ValueError, match="sliding_window=0"):
         _call(_Case(lengths=(3, 2), window=0), paged, 0.25)
+
+
+TRITON_CASES = [
+    pytest.param(_Case(lengths=(7, 1, 20, 0, 13)), id="mixed-lengths"),  # GQA 4/2, length 1, an idle row
+    pytest.param(
+        _Case(lengths=(6, 18), head_dim=24, value_dim=8, page_size=3, max_blocks=7), id="mla-odd-page"
+    ),
+    pytest.param(_Case(lengths=(1, 6, 19, 0), window=5, sinks=True), id="window-and-sinks"),  # GPT-OSS
+    pytest.param(_Case(lengths=(9, 16), q_heads=8, kv_heads=1, sinks=True), id="mqa-sinks"),
+]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "num_splits",
+    [
+        1,  # one program per (row, kv head) finishes its rows itself
+        3,  # several programs per row, merged by the combine kernel (some splits get nothing)
+    ],
+)
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_kernel_matches_reference_in_interpreter(case: _Case, num_splits: int) -> None:
+    from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
+
+    paged = _paged(case)
+    scale = case.head_dim**-0.5
+    out = paged_decode_attention_triton(
+        paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths,
+        page_size=case.page_size, softmax_scale=scale, sliding_window=case.window, sinks=paged.sinks,
+        num_splits=num_splits,
+    )  # fmt: skip
+    torch.testing.assert_close(out, _call(case, paged, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_backend_triton_runs_the_kernel_with_its_own_split_count() -> None:
+    # bf16 through the public op: the interpreter upcasts tl.dot's operands, the output stays bf16;
+    # two (row, kv head) programs on the interpreter's 2 "SMs" get 2 splits each
+    case = _Case(lengths=(11, 0), kv_heads=1)
+    paged = _paged(case, torch.bfloat16)
+    out = _call(case, paged, 0.25, backend=KernelBackend.TRITON)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, _call(case, paged, 0.25), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("rows", "capacity", "splits"),
+    [
+        (1, 4096, 33),  # one row of 8 kv heads on 132 SMs: 264 programs wanted, 33 per (row, head)
+        (1, 256, 4),  # a short table: no split smaller than one 64-position step
+        (16, 4096, 3),  # 128 (row, head) pairs already fill most of the GPU
+        (64, 4096, 1),  # a full batch: one program per (row, head)
+    ],
+)
+def test_split_count_fills_the_gpu_from_static_sizes(rows: int, capacity: int, splits: int) -> None:
+    from d9d.kernels._triton.paged_attention_op import splits_for
+
+    assert splits_for(rows * 8, capacity, 64, multiprocessors=132) == splits
+
+
+def _qwen3_8b_decode(rows: int, device: str) -> tuple[_Case, _Paged]:
+    """32 query / 8 kv heads of 128, 16-token pages, 2k-token contexts, one idle row, on ``device``."""
+    lengths = (*(97 * row % 2048 + 1 for row in range(rows - 1)), 0)
+    case = _Case(
+        lengths=lengths, q_heads=32, kv_heads=8, head_dim=128, value_dim=128, page_size=16, max_blocks=128
+    )
+    return case, _paged(case, torch.bfloat16, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "rows",
+    [
+        2,  # short batch: many splits per row
+        64,  # one split per (row, kv head)
+    ],
+)
+def test_triton_kernel_at_qwen3_8b_shapes(rows: int) -> None:
+    case, paged = _qwen3_8b_decode(rows, "cuda")
+    out = _call(case, paged, 128**-0.5)
+    exact = _call(case, paged, 128**-0.5, backend=KernelBackend.REFERENCE)
+    torch.testing.assert_close(out.float(), exact.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernel_replays_in_a_cuda_graph_with_new_lengths() -> None:
+    case, paged = _qwen3_8b_decode(16, "cuda")
+    scale = 128**-0.5
+    _call(case, paged, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _call(case, paged, scale)
+    paged.lengths.copy_(torch.flip(paged.lengths, (0,)))
+    graph.replay()
+    torch.testing.assert_close(out, _call(case, paged, scale), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_custom_op_for_torch_compile_equals_eager_path_and_has_a_fake() -> None:
+    # torch.compile calls the registered custom op (its fake gives the output's shape when tracing)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
+
+    case = _Case(lengths=(5, 9), value_dim=8, window=4, sinks=True)
+    paged = _paged(case)
+    args = (paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths, paged.sinks)
+    custom_op: Any = torch.ops.d9d_kernels.paged_decode_attention
+    eager = paged_decode_attention_triton(
+        *args[:5], page_size=4, softmax_scale=0.25, sliding_window=4, sinks=paged.sinks, num_splits=2
+    )
+    assert torch.equal(custom_op(*args, 4, 0.25, 4, 2, 16), eager)
+    with FakeTensorMode() as mode:
+        fake = custom_op(*(mode.from_tensor(t) for t in args[:5]), None, 4, 0.25, 4, 2, 16)
+    assert fake.shape == (2, case.q_heads, 8)

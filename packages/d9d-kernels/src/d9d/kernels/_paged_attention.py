@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from d9d.kernels._backend import KernelBackend, use_triton
 from d9d.kernels._reference.paged_attention import paged_decode_attention_reference
 
 _OP = "paged_decode_attention"
@@ -80,6 +81,7 @@ def paged_decode_attention(
     softmax_scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    backend: KernelBackend = KernelBackend.AUTO,
 ) -> torch.Tensor:
     """Attention of one new query token per row over that row's keys and values in a paged pool.
 
@@ -105,6 +107,7 @@ def paged_decode_attention(
             ``length - 1 - sliding_window``; None sees the whole row.
         sinks: ``(q_heads,)`` attention-sink logits (GPT-OSS): an extra softmax column with no value,
             as in ``d9d.kernels.layers.sdpa_with_sinks``.
+        backend: Which implementation runs (Triton on CUDA by default).
 
     Returns:
         ``(rows, q_heads, value_dim)`` in ``query``'s dtype. Query head ``h`` attends with key/value
@@ -113,11 +116,21 @@ def paged_decode_attention(
     Raises:
         ValueError: A tensor's rank, shape, dtype or device does not fit the others, ``page_size``
             does not divide the pool, or ``sliding_window`` is below 1.
+        RuntimeError: ``backend`` is TRITON where the kernels cannot run (no Triton, no CUDA device
+            outside the interpreter).
     """
     _check_shapes(query, key_cache, value_cache, block_table, lengths, page_size)
     _check_types(query, key_cache, value_cache, block_table, lengths, sinks)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{_OP}: sliding_window={sliding_window} must be at least 1")
+    floats = (query, key_cache, value_cache) + ((sinks,) if sinks is not None else ())
+    if use_triton(backend, _OP, *floats):
+        from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, block_table, lengths,
+            page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+        )  # fmt: skip
     return paged_decode_attention_reference(
         query, key_cache, value_cache, block_table, lengths,
         page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,

@@ -1,0 +1,225 @@
+# pyright: basic
+# ruff: noqa: N803 (Triton's convention: compile-time constants are UPPER_CASE)
+# Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
+# reports every expression; the launch wrappers below still carry full annotations.
+"""Flash-decoding over a paged key/value pool: split programs, then a combine.
+
+One program per (row, kv head, split) loads the query heads of its GQA group (padded to 16 rows for
+``tl.dot``), walks its share of the row's visible positions ``BLOCK_N`` at a time, looking each
+position's slot up in the block table, and keeps an online softmax in fp32 (base 2). With one split
+it finishes the row itself (sinks, normalization, cast); with several it writes an unnormalized
+partial ``(acc, max, sum)`` and a combine program per (row, query head) merges the splits by their
+maxima and adds the sink to the denominator. A row's visible span is divided among the splits in the
+kernel, from its length on the device, so no host ever reads a length.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
+
+_LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(_LOG2E)
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sink, length):
+    """Normalizes an (H, DV) accumulator with its max and sum (base 2) and a sink logit (base 2)."""
+    big = tl.maximum(m_i, sink)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    scale = tl.exp2(m_i - big)
+    denom = l_i * scale + tl.exp2(sink - big)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = acc * (scale / denom)[:, None]
+    return tl.where(length > 0, out, 0.0)
+
+
+@triton.jit
+def _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS: tl.constexpr):
+    """The heads' sink logits in base 2, or -inf (a column that takes no weight) without sinks."""
+    sink = tl.full(heads.shape, float("-inf"), tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
+    return sink
+
+
+@triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s, sv_d,
+    qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over positions ``n0 .. n0 + BLOCK_N`` (those below ``end``)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(table_row + pos // PAGE_SIZE, mask=valid, other=0)
+    slot = block.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    # keys loaded transposed, (head_dim, positions), for q @ k; values (positions, value_dim)
+    k = tl.load(
+        k_base + slot[None, :] * sk_s + d[:, None] * sk_d, mask=valid[None, :] & d_mask[:, None], other=0.0
+    )
+    v = tl.load(
+        v_base + slot[:, None] * sv_s + dv[None, :] * sv_d, mask=valid[:, None] & dv_mask[None, :], other=0.0
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, out_ptr, part_ptr, max_ptr, sum_ptr,
+    q_heads, group, head_dim, value_dim, window, qk_scale,
+    sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lengths_ptr + row)
+    low = 0
+    if HAS_WINDOW:
+        low = tl.maximum(length - window, 0)
+    chunk = tl.cdiv(tl.cdiv(length - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = low + split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * group + h
+    h_mask = h < group
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    d_mask = d < head_dim
+    dv_mask = dv < value_dim
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :] * sq_d,
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + kv_head.to(tl.int64) * sk_h
+    v_base = v_ptr + kv_head.to(tl.int64) * sv_h
+    table_row = table_ptr + row.to(tl.int64) * st_r
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s,
+            sv_d, qk_scale, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
+        )  # fmt: skip
+    if NUM_SPLITS == 1:
+        out = _finish(acc, m_i, l_i, _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS), length)
+        tl.store(
+            out_ptr + row.to(tl.int64) * so_r + heads[:, None] * so_h + dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & dv_mask[None, :],
+        )
+    else:
+        stat = (row.to(tl.int64) * q_heads + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + stat, m_i, mask=h_mask)
+        tl.store(sum_ptr + stat, l_i, mask=h_mask)
+        tl.store(
+            part_ptr + stat[:, None] * value_dim + dv[None, :], acc, mask=h_mask[:, None] & dv_mask[None, :]
+        )
+
+
+@triton.jit
+def _paged_decode_combine_kernel(
+    part_ptr, max_ptr, sum_ptr, lengths_ptr, sinks_ptr, out_ptr,
+    q_heads, value_dim, so_r, so_h,
+    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    length = tl.load(lengths_ptr + row)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < value_dim
+    stat = (row.to(tl.int64) * q_heads + head) * NUM_SPLITS + s
+    m_s = tl.load(max_ptr + stat, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(sum_ptr + stat, mask=s_mask, other=0.0)
+    acc_s = tl.load(
+        part_ptr + stat[:, None] * value_dim + dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0
+    )
+    # keep a leading axis of one "head" so that _finish sees the split kernel's shapes
+    m = tl.max(m_s, axis=0)
+    weight = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    acc = tl.sum(acc_s * weight[:, None], axis=0, keep_dims=True)
+    total = tl.sum(l_s[None, :] * weight[None, :], axis=1)
+    m = tl.max(m_s[None, :], axis=1)
+    heads = head + tl.zeros((1,), tl.int32)
+    out = _finish(acc, m, total, _sink_logits(sinks_ptr, heads, heads >= 0, HAS_SINKS), length)
+    tl.store(
+        out_ptr + row.to(tl.int64) * so_r + head * so_h + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=dv_mask[None, :],
+    )
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 inputs get full fp32 products (tl.dot would otherwise use TF32 on the GPU).
+    return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
+
+
+def paged_decode_attention_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    sinks: torch.Tensor | None,
+    page_size: int,
+    softmax_scale: float,
+    sliding_window: int | None,
+    num_splits: int,
+    block_n: int,
+) -> torch.Tensor:
+    """Launches the split kernel (and, for ``num_splits > 1``, the combine kernel); see the module."""
+    rows, q_heads, head_dim = query.shape
+    kv_heads, value_dim = key_cache.shape[1], value_cache.shape[2]
+    group = q_heads // kv_heads
+    out = torch.empty((rows, q_heads, value_dim), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    # the partials exist only with several splits (one split finishes its rows in place)
+    stats = (rows, q_heads, num_splits) if num_splits > 1 else (0,)
+    partial = torch.empty((*stats, value_dim), dtype=torch.float32, device=query.device)
+    maxima = torch.empty(stats, dtype=torch.float32, device=query.device)
+    sums = torch.empty_like(maxima)
+    sink_arg = sinks if sinks is not None else maxima
+    block_dv = next_power_of_2(value_dim)
+    _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
+        query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
+        q_heads, group, head_dim, value_dim, sliding_window or 0, softmax_scale * _LOG2E,
+        query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        **launch_options(
+            PAGE_SIZE=page_size, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+            HAS_SINKS=sinks is not None, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
+            BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
+            UPCAST=interpreted(), PRECISION=_precision(query), num_warps=4, num_stages=2,
+        ),
+    )  # fmt: skip
+    if num_splits > 1:
+        _paged_decode_combine_kernel[(rows, q_heads)](
+            partial, maxima, sums, lengths, sink_arg, out, q_heads, value_dim, out.stride(0), out.stride(1),
+            **launch_options(
+                NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None, BLOCK_S=next_power_of_2(num_splits),
+                BLOCK_DV=block_dv, num_warps=4 if block_dv >= 256 else 2,
+            ),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,108 @@
+"""Paged decode attention as a ``torch.library`` custom op (inference only: no autograd).
+
+Eager calls launch the kernels directly (less host time per decode step than the custom-op
+dispatcher); under ``torch.compile`` the custom op keeps the kernels opaque to Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from d9d.kernels._triton.launch import interpreted
+
+# Programs per SM the split count aims at: enough to hide a program's tail behind another's loads.
+_PROGRAMS_PER_SM = 2
+# More splits than this only adds combine work; 64 already gives 128-token splits of an 8k context.
+_MAX_SPLITS = 64
+
+
+def block_size(dtype: torch.dtype) -> int:
+    """Positions per inner-loop step: ``tl.dot``'s minimum in the interpreter, 64 (32 in fp32) on GPU."""
+    if interpreted():
+        return 16
+    return 32 if dtype == torch.float32 else 64
+
+
+def splits_for(programs: int, capacity: int, block_n: int, *, multiprocessors: int) -> int:
+    """How many programs share one (row, kv head): enough to give every SM work on short batches.
+
+    Taken from static sizes only (``programs = rows * kv_heads`` and the block table's ``capacity =
+    max_blocks * page_size`` positions per row, never a row's length), so the launch is the same on
+    every decode step and a CUDA graph replays it. No split is narrower than one ``block_n`` step.
+    """
+    wanted = -(-_PROGRAMS_PER_SM * multiprocessors // max(1, programs))
+    useful = -(-capacity // block_n)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+@torch.library.custom_op("d9d_kernels::paged_decode_attention", mutates_args=())
+def _paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    sinks: torch.Tensor | None,
+    page_size: int,
+    softmax_scale: float,
+    sliding_window: int | None,
+    num_splits: int,
+    block_n: int,
+) -> torch.Tensor:
+    from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
+
+    return paged_decode_attention_kernel(
+        query, key_cache, value_cache, block_table, lengths, sinks,
+        page_size, softmax_scale, sliding_window, num_splits, block_n,
+    )  # fmt: skip
+
+
+@_paged_decode_attention.register_fake
+def _paged_decode_attention_fake(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    sinks: torch.Tensor | None,
+    page_size: int,
+    softmax_scale: float,
+    sliding_window: int | None,
+    num_splits: int,
+    block_n: int,
+) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[2]))
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    page_size: int,
+    softmax_scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention through the Triton kernels; see ``d9d.kernels.paged_decode_attention``.
+
+    Args:
+        num_splits: Programs per (row, kv head); None picks ``splits_for``'s (tests force it).
+    """
+    from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
+    from d9d.kernels._triton.rms_norm_kernels import multiprocessor_count
+
+    block_n = block_size(query.dtype)
+    if num_splits is None:
+        programs = query.shape[0] * key_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+        sms = multiprocessor_count(query.device)
+        num_splits = splits_for(programs, capacity, block_n, multiprocessors=sms)
+    args = (query, key_cache, value_cache, block_table, lengths, sinks)
+    options = (page_size, softmax_scale, sliding_window, num_splits, block_n)
+    if torch.compiler.is_compiling():
+        return _paged_decode_attention(*args, *options)
+    return paged_decode_attention_kernel(*args, *options)
