@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from d9d.kernels.layers import GroupedQueryAttention, RotaryEmbedding
+from d9d.kernels.layers import AttendingKeyValueCache, GroupedQueryAttention, RotaryEmbedding
 
 
 @dataclass(kw_only=True)
@@ -57,3 +57,45 @@ def test_decoding_with_the_cache_equals_the_whole_sequence(sliding_window: int |
             for t in range(4, 7)
         ]
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+@dataclass(kw_only=True)
+class _AttendingCache(_Cache):
+    """An ``AttendingKeyValueCache``: attends itself (here, eagerly over what it holds)."""
+
+    calls: list[tuple[float, int | None, bool]] = field(default_factory=list[tuple[float, int | None, bool]])
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        self.calls.append((softmax_scale, sliding_window, sinks is not None))
+        keys, values = self.append(key, value)
+        scores = torch.einsum("bqhd,bkhd->bhqk", query, keys.repeat_interleave(2, dim=2)) * softmax_scale
+        scores = scores.masked_fill(~self.attention_mask(sliding_window), float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values.repeat_interleave(2, dim=2))
+
+
+def test_a_cache_that_attends_itself_gets_the_layers_attention() -> None:
+    torch.manual_seed(0)
+    attention = GroupedQueryAttention(32, 4, 2, sliding_window=3, attention_backend="eager")
+    assert isinstance(_AttendingCache(), AttendingKeyValueCache) and not isinstance(
+        _Cache(), AttendingKeyValueCache
+    )
+    hidden = torch.randn(2, 6, 32)
+    cos, sin = RotaryEmbedding(8, theta=10_000.0)(torch.arange(6).expand(2, 6), dtype=hidden.dtype)
+    cache = _AttendingCache()
+    with torch.no_grad():
+        whole = attention(hidden, (cos, sin))
+        steps = [
+            attention(hidden[:, t : t + 1], (cos[:, t : t + 1], sin[:, t : t + 1]), kv_cache=cache)
+            for t in range(6)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.calls == [(attention.softmax_scale, 3, False)] * 6

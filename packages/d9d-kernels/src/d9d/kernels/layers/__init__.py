@@ -33,7 +33,7 @@ from d9d.kernels.layers._flash_attention import (
 from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExperts, SharedInputGroupedMatmul
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
-from d9d.kernels.layers._key_value_cache import KeyValueCache, attend_cached
+from d9d.kernels.layers._key_value_cache import AttendingKeyValueCache, KeyValueCache, attend_cached
 from d9d.kernels.layers._latent_attention import MultiHeadLatentAttention, latent_attention_softmax_scale
 from d9d.kernels.layers._load_balancing import (
     load_balancing_loss,
@@ -79,6 +79,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendName",
     "AttentionBackendUnavailableError",
+    "AttendingKeyValueCache",
     "ClampedSwiGLU",
     "ClassificationHead",
     "EagerAttentionBackend",

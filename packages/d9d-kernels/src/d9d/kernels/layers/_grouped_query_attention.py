@@ -144,7 +144,8 @@ class GroupedQueryAttention(nn.Module):
                 document. Pair it with per-document positions for the rotary tables.
             kv_cache: Incremental decoding: ``hidden_states`` are the new tokens only; their keys
                 and values go into the cache and they attend to everything cached, under the
-                cache's mask (SDPA; the attention backend is for whole sequences).
+                cache's mask (SDPA; the attention backend is for whole sequences), or through
+                the cache's own ``attend`` (an ``AttendingKeyValueCache``, e.g. a paged pool).
 
         Returns:
             ``(batch, seq, hidden_size)``.

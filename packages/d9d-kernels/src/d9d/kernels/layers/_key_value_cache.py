@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,41 @@ class KeyValueCache(Protocol):
         ...
 
 
+@runtime_checkable
+class AttendingKeyValueCache(KeyValueCache, Protocol):
+    """A ``KeyValueCache`` that also runs the attention itself, e.g. straight from a paged pool.
+
+    ``attend_cached`` hands such a cache the new queries, keys and values instead of gathering
+    ``append``'s keys and masking with ``attention_mask``; a plain ``KeyValueCache`` keeps the
+    gather-and-SDPA path.
+    """
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Stores the new keys and values and attends the new queries to everything cached.
+
+        Args:
+            query: ``(batch, new, q_heads, head_dim)``, rotated.
+            key: ``(batch, new, kv_heads, head_dim)``, rotated.
+            value: ``(batch, new, kv_heads, value_dim)``.
+            softmax_scale: Score multiplier.
+            sliding_window: The layer's window, by position; None for none.
+            sinks: ``(q_heads,)`` attention-sink logits; None for none.
+
+        Returns:
+            ``(batch, new, q_heads, value_dim)``.
+        """
+        ...
+
+
 def attend_cached(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -43,6 +78,9 @@ def attend_cached(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries to the cache after appending ``key`` and ``value``.
+
+    An ``AttendingKeyValueCache`` runs it itself (``cache.attend``); any other cache gives its
+    keys and values so far and its mask to SDPA.
 
     Args:
         query: ``(batch, new, q_heads, head_dim)``, rotated.
@@ -56,6 +94,10 @@ def attend_cached(
     Returns:
         ``(batch, new, q_heads, head_dim)``.
     """
+    if isinstance(cache, AttendingKeyValueCache):
+        return cache.attend(
+            query, key, value, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
+        )
     keys, values = cache.append(key, value)
     if sinks is not None:
         out = sdpa_with_sinks(

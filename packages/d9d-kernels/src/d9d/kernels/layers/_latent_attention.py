@@ -198,7 +198,8 @@ class MultiHeadLatentAttention(nn.Module):
                 ``rope_layout``.
             document_ids: ``(batch, seq)`` ids of packed documents (attention stays inside each).
             kv_cache: Incremental decoding: the new tokens' padded keys and values go into the
-                cache and they attend to everything cached (SDPA).
+                cache and they attend to everything cached (SDPA, or the cache's own ``attend``
+                for an ``AttendingKeyValueCache``).
 
         Returns:
             ``(batch, seq, hidden_size)``.
