@@ -11,8 +11,8 @@ import torch
 from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
 from d9d.rl._block_pool import BlockPool
+from d9d.rl._decode_runtime import DecodeRuntime
 from d9d.rl._engine_config import EmbeddedEngineConfig
-from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._rollout_engine import Completion, SamplingParams
 from d9d.rl._sampling import sample_keyed
 from d9d.rl._scheduler import ContinuousScheduler, SequenceState
@@ -30,6 +30,11 @@ class EngineStats:
         pool_blocks: Blocks in the call's pool.
         peak_blocks: Most blocks held at once.
         free_blocks_after: Free blocks when the call ended (all of them: no row keeps any).
+        decode_steps: Forwards of the static decode step (rows with one new token).
+        decode_context_tokens: Over those steps, the sum of each decoding row's length: the
+            cached tokens whose keys and values they read.
+        graph_buckets: Batch-size buckets with a captured CUDA graph after the call (none
+            without graphs).
     """
 
     rows: int
@@ -39,6 +44,9 @@ class EngineStats:
     pool_blocks: int
     peak_blocks: int
     free_blocks_after: int
+    decode_steps: int
+    decode_context_tokens: int
+    graph_buckets: tuple[int, ...]
 
 
 class EmbeddedRolloutEngine:
@@ -49,20 +57,29 @@ class EmbeddedRolloutEngine:
     frees its slot and its cache blocks, and the next waiting row (prompts in order, the samples
     of a prompt adjacent) is admitted: its prompt is prefilled in the same step as the others'
     decode. Keys and values live in blocks of ``config.page_size`` tokens taken from a pool as
-    tokens are generated. Each row's positions start at 0 as in training. Log-probabilities are
+    tokens are generated. Each row's positions start at 0 as in training. Decoding rows run a
+    static decode step: its state lives in device buffers that one small host-to-device copy per
+    step updates, its attention reads the pool in place (d9d-kernels' ``paged_decode_attention``),
+    and on CUDA it is captured once per batch-size bucket in a CUDA graph and replayed
+    (``config.cuda_graphs``); prefills run eagerly. Log-probabilities are
     those of the model's own distribution (temperature 1, no filtering), equal to the trainer's
     forward on the same tokens. Sampling draws each token with noise keyed by (seed, row, token
     index), so a seeded call gives the same completions whatever the admission order, rows at
     once or preemptions (up to floating-point differences between batch shapes).
 
-    State: the weights (``update_weights`` copies into them) and a seeded generator that every
-    unseeded ``generate`` call advances; ``sleep`` moves the weights to the host.
+    State: the weights (``update_weights`` copies into them), a seeded generator that every
+    unseeded ``generate`` call advances, and the pool with the decode step's buffers and graphs,
+    kept between calls (a call that needs a larger pool replaces them); ``sleep`` frees the pool
+    and the graphs and moves the weights to the host.
 
     Args:
         model: The whole model (first and last pipeline stage), on the device to generate on.
         seed: Seeds the engine's generator.
         pad_token_id: Fills padding slots (never attended to).
-        config: Rows at once, page size, context and pool size.
+        config: Rows at once, page size, context, pool size and CUDA graphs.
+
+    Raises:
+        ValueError: If ``config.cuda_graphs`` is True and the model is not on a CUDA device.
     """
 
     def __init__(
@@ -79,6 +96,14 @@ class EmbeddedRolloutEngine:
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._pad = pad_token_id
         self._config = EmbeddedEngineConfig() if config is None else config
+        graphs = self._config.cuda_graphs
+        if graphs and self._device.type != "cuda":
+            raise ValueError(
+                f"EmbeddedEngineConfig.cuda_graphs=True needs a CUDA device; the model is on "
+                f"{self._device}. Leave cuda_graphs unset (None: on for CUDA only) or set it to False"
+            )
+        self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
+        self._runtime: DecodeRuntime | None = None
         self._weights = model.state_dict()
         self._offloader = TensorOffloader(self._device)
         self._last_stats: EngineStats | None = None
@@ -120,7 +145,9 @@ class EmbeddedRolloutEngine:
             target.copy_(tensor)
 
     def sleep(self) -> None:
-        """Moves the weights to the host (pinned on CUDA) and frees the allocator's cache."""
+        """Frees the pool and the decode graphs, moves the weights to the host (pinned on CUDA)
+        and frees the allocator's cache."""
+        self._runtime = None
         if not self._offloader.is_offloaded:
             self._offloader.offload([*self._model.parameters(), *self._model.buffers()])
 
@@ -163,9 +190,7 @@ class EmbeddedRolloutEngine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=self._device))
         pool = BlockPool(self._pool_blocks(rows, caps))
-        cache = PagedKVCache.empty(
-            self._model, num_blocks=pool.num_blocks, page_size=self._config.page_size, device=self._device
-        )
+        runtime = self._runtime_for(pool.num_blocks)
         scheduler = ContinuousScheduler(
             rows,
             config=self._config,
@@ -176,17 +201,10 @@ class EmbeddedRolloutEngine:
         forwards = 0
         while not scheduler.done:
             running = scheduler.schedule()
-            logits, runs = self._forward(cache, running)
+            logits, runs = self._forward(runtime, running)
             forwards += runs
-            tokens = sample_keyed(
-                logits,
-                sampling,
-                seed=seed,
-                rows=torch.tensor([row.index for row in running], device=self._device),
-                steps=torch.tensor([row.completion_length for row in running], device=self._device),
-            )
-            log_probs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-            scheduler.record(running, cast(list[int], tokens.tolist()), cast(list[float], log_probs.tolist()))
+            tokens, log_probs = self._sample(logits, running, sampling, seed)
+            scheduler.record(running, tokens, log_probs)
         self._last_stats = EngineStats(
             rows=len(rows),
             forwards=forwards,
@@ -195,6 +213,9 @@ class EmbeddedRolloutEngine:
             pool_blocks=pool.num_blocks,
             peak_blocks=pool.peak_taken,
             free_blocks_after=pool.free_count,
+            decode_steps=runtime.decode_steps,
+            decode_context_tokens=runtime.decode_context_tokens,
+            graph_buckets=runtime.graph_buckets,
         )
         return self._completions(scheduler.finished, sampling.samples_per_prompt)
 
@@ -228,27 +249,57 @@ class EmbeddedRolloutEngine:
         )
         return sum(blocks[: self._config.max_rows])
 
-    def _forward(self, cache: PagedKVCache, running: list[SequenceState]) -> tuple[torch.Tensor, int]:
-        """Next-token logits of every running row: one forward for the decoding rows (one new token
-        each) and one for the rows being prefilled, so a long prompt does not pad the decodes."""
-        groups = [
-            [i for i, row in enumerate(running) if len(row.new_tokens) == 1],
-            [i for i, row in enumerate(running) if len(row.new_tokens) > 1],
-        ]
-        parts: list[torch.Tensor] = []
-        order: list[int] = []
-        for group in (g for g in groups if g):
-            batch = PagedBatch(
-                tokens=[running[i].new_tokens for i in group],
-                starts=[running[i].cached for i in group],
-                blocks=[running[i].blocks for i in group],
+    def _runtime_for(self, num_blocks: int) -> DecodeRuntime:
+        """The kept runtime when its pool holds ``num_blocks`` blocks, else a new one."""
+        runtime = self._runtime
+        if runtime is None or runtime.cache.num_blocks < num_blocks:
+            self._runtime = None  # the old pool and graphs go before the new ones are allocated
+            runtime = DecodeRuntime(
+                self._model,
+                config=self._config,
+                num_blocks=num_blocks,
+                pad_token_id=self._pad,
+                cuda_graphs=self._cuda_graphs,
             )
-            parts.append(forward_paged(self._model, cache, batch, pad_token_id=self._pad))
-            order += group
+            self._runtime = runtime
+        runtime.start_call()
+        return runtime
+
+    def _forward(self, runtime: DecodeRuntime, running: list[SequenceState]) -> tuple[torch.Tensor, int]:
+        """Next-token logits of every running row: the static decode step for the decoding rows
+        (one new token each) and an eager forward for the rows being prefilled, so a long prompt
+        does not pad the decodes."""
+        decoding = [i for i, row in enumerate(running) if len(row.tokens) - row.cached == 1]
+        if len(decoding) == len(running):
+            return runtime.decode(running), 1
+        prefilling = [i for i, row in enumerate(running) if len(row.tokens) - row.cached > 1]
+        parts: list[torch.Tensor] = []
+        if decoding:
+            parts.append(runtime.decode([running[i] for i in decoding]))
+        parts.append(runtime.prefill([running[i] for i in prefilling]))
+        order = decoding + prefilling
         logits = torch.cat(parts)
         if order != sorted(order):
             logits = logits[torch.tensor(order, device=logits.device).argsort()]
         return logits, len(parts)
+
+    def _sample(
+        self, logits: torch.Tensor, running: list[SequenceState], sampling: SamplingParams, seed: int
+    ) -> tuple[list[int], list[float]]:
+        """Each row's next token and its log-probability, brought to the host in one copy."""
+        if sampling.temperature == 0.0:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample_keyed(
+                logits,
+                sampling,
+                seed=seed,
+                rows=torch.tensor([row.index for row in running], device=self._device),
+                steps=torch.tensor([row.completion_length for row in running], device=self._device),
+            )
+        log_probs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+        host = torch.stack([tokens.double(), log_probs.double()]).cpu()
+        return cast(list[int], host[0].long().tolist()), cast(list[float], host[1].tolist())
 
     def _completions(self, finished: list[SequenceState], group: int) -> list[Completion]:
         out: list[Completion] = []

@@ -1,4 +1,4 @@
-"""How the embedded engine batches and pages: rows at once, page size, context, pool size."""
+"""How the embedded engine batches and pages: rows at once, page size, context, pool size, graphs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ class EmbeddedEngineConfig(BaseModel):
             cap the cache's memory: when a running row needs a block and none is free, the most
             recently admitted row is preempted (its blocks freed; it is recomputed from its prompt
             and the tokens sampled so far when readmitted). Must hold one row of ``max_context``.
+        cuda_graphs: Capture the decode step (rows with one new token: embedding, layers, final
+            norm, LM head) in a CUDA graph per batch-size bucket (powers of two up to
+            ``max_rows``) and replay it. None: on where the engine's device is CUDA. True on
+            another device is refused when the engine is built. Prefills always run eagerly.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -28,6 +32,7 @@ class EmbeddedEngineConfig(BaseModel):
     page_size: int = Field(default=16, gt=0)
     max_context: int = Field(default=32768, gt=1)
     num_blocks: int | None = Field(default=None, gt=0)
+    cuda_graphs: bool | None = None
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:

@@ -20,11 +20,14 @@ from d9d.hf import DecoderCausalLM
 
 @dataclass(kw_only=True)
 class PagedKVCache:
-    """Keys and values of every layer in ``num_blocks`` blocks of ``page_size`` tokens.
+    """Keys and values of every layer in ``num_blocks`` blocks of ``page_size`` tokens, plus one.
+
+    The extra last block is scratch: no row owns it; the idle rows of a static decode step write
+    their keys and values there.
 
     Attributes:
-        keys: Per layer, ``(num_blocks * page_size, kv_heads, head_dim)``; block ``b`` holds
-            rows ``b * page_size ..`` of it.
+        keys: Per layer, ``((num_blocks + 1) * page_size, kv_heads, head_dim)``; block ``b``
+            holds rows ``b * page_size ..`` of it.
         values: Same shape as ``keys``.
         page_size: Tokens per block.
     """
@@ -33,17 +36,26 @@ class PagedKVCache:
     values: list[torch.Tensor]
     page_size: int
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks rows may own (the scratch block not counted)."""
+        return self.keys[0].shape[0] // self.page_size - 1
+
     @classmethod
     def empty(
         cls, model: DecoderCausalLM, *, num_blocks: int, page_size: int, device: torch.device
     ) -> PagedKVCache:
-        """Allocates the pool for ``model``'s layers in the dtype of its weights."""
+        """Allocates the pool (and the scratch block) for ``model``'s layers in the dtype of its weights.
+
+        Zeroed: a slot not yet written holds finite values, so an attention that weighs it by
+        exactly zero (a masked position) stays finite.
+        """
         layers = model.model.decoder_layers()
         dtype = next(p.dtype for p in layers[0].parameters() if p.is_floating_point())
-        shape = (num_blocks * page_size, model.spec.num_kv_heads, model.spec.head_dim)
+        shape = ((num_blocks + 1) * page_size, model.spec.num_kv_heads, model.spec.head_dim)
         return cls(
-            keys=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
-            values=[torch.empty(shape, dtype=dtype, device=device) for _ in layers],
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
             page_size=page_size,
         )
 

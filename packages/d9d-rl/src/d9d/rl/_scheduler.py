@@ -17,9 +17,9 @@ from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._rollout_engine import FinishReason
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class SequenceState:
-    """One row of a ``generate`` call.
+    """One row of a ``generate`` call (compared by identity: the scheduler's lists find rows fast).
 
     Attributes:
         index: The row's place in the call's output (prompt-major, samples adjacent).
@@ -110,7 +110,7 @@ class ContinuousScheduler:
 
     def _grow_running(self) -> None:
         for row in list(self._running):
-            if row.finish_reason is not None or row not in self._running:
+            if not row.blocks:  # preempted by an earlier row of this loop (a running row holds blocks)
                 continue
             need = self._config.blocks_for(len(row.tokens)) - len(row.blocks)
             while need > self._pool.free_count:

@@ -1,0 +1,64 @@
+"""CUDA graphs over the static decode step: one captured graph per batch-size bucket, replayed."""
+
+from __future__ import annotations
+
+import torch
+
+from d9d.rl._decode_step import StaticDecodeStep
+
+
+class GraphedDecodeStep:
+    """Runs ``step.forward(rows)`` by replaying a CUDA graph captured for ``rows``.
+
+    The first step of a bucket runs eagerly on a side stream (the warm-up: lazy initialization,
+    Triton compilation; its logits are that step's result), then the bucket's graph is captured
+    (capture records, it does not run) into a memory pool shared by every bucket's graph. Later
+    steps of the bucket replay it. The graphs read the step's buffers, the pool and the weights at
+    the addresses they had when captured: drop this object when any of them is reallocated (the
+    engine does so on ``sleep``). Updating the weights in place (``copy_``) keeps them valid.
+
+    Args:
+        step: The static decode step, on a CUDA device.
+    """
+
+    def __init__(self, step: StaticDecodeStep) -> None:
+        self._step = step
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def captured(self) -> list[int]:
+        """The buckets with a captured graph."""
+        return sorted(self._graphs)
+
+    def forward(self, rows: int) -> torch.Tensor:
+        """``(rows, vocab)`` float32 logits, valid until the next call."""
+        found = self._graphs.get(rows)
+        if found is not None:
+            graph, logits = found
+            graph.replay()
+            return logits
+        logits = self._warm_up(rows)
+        self._capture(rows)
+        return logits
+
+    def _warm_up(self, rows: int) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._step.forward(rows)
+        torch.cuda.current_stream().wait_stream(side)
+        return logits
+
+    def _capture(self, rows: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._step.forward(rows)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"capturing the engine's decode step ({rows} rows) in a CUDA graph failed: {error}. "
+                "Some layer of this model reads a tensor on the host or changes shape by its values; "
+                "run the engine without graphs: EmbeddedEngineConfig(cuda_graphs=False)"
+            ) from error
+        self._graphs[rows] = (graph, logits)

@@ -1,0 +1,89 @@
+"""What the engine keeps between steps and calls: the paged pool, the static decode step, its rows
+and (on CUDA) its graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from d9d.hf import DecoderCausalLM
+from d9d.rl._decode_graphs import GraphedDecodeStep
+from d9d.rl._decode_slots import DecodeSlots
+from d9d.rl._decode_step import StaticDecodeStep
+from d9d.rl._engine_config import EmbeddedEngineConfig
+from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
+from d9d.rl._scheduler import SequenceState
+
+
+class DecodeRuntime:
+    """The pool of ``num_blocks`` blocks, the decode step's buffers and graphs, for one engine.
+
+    Decoding rows (one new token each) run the static decode step (a replayed CUDA graph with
+    ``cuda_graphs``); rows being prefilled run the model eagerly over the pool
+    (``forward_paged``). A ``generate`` call reuses the runtime when its pool is large enough.
+
+    Args:
+        model: The whole model.
+        config: The engine's configuration.
+        num_blocks: Blocks of the pool.
+        pad_token_id: Input token of idle rows and padding.
+        cuda_graphs: Capture and replay the decode step (CUDA only).
+    """
+
+    def __init__(
+        self,
+        model: DecoderCausalLM,
+        *,
+        config: EmbeddedEngineConfig,
+        num_blocks: int,
+        pad_token_id: int,
+        cuda_graphs: bool,
+    ) -> None:
+        device = next(model.parameters()).device
+        self._model = model
+        self._pad = pad_token_id
+        self.cache = PagedKVCache.empty(
+            model, num_blocks=num_blocks, page_size=config.page_size, device=device
+        )
+        self._step = StaticDecodeStep(
+            model, self.cache, max_rows=config.max_rows, max_blocks=config.blocks_for(config.max_context)
+        )
+        self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
+        self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None
+        self.decode_steps = 0
+        self.decode_context_tokens = 0
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """Batch-size buckets with a captured graph (none without graphs)."""
+        return () if self._graphs is None else tuple(self._graphs.captured)
+
+    def start_call(self) -> None:
+        """Forgets the previous call's rows and counts."""
+        self._slots.reset()
+        self.decode_steps = 0
+        self.decode_context_tokens = 0
+
+    def decode(self, rows: Sequence[SequenceState]) -> torch.Tensor:
+        """``(len(rows), vocab)`` float32 next-token logits of rows with one new token each."""
+        update = self._slots.plan(rows)
+        order = self._step.load(update)
+        self.decode_steps += 1
+        self.decode_context_tokens += sum(update.lengths)
+        if self._graphs is not None:
+            logits = self._graphs.forward(update.rows)
+        else:
+            logits = self._step.forward(update.rows, max(len(row.blocks) for row in rows))
+        if update.order == list(range(len(rows))):
+            return logits[: len(rows)]
+        return logits[order.long()]
+
+    def prefill(self, rows: Sequence[SequenceState]) -> torch.Tensor:
+        """``(len(rows), vocab)`` float32 logits at the last token of rows with several new tokens."""
+        batch = PagedBatch(
+            tokens=[row.new_tokens for row in rows],
+            starts=[row.cached for row in rows],
+            blocks=[row.blocks for row in rows],
+        )
+        return forward_paged(self._model, self.cache, batch, pad_token_id=self._pad)

@@ -1,0 +1,218 @@
+"""A decode step with static shapes over device-resident state: one new token for each of ``rows`` rows.
+
+The state (each row's input token, length, position, write slot and block table) lives in
+persistent device buffers for ``max_rows`` rows; the host changes it through one packed int32
+copy per step (``load``). ``forward(rows)`` then runs the model on the first ``rows`` rows and
+reads nothing else from the host, so the same call can be captured in a CUDA graph and replayed
+(``GraphedDecodeStep``). Attention reads the paged pool in place (d9d-kernels'
+``paged_decode_attention``); a row of length 0 is idle: its key and value go to the pool's
+scratch block and its attention output is zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d9d.hf import DecoderCausalLM
+from d9d.kernels import paged_decode_attention
+from d9d.rl._kv_cache import PagedKVCache
+
+
+@dataclass(kw_only=True, frozen=True)
+class DecodeUpdate:
+    """What one step changes in the device state: the first ``rows`` rows' tokens and lengths
+    (idle rows: length 0) and new block-table entries.
+
+    Attributes:
+        rows: Rows the step runs (the batch-size bucket).
+        order: The buffer row of each decoding sequence, in the caller's order.
+        input_ids: Per row, its new token (anything for an idle row).
+        lengths: Per row, its tokens including the new one; 0 for an idle row.
+        table_rows: Row of each new block-table entry.
+        table_columns: Column of each new entry (the row's block index).
+        table_blocks: Block id of each new entry.
+    """
+
+    rows: int
+    order: list[int]
+    input_ids: list[int]
+    lengths: list[int]
+    table_rows: list[int]
+    table_columns: list[int]
+    table_blocks: list[int]
+
+
+class StaticDecodeStep:
+    """The state buffers of ``max_rows`` rows and the decode forward over the first ``rows`` of them.
+
+    Args:
+        model: The whole model.
+        cache: The paged pool; its last block is the scratch block (never handed to a row).
+        max_rows: Rows the buffers hold.
+        max_blocks: Block-table columns per row (blocks of the longest row).
+    """
+
+    def __init__(
+        self, model: DecoderCausalLM, cache: PagedKVCache, *, max_rows: int, max_blocks: int
+    ) -> None:
+        if model.lm_head is None or model.model.norm is None:
+            raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
+        self._model = model
+        self.cache = cache
+        device = cache.keys[0].device
+        self.max_rows = max_rows
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.write_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self._scratch_slot = cache.keys[0].shape[0] - cache.page_size
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._staging = torch.empty(0, dtype=torch.int32, device=device)
+
+    def load(self, update: DecodeUpdate) -> torch.Tensor:
+        """Sends ``update`` in one host-to-device copy (pinned, asynchronous on CUDA) and applies it.
+
+        The caller reads a result of the previous step on the host before the next ``load`` (the
+        sampled tokens), so the pinned buffer is free to overwrite.
+
+        Returns:
+            ``update.order`` on the device, int32 (valid until the next ``load``).
+        """
+        rows, updates, count = update.rows, len(update.table_blocks), len(update.order)
+        packed = [
+            *update.input_ids,
+            *update.lengths,
+            *update.order,
+            *update.table_rows,
+            *update.table_columns,
+            *update.table_blocks,
+        ]
+        self._reserve(len(packed))
+        self._host[: len(packed)] = torch.tensor(packed, dtype=torch.int32)
+        staging = self._staging[: len(packed)]
+        staging.copy_(self._host[: len(packed)], non_blocking=True)
+        self.input_ids[:rows].copy_(staging[:rows])
+        self.lengths[:rows].copy_(staging[rows : 2 * rows])
+        if updates:
+            table = staging[2 * rows + count :].view(3, updates)
+            self.block_table[table[0].long(), table[1].long()] = table[2]
+        return staging[2 * rows : 2 * rows + count]
+
+    def _reserve(self, size: int) -> None:
+        if self._host.numel() >= size:
+            return
+        capacity = max(size, 2 * self._host.numel(), 4 * self.max_rows)
+        device = self._staging.device
+        self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._staging = torch.empty(capacity, dtype=torch.int32, device=device)
+
+    def forward(self, rows: int, blocks: int | None = None) -> torch.Tensor:
+        """Next-token logits ``(rows, vocab)`` float32 of the first ``rows`` rows, their keys and
+        values written to the pool.
+
+        Args:
+            rows: Rows to run (idle ones included).
+            blocks: Block-table columns attention may read (at least the longest row's blocks);
+                None: all of them (a shape that does not depend on the rows, for CUDA graphs).
+        """
+        model, backbone = self._model, self._model.model
+        lm_head, norm = model.lm_head, backbone.norm
+        assert lm_head is not None and norm is not None  # checked at construction
+        lengths = self.lengths[:rows]
+        positions = (lengths.long() - 1).clamp_min(0)
+        table = self.block_table[:rows, :blocks]
+        page = self.cache.page_size
+        slots = table.gather(1, (positions // page)[:, None])[:, 0].long() * page + positions % page
+        self.positions[:rows].copy_(positions)
+        self.write_slots[:rows].copy_(torch.where(lengths > 0, slots, self._scratch_slot))
+        hidden = backbone.embed(self.input_ids[:rows, None])
+        tables = backbone.position_embeddings(self.positions[:rows, None], dtype=hidden.dtype)
+        for index, (layer, position_embeddings) in enumerate(
+            zip(backbone.decoder_layers(), tables, strict=True)
+        ):
+            view = DecodeLayerView(
+                keys=self.cache.keys[index],
+                values=self.cache.values[index],
+                page_size=page,
+                write_slots=self.write_slots[:rows],
+                block_table=table,
+                lengths=lengths,
+            )
+            hidden = layer(hidden, position_embeddings, None, kv_cache=view)
+        return lm_head.compute_logits(norm(hidden))[:, 0].float()
+
+
+@dataclass(kw_only=True, frozen=True)
+class DecodeLayerView:
+    """One layer's pool during a decode step: d9d-kernels' ``AttendingKeyValueCache``.
+
+    ``attend`` writes the rows' new keys and values at their write slots and runs
+    ``paged_decode_attention`` over the pool in place. ``append`` and ``attention_mask`` give the
+    same attention as gathered keys and a mask over every block-table column (for a layer that
+    attends itself; the engine's layers go through ``attend``).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    page_size: int
+    write_slots: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.shape[1] != 1:
+            raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
+        self.keys.index_copy_(0, self.write_slots, key[:, 0].to(self.keys.dtype))
+        self.values.index_copy_(0, self.write_slots, value[:, 0].to(self.values.dtype))
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``(rows, 1, q_heads, value_dim)``: the new token of each row attends to its cached ones."""
+        self._write(key, value)
+        out = paged_decode_attention(
+            query[:, 0].to(self.keys.dtype),
+            self.keys,
+            self.values,
+            self.block_table,
+            self.lengths,
+            page_size=self.page_size,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            sinks=sinks,
+        )
+        return out[:, None].to(query.dtype)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new tokens; returns every row's keys and values over all its table's slots."""
+        self._write(key, value)
+        slots = self._slots()
+        return self.keys[slots], self.values[slots]
+
+    def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``(rows, 1, 1, columns * page_size)``: a row's positions below its length (and within the
+        window); an idle row sees slot 0 only (so it never softmaxes over nothing)."""
+        capacity = self.block_table.shape[1] * self.page_size
+        positions = torch.arange(capacity, device=self.lengths.device)[None]
+        ends = self.lengths.long()[:, None]
+        allowed = positions < ends
+        if sliding_window is not None:
+            allowed = allowed & (positions >= ends - sliding_window)
+        allowed = allowed | ((ends == 0) & (positions == 0))
+        return allowed[:, None, None]
+
+    def _slots(self) -> torch.Tensor:
+        capacity = self.block_table.shape[1] * self.page_size
+        positions = torch.arange(capacity, device=self.block_table.device)
+        blocks = self.block_table.long()[:, positions // self.page_size]
+        return blocks * self.page_size + positions % self.page_size
