@@ -11,6 +11,7 @@ import traceback
 import bench_adamw
 import bench_grouped_mm
 import bench_linear_cross_entropy
+import bench_paged_attention
 import bench_rms_norm
 import bench_rope
 import bench_swiglu
@@ -30,6 +31,7 @@ def main() -> None:
         bench_linear_cross_entropy,
         bench_grouped_mm,
         bench_adamw,
+        bench_paged_attention,
     ):
         if only and module.__name__ not in only:
             continue

@@ -1,0 +1,201 @@
+"""Decode attention over a paged KV pool: d9d's kernel against the gather + SDPA path, Qwen3 shapes.
+
+For each model shape, batch and context (every row holds ``context`` tokens in shuffled 16-token
+blocks), it times one layer's decode attention two ways: ``paged_decode_attention`` reading the
+pool in place, and what the rollout engine did before it (gather each row's slots into a
+contiguous copy with ``keys[read]``, then SDPA with a bool mask and ``enable_gqa``). It prints the
+GPU time of each (profiler, median wall time beside it), their ratio, and the kernel's achieved
+bandwidth: bytes = keys + values read once + query and output, against the H200's 4.8 TB/s.
+
+Run: python packages/d9d-kernels/benchmarks/bench_paged_attention.py --out DIR
+     (--quick: tiny shapes on CPU; with TRITON_INTERPRET=1 the kernel runs in Triton's interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _harness import Result, Settings, attempt, settings_for
+
+from d9d.kernels import KernelBackend, paged_decode_attention
+from d9d.kernels._backend import triton_interpreter_enabled
+
+H200_GBS = 4800.0
+PAGE_SIZE = 16
+
+
+@dataclass(kw_only=True, frozen=True)
+class Shape:
+    """One layer's attention heads."""
+
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(kw_only=True)
+class Row:
+    """One (shape, batch, context) point of the sweep."""
+
+    model: str
+    batch: int
+    context: int
+    kernel_ms: float | None
+    gather_ms: float | None
+    kernel_wall_ms: float | None
+    gather_wall_ms: float | None
+    speedup: float | None
+    kernel_gbs: float | None
+    roofline_pct: float | None
+    max_abs_diff: float
+    note: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class Pool:
+    """A paged pool holding ``batch`` rows of ``context`` tokens, and one decode step's inputs."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
+    read: torch.Tensor
+    mask: torch.Tensor
+
+
+def make_pool(shape: Shape, batch: int, context: int, device: str) -> Pool:
+    blocks = -(-context // PAGE_SIZE)
+    slots = batch * blocks * PAGE_SIZE
+    gen = torch.Generator(device=device).manual_seed(0)
+    table = torch.randperm(batch * blocks, device=device, generator=gen).view(batch, blocks).to(torch.int32)
+    positions = torch.arange(blocks * PAGE_SIZE, device=device)
+    read = table.long()[:, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+    return Pool(
+        query=torch.randn(batch, shape.q_heads, shape.head_dim, device=device, dtype=torch.bfloat16),
+        keys=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=torch.bfloat16),
+        values=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=torch.bfloat16),
+        table=table,
+        lengths=torch.full((batch,), context, dtype=torch.int32, device=device),
+        read=read,
+        mask=(positions < context)[None, None, None, :].expand(batch, 1, 1, -1),
+    )
+
+
+def gather_then_sdpa(pool: Pool, scale: float) -> Callable[[], object]:
+    """The engine's former path: a contiguous copy of every row's slots, then masked SDPA."""
+
+    def fn() -> torch.Tensor:
+        keys, values = pool.keys[pool.read], pool.values[pool.read]  # (batch, slots, kv_heads, dim)
+        out = F.scaled_dot_product_attention(
+            pool.query[:, :, None],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=pool.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0]
+
+    return fn
+
+
+def paged_kernel(pool: Pool, scale: float, backend: KernelBackend) -> Callable[[], object]:
+    def fn() -> torch.Tensor:
+        return paged_decode_attention(
+            pool.query, pool.keys, pool.values, pool.table, pool.lengths,
+            page_size=PAGE_SIZE, softmax_scale=scale, backend=backend,
+        )  # fmt: skip
+
+    return fn
+
+
+def _gpu_ms(result: Result) -> float | None:
+    return result.extra.get("GPU ms", result.ms) if result.ms is not None else None
+
+
+def measure_point(shape: Shape, batch: int, context: int, device: str, backend: KernelBackend) -> Row:
+    pool = make_pool(shape, batch, context, device)
+    scale = shape.head_dim**-0.5
+    kernel = attempt("paged kernel", lambda: paged_kernel(pool, scale, backend), device)
+    gather = attempt("gather + SDPA", lambda: gather_then_sdpa(pool, scale), device)
+    kernel_ms, gather_ms = _gpu_ms(kernel), _gpu_ms(gather)
+    diff = (paged_kernel(pool, scale, backend)() - gather_then_sdpa(pool, scale)()).float().abs().max()
+    element = pool.keys.element_size()
+    kv_bytes = batch * context * shape.kv_heads * 2 * shape.head_dim * element
+    io_bytes = batch * shape.q_heads * 2 * shape.head_dim * element
+    gbs = (kv_bytes + io_bytes) / (kernel_ms * 1e-3) / 1e9 if kernel_ms else None
+    return Row(
+        model=shape.name,
+        batch=batch,
+        context=context,
+        kernel_ms=kernel_ms,
+        gather_ms=gather_ms,
+        kernel_wall_ms=kernel.ms,
+        gather_wall_ms=gather.ms,
+        speedup=gather_ms / kernel_ms if kernel_ms and gather_ms else None,
+        kernel_gbs=gbs,
+        roofline_pct=100 * gbs / H200_GBS if gbs else None,
+        max_abs_diff=diff.item(),
+        note="; ".join(n for n in (kernel.note, gather.note) if n),
+    )
+
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    columns = ["model", "batch", "context", "kernel GPU ms", "gather+SDPA GPU ms", "speedup", "kernel GB/s"]
+    columns += ["% of 4.8 TB/s", "kernel wall ms", "gather wall ms", "max abs diff", "note"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+    for r in rows:
+        cells = [r.model, str(r.batch), str(r.context), _cell(r.kernel_ms), _cell(r.gather_ms)]
+        cells += [_cell(r.speedup, 2), _cell(r.kernel_gbs, 0), _cell(r.roofline_pct, 1)]
+        cells += [_cell(r.kernel_wall_ms), _cell(r.gather_wall_ms), _cell(r.max_abs_diff, 4), r.note]
+        print("| " + " | ".join(cells) + " |")
+
+
+def run(settings: Settings) -> list[Row]:
+    """The sweep (tiny CPU shapes with ``settings.smoke``); prints the table and writes its JSON."""
+    if settings.smoke:
+        backend = KernelBackend.TRITON if triton_interpreter_enabled() else KernelBackend.REFERENCE
+        shapes = [Shape(name="tiny", q_heads=4, kv_heads=2, head_dim=16)]
+        batches, contexts = (1, 3), (24, 40)
+    else:
+        backend = KernelBackend.AUTO
+        shapes = [
+            Shape(name="Qwen3-0.6B", q_heads=16, kv_heads=8, head_dim=128),
+            Shape(name="Qwen3-8B", q_heads=32, kv_heads=8, head_dim=128),
+        ]
+        batches, contexts = (1, 8, 32, 64, 128, 256), (512, 1024, 2560)
+    print(f"\n### paged decode attention, bf16, page {PAGE_SIZE}, backend {backend.value}")
+    rows = [
+        measure_point(s, b, c, settings.device, backend) for s in shapes for b in batches for c in contexts
+    ]
+    print_table(rows)
+    (settings.out / "paged_attention.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", "--smoke", action="store_true", help="tiny CPU shapes: checks the script")
+    parser.add_argument("--out", type=Path, default=Path("benchmark-results"), help="folder for the JSON")
+    args = parser.parse_args()
+    settings = settings_for(smoke=args.quick, out=args.out)
+    if not settings.smoke:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    run(settings)
+
+
+if __name__ == "__main__":
+    main()
