@@ -12,6 +12,14 @@ Random weights of the Qwen3 widths (the same config on both sides; the weights d
 not change the work). Each point: one warm-up call per side (compilation), then ``--repeats``
 alternating timed calls; the table prints the medians.
 
+The engine decodes through its static decode step (device-resident rows, ``paged_decode_attention``
+over the paged pool in place, a CUDA graph per batch-size bucket on CUDA; ``--no-cuda-graphs``
+runs the same step eagerly). Beside tokens/s of both sides and their ratio, each point prints the
+engine's HBM roofline: the bytes its decode steps must read at least (all weights once per step,
+plus every decoding row's keys and values for its current length, from ``engine.last_stats``) over
+``--bandwidth`` (default 4.8 TB/s, the H200's HBM3e), as a fraction of the engine's measured time
+(prefills and sampling included, so a lower bound of the decode steps' own fraction).
+
 Both models stay in memory for the alternation, and transformers keeps its static cache between
 calls: at the 8B width and batch 256 the two caches and weights may not fit one GPU together
 (pass fewer ``--batches``). On CPU transformers compiles only with ``--compile-cpu`` (slow).
@@ -77,19 +85,53 @@ class Workload:
     batch: int
 
 
+@dataclass(frozen=True)
+class Point:
+    tokens: int
+    engine_tokens_per_s: float
+    reference_tokens_per_s: float
+    roofline_bytes: int
+    engine_seconds: float
+    decode_steps: int
+    graph_buckets: tuple[int, ...]
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer, a tied tensor once."""
+    tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
+def _roofline_bytes(engine: EmbeddedRolloutEngine) -> int:
+    """What the last call's decode steps read at least: the weights once per step, plus each
+    decoding row's keys and values for its length (every layer)."""
+    stats = engine.last_stats
+    assert stats is not None
+    spec, model = engine.model.spec, engine.model
+    element = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+    kv_per_token = len(model.model.decoder_layers()) * spec.num_kv_heads * 2 * spec.head_dim * element
+    return stats.decode_steps * _weight_bytes(model) + stats.decode_context_tokens * kv_per_token
+
+
 def _config(width: str, vocab: int, context: int) -> dict[str, Any]:
     return {**WIDTHS[width], "vocab_size": vocab, "max_position_embeddings": context, "rope_theta": 1e6}
 
 
-def _d9d_engine(fields: dict[str, Any], workload: Workload, device: torch.device, dtype: torch.dtype) -> Any:
+def _d9d_engine(
+    fields: dict[str, Any], workload: Workload, device: torch.device, dtype: torch.dtype, graphs: bool
+) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
         model = DecoderCausalLM(Qwen3DenseConfig.model_validate({**fields, "model_type": "qwen3"}))
         model.reset_parameters()
-    config = EmbeddedEngineConfig(max_rows=workload.batch, max_context=fields["max_position_embeddings"])
+    config = EmbeddedEngineConfig(
+        max_rows=workload.batch,
+        max_context=fields["max_position_embeddings"],
+        cuda_graphs=graphs and device.type == "cuda",
+    )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
-    return lambda: engine.generate_capped(workload.prompts, sampling, workload.lengths)
+    return engine, lambda: engine.generate_capped(workload.prompts, sampling, workload.lengths)
 
 
 def _transformers_generate(
@@ -141,9 +183,7 @@ def _timed(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _point(
-    args: argparse.Namespace, width: str, batch: int, device: torch.device
-) -> tuple[float, float, int]:
+def _point(args: argparse.Namespace, width: str, batch: int, device: torch.device) -> Point:
     rng = random.Random(args.seed)
     rows = batch * args.waves
     workload = Workload(
@@ -153,8 +193,9 @@ def _point(
     )
     fields = _config(width, args.vocab, args.prompt_length + args.max_completion + 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine, engine_run = _d9d_engine(fields, workload, device, dtype, not args.no_cuda_graphs)
     runs = {
-        "d9d": _d9d_engine(fields, workload, device, dtype),
+        "d9d": engine_run,
         "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -164,7 +205,17 @@ def _point(
         for name, run in runs.items():
             times[name].append(_timed(run, device))
     tokens = sum(workload.lengths)
-    return tokens / statistics.median(times["d9d"]), tokens / statistics.median(times["transformers"]), tokens
+    stats = engine.last_stats
+    assert stats is not None
+    return Point(
+        tokens=tokens,
+        engine_tokens_per_s=tokens / statistics.median(times["d9d"]),
+        reference_tokens_per_s=tokens / statistics.median(times["transformers"]),
+        roofline_bytes=_roofline_bytes(engine),  # the same every call: same rows, same lengths
+        engine_seconds=statistics.median(times["d9d"]),
+        decode_steps=stats.decode_steps,
+        graph_buckets=stats.graph_buckets,
+    )
 
 
 def main() -> None:
@@ -182,19 +233,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-cpu", action="store_true", help="let transformers compile on CPU too")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine's decode step eagerly")
+    parser.add_argument(
+        "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.widths, args.batches, args.prompt_length = ["tiny"], [1, 4], 16
         args.min_completion, args.max_completion, args.vocab = 4, 24, 256
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     completions = f"{args.min_completion}..{args.max_completion}"
-    print(f"device={device} prompts={args.prompt_length} completions={completions}")
-    print(f"{'width':<12}{'batch':>6}{'tokens':>9}{'d9d tok/s':>12}{'hf tok/s':>12}{'ratio':>7}")
+    print(
+        f"device={device} prompts={args.prompt_length} completions={completions} "
+        f"roofline bandwidth={args.bandwidth / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'width':<12}{'batch':>6}{'tokens':>9}{'d9d tok/s':>12}{'hf tok/s':>12}{'ratio':>7}"
+        f"{'MB/step':>10}{'d9d GB/s':>10}{'roofline':>9}  graphs"
+    )
     for width in args.widths:
         for batch in args.batches:
-            engine, reference, tokens = _point(args, width, batch, device)
+            point = _point(args, width, batch, device)
+            achieved = point.roofline_bytes / point.engine_seconds
+            steps = max(1, point.decode_steps)
             print(
-                f"{width:<12}{batch:>6}{tokens:>9}{engine:>12.1f}{reference:>12.1f}{engine / reference:>7.2f}"
+                f"{width:<12}{batch:>6}{point.tokens:>9}{point.engine_tokens_per_s:>12.1f}"
+                f"{point.reference_tokens_per_s:>12.1f}"
+                f"{point.engine_tokens_per_s / point.reference_tokens_per_s:>7.2f}"
+                f"{point.roofline_bytes / steps / 1e6:>10.1f}{achieved / 1e9:>10.1f}"
+                f"{achieved / args.bandwidth:>9.1%}  {list(point.graph_buckets) or 'off'}"
             )
 
 
