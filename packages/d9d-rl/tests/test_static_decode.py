@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import transformers
 from rl_tiny_model import VOCAB, tiny_config, tiny_model
 
+from d9d.hf import DecoderCausalLM
 from d9d.kernels.layers import sdpa_with_sinks
 from d9d.rl import EmbeddedEngineConfig, EmbeddedRolloutEngine, SamplingParams
 from d9d.rl._decode_slots import DecodeSlots, bucket_for
@@ -110,9 +111,8 @@ def test_paged_attention_equals_sdpa_over_the_gathered_view(window: int | None, 
     assert torch.equal(got[1], torch.zeros_like(got[1]))  # an idle row attends to nothing
 
 
-def _gathering_path_greedy(prompt: list[int], tokens: int) -> tuple[int, ...]:
+def _gathering_path_greedy(model: DecoderCausalLM, prompt: list[int], tokens: int) -> tuple[int, ...]:
     """The engine's former decode: every step through ``forward_paged`` (gather + SDPA), one row."""
-    model = tiny_model(sliding_window=False)
     cache = PagedKVCache.empty(model, num_blocks=16, page_size=2, device=torch.device("cpu"))
     ids, cached = list(prompt), 0
     with torch.no_grad():
@@ -137,7 +137,7 @@ def test_greedy_continuous_batching_equals_the_gathering_path_and_transformers()
     reference = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
     reference.load_state_dict(engine.model.state_dict())
     for prompt, cap, completion in zip(PROMPTS, caps, completions, strict=True):
-        assert completion.token_ids == _gathering_path_greedy(prompt, cap)
+        assert completion.token_ids == _gathering_path_greedy(engine.model, prompt, cap)
         generated = reference.generate(
             torch.tensor([prompt]), max_new_tokens=cap, min_new_tokens=cap, do_sample=False, pad_token_id=0
         )
