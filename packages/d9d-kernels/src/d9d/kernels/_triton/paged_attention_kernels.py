@@ -77,11 +77,11 @@ def _attend_block(
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, out_ptr, part_ptr, max_ptr, sum_ptr,
-    q_heads, group, head_dim, value_dim, window, qk_scale,
+    q_heads, group, window, qk_scale,
     sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,8 +99,8 @@ def _paged_decode_split_kernel(
     h_mask = h < group
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    d_mask = d < head_dim
-    dv_mask = dv < value_dim
+    d_mask = d < HEAD_DIM
+    dv_mask = dv < VALUE_DIM
     q = tl.load(
         q_ptr + row.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :] * sq_d,
         mask=h_mask[:, None] & d_mask[None, :],
@@ -131,15 +131,16 @@ def _paged_decode_split_kernel(
         tl.store(max_ptr + stat, m_i, mask=h_mask)
         tl.store(sum_ptr + stat, l_i, mask=h_mask)
         tl.store(
-            part_ptr + stat[:, None] * value_dim + dv[None, :], acc, mask=h_mask[:, None] & dv_mask[None, :]
+            part_ptr + stat[:, None] * VALUE_DIM + dv[None, :], acc, mask=h_mask[:, None] & dv_mask[None, :]
         )
 
 
 @triton.jit
 def _paged_decode_combine_kernel(
     part_ptr, max_ptr, sum_ptr, lengths_ptr, sinks_ptr, out_ptr,
-    q_heads, value_dim, so_r, so_h,
-    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_heads, so_r, so_h,
+    VALUE_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -147,12 +148,12 @@ def _paged_decode_combine_kernel(
     s = tl.arange(0, BLOCK_S)
     s_mask = s < NUM_SPLITS
     dv = tl.arange(0, BLOCK_DV)
-    dv_mask = dv < value_dim
+    dv_mask = dv < VALUE_DIM
     stat = (row.to(tl.int64) * q_heads + head) * NUM_SPLITS + s
     m_s = tl.load(max_ptr + stat, mask=s_mask, other=float("-inf"))
     l_s = tl.load(sum_ptr + stat, mask=s_mask, other=0.0)
     acc_s = tl.load(
-        part_ptr + stat[:, None] * value_dim + dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0
+        part_ptr + stat[:, None] * VALUE_DIM + dv[None, :], mask=s_mask[:, None] & dv_mask[None, :], other=0.0
     )
     # keep a leading axis of one "head" so that _finish sees the split kernel's shapes
     m = tl.max(m_s, axis=0)
@@ -203,23 +204,24 @@ def paged_decode_attention_kernel(
     block_dv = next_power_of_2(value_dim)
     _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
-        q_heads, group, head_dim, value_dim, sliding_window or 0, softmax_scale * _LOG2E,
+        q_heads, group, sliding_window or 0, softmax_scale * _LOG2E,
         query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         **launch_options(
-            PAGE_SIZE=page_size, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
-            HAS_SINKS=sinks is not None, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
+            HEAD_DIM=head_dim, VALUE_DIM=value_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+            HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+            BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
             UPCAST=interpreted(), PRECISION=_precision(query), num_warps=4, num_stages=2,
         ),
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_combine_kernel[(rows, q_heads)](
-            partial, maxima, sums, lengths, sink_arg, out, q_heads, value_dim, out.stride(0), out.stride(1),
+            partial, maxima, sums, lengths, sink_arg, out, q_heads, out.stride(0), out.stride(1),
             **launch_options(
-                NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None, BLOCK_S=next_power_of_2(num_splits),
-                BLOCK_DV=block_dv, num_warps=4 if block_dv >= 256 else 2,
+                VALUE_DIM=value_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
+                BLOCK_S=next_power_of_2(num_splits), BLOCK_DV=block_dv, num_warps=4 if block_dv >= 256 else 2,
             ),
         )  # fmt: skip
     return out
