@@ -26,6 +26,8 @@ calls: at the 8B width and batch 256 the two caches and weights may not fit one 
 
 GPU (one H200; the issue's table):
     uv run packages/d9d-rl/benchmarks/decode_throughput.py
+GPU, the goal's point (batch 64) and two smaller ones at the 0.6B width, in a few minutes:
+    uv run packages/d9d-rl/benchmarks/decode_throughput.py --widths qwen3-0.6b --batches 1 16 64 --repeats 2
 CPU smoke run (tiny widths, seconds):
     uv run packages/d9d-rl/benchmarks/decode_throughput.py --quick
 """
@@ -245,11 +247,13 @@ def main() -> None:
     completions = f"{args.min_completion}..{args.max_completion}"
     print(
         f"device={device} prompts={args.prompt_length} completions={completions} "
-        f"roofline bandwidth={args.bandwidth / 1e12:.2f} TB/s"
+        f"roofline bandwidth={args.bandwidth / 1e12:.2f} TB/s",
+        flush=True,  # each point as it ends: a run cut short keeps the points so far
     )
     print(
         f"{'width':<12}{'batch':>6}{'tokens':>9}{'d9d tok/s':>12}{'hf tok/s':>12}{'ratio':>7}"
-        f"{'MB/step':>10}{'d9d GB/s':>10}{'roofline':>9}  graphs"
+        f"{'MB/step':>10}{'d9d GB/s':>10}{'roofline':>9}  graph buckets",
+        flush=True,
     )
     for width in args.widths:
         for batch in args.batches:
@@ -261,7 +265,8 @@ def main() -> None:
                 f"{point.reference_tokens_per_s:>12.1f}"
                 f"{point.engine_tokens_per_s / point.reference_tokens_per_s:>7.2f}"
                 f"{point.roofline_bytes / steps / 1e6:>10.1f}{achieved / 1e9:>10.1f}"
-                f"{achieved / args.bandwidth:>9.1%}  {list(point.graph_buckets) or 'off'}"
+                f"{achieved / args.bandwidth:>9.1%}  {','.join(map(str, point.graph_buckets)) or 'off'}",
+                flush=True,
             )
 
 
