@@ -92,23 +92,27 @@ def _expected(case: _Case, paged: _Paged, scale: float) -> torch.Tensor:
     return out
 
 
-def _call(case: _Case, paged: _Paged, scale: float, **kwargs: object) -> torch.Tensor:
+def _call(
+    case: _Case, paged: _Paged, scale: float, backend: KernelBackend = KernelBackend.AUTO
+) -> torch.Tensor:
     return paged_decode_attention(
         paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths,
         page_size=case.page_size, softmax_scale=scale, sliding_window=case.window, sinks=paged.sinks,
-        **kwargs,  # pyright: ignore[reportArgumentType]
+        backend=backend,
     )  # fmt: skip
 
 
 CASES = [
     pytest.param(_Case(lengths=(7, 1, 20, 0, 13)), id="mixed-lengths"),  # length 1, a full table, an idle row
     pytest.param(_Case(lengths=(9, 16), q_heads=8, kv_heads=1), id="mqa"),  # one kv head for every query head
-    pytest.param(_Case(lengths=(5, 11), q_heads=3, kv_heads=3, value_dim=8), id="mha-narrow-values"),
+    pytest.param(
+        _Case(lengths=(5, 11), q_heads=3, kv_heads=3, value_dim=8), id="mha-narrow-values"
+    ),  # no GQA, value_dim 8
     pytest.param(_Case(lengths=(6, 18), head_dim=24, value_dim=16), id="mla-like"),  # value_dim < head_dim
     pytest.param(_Case(lengths=(1, 6, 19, 0), window=5), id="sliding-window"),  # windows cut rows 6 and 19
     pytest.param(_Case(lengths=(3, 17, 0), sinks=True), id="sinks"),  # GPT-OSS sink logits
     pytest.param(_Case(lengths=(2, 20, 0), window=3, sinks=True), id="window-and-sinks"),  # GPT-OSS local
-    pytest.param(_Case(lengths=(10, 4), page_size=3, max_blocks=4), id="odd-page-size"),
+    pytest.param(_Case(lengths=(10, 4), page_size=3, max_blocks=4), id="odd-page-size"),  # 3-slot pages
 ]
 
 
@@ -178,9 +182,11 @@ TRITON_CASES = [
     pytest.param(_Case(lengths=(7, 1, 20, 0, 13)), id="mixed-lengths"),  # GQA 4/2, length 1, an idle row
     pytest.param(
         _Case(lengths=(6, 18), head_dim=24, value_dim=8, page_size=3, max_blocks=7), id="mla-odd-page"
-    ),
+    ),  # value_dim < head_dim, neither a power of two; 3-slot pages
     pytest.param(_Case(lengths=(1, 6, 19, 0), window=5, sinks=True), id="window-and-sinks"),  # GPT-OSS
-    pytest.param(_Case(lengths=(9, 16), q_heads=8, kv_heads=1, sinks=True), id="mqa-sinks"),
+    pytest.param(
+        _Case(lengths=(9, 16), q_heads=8, kv_heads=1, sinks=True), id="mqa-sinks"
+    ),  # 8 query heads on one kv head
 ]
 
 
