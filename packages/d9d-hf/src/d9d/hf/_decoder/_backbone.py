@@ -190,9 +190,8 @@ class DecoderBackbone(nn.Module):
         if self.embedding_multiplier == 1.0:
             return embedded
         if self.round_embedding_multiplier:
-            return embedded * torch.tensor(
-                self.embedding_multiplier, dtype=embedded.dtype, device=embedded.device
-            )
+            # a device-side fill, no host-to-device copy: a decode step stays capturable in a CUDA graph
+            return embedded * embedded.new_full((), self.embedding_multiplier)
         return embedded * self.embedding_multiplier
 
     def forward(
