@@ -53,7 +53,9 @@ class GraphedDecodeStep:
     def _capture(self, rows: int) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: another thread's CUDA calls (a data loader's pinning thread) do not
+            # invalidate the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self._step.forward(rows)
         except RuntimeError as error:
             raise RuntimeError(
