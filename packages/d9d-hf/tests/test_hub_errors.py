@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -12,29 +10,27 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 from d9d.hf import resolve_snapshot
 
-PROGRAM = "from d9d.hf import resolve_snapshot; resolve_snapshot('nobody/no-such-model')"
 
+def test_offline_without_a_cached_copy_names_the_repo_in_a_short_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The real Hub client, offline (no network is touched) over an empty cache: in-process, with the
+    # settings HF_HUB_OFFLINE=1 and HF_HOME would give it (huggingface_hub reads them at import).
+    from huggingface_hub import constants
 
-def test_offline_without_a_cached_copy_names_the_repo_in_a_short_traceback(tmp_path: Path) -> None:
-    # The real Hub client, offline (no network is touched) over an empty cache.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    env.pop("HF_HUB_CACHE", None)
-    result = subprocess.run(
-        [sys.executable, "-c", PROGRAM],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    with pytest.raises(FileNotFoundError) as caught:
+        resolve_snapshot("nobody/no-such-model")
 
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("FileNotFoundError: nobody/no-such-model: not a local directory"), result.stderr
+    # what an uncaught raise prints: the traceback from this frame down, chained causes included
+    printed = "".join(traceback.format_exception(caught.value)).strip()
+    last = printed.splitlines()[-1]
+    assert last.startswith("FileNotFoundError: nobody/no-such-model: not a local directory"), printed
     assert "HF_HUB_OFFLINE=1" in last and "local checkpoint directory" in last
     # the traceback is the one raise, not the Hub client's chain of network errors
-    assert "During handling" not in result.stderr and "direct cause" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) < 15, result.stderr
+    assert "During handling" not in printed and "direct cause" not in printed
+    assert len(printed.splitlines()) < 15, printed
 
 
 class _Unreachable:
