@@ -1,4 +1,4 @@
-"""One rank of the quickstart job under ``torchrun`` (the two-node tests of test_multi_node.py).
+"""One rank of the quickstart job under ``torchrun`` (the two-node test of test_multi_node.py).
 
 Usage: ``python multi_node_job.py CONFIG.json OUT_DIR [PAUSE_AFTER_CHECKPOINT]``
 
