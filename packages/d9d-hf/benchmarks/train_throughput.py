@@ -3,13 +3,15 @@
 Each implementation runs in its own process (clean memory statistics and compile caches), on
 random tokens, and reports tokens/s, MFU and peak memory. MFU counts
 ``6 x (non-embedding active parameters + LM head) x tokens`` plus causal attention
-(``6 x seq x heads x head_dim`` per token and layer), over the bf16 matmul peak measured in the
-same run.
+(``6 x keys x heads x (qk + v head widths)`` per token and layer, ``keys`` the mean keys attended
+within the layer's window: ``_shapes.py``), over the bf16 matmul peak measured in the same run.
 
     python train_throughput.py --model dense                 # every implementation, one GPU
     python train_throughput.py --model llama1b               # Llama-3.2-1B shape, against llama3
     python train_throughput.py --quick --device cpu          # a tiny smoke run on a CPU
     python train_throughput.py --model dense8b --float8 tensorwise   # d9d bf16 and FP8 vs torchtitan FP8
+    python train_throughput.py --model gemma3_1b --only hf hf_compile d9d_compile --d9d-state bfloat16
+    python train_throughput.py --model deepseek16b --only titan hf_compile d9d_compile --d9d-state bfloat16
 
 d9d on several GPUs (``--batch`` is samples per data-parallel replica and step, so the global
 batch is ``batch x data_parallel_shard``; the ranks that ``--pp`` and ``--cp`` leave over shard data):
@@ -33,10 +35,12 @@ The d9d rows' steps and their split (forward-backward, optimizer) are timed on t
 with CUDA events at each step's start and its optimizer step (the loop's own phases are host
 clocks), on a CPU with the host clock at the same points.
 
-Implementations: ``hf`` (transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM,
-plain loop, bf16), ``hf_compile`` (the same under ``torch.compile``), ``titan`` (torchtitan 0.2.2's
-Qwen3 or llama3 model and loss, each block compiled and the gradients clipped to norm 1.0 each
-step, as its trainer does by default; bf16 parameters and AdamW state), ``titan_amp`` (the same
+Implementations: ``hf`` (transformers' ``*ForCausalLM`` of the shape's family: Qwen3, Qwen3-MoE,
+Llama, Gemma 3, Mistral, DeepSeek-V3, GPT-OSS; plain loop, bf16), ``hf_compile`` (the same under
+``torch.compile``), ``titan`` (torchtitan 0.2.2's Qwen3, llama3, DeepSeek-V3 or GPT-OSS model and
+loss, built in ``_titan_models.py``, its blocks compiled and the gradients clipped to norm 1.0
+each step, as its trainer does by default; bf16 parameters and AdamW state; a "not run" row
+without torchtitan, none for a family it does not ship), ``titan_amp`` (the same
 with float32 parameters and AdamW state under bf16 autocast: how torchtitan's trainer runs on one
 device without FSDP, and the same precision as d9d's float32 master weights), ``d9d`` (config ->
 TrainingConfigurator -> Trainer with d9d-hf's provider, FSDP mixed precision bf16 with float32
@@ -74,150 +78,21 @@ from typing import Any
 
 import torch
 from _random_tokens import RandomTokens
-from _stats import spread
+from _shapes import SHAPE_HELP, SHAPES, flops_of_layers_and_head, flops_per_token, model_shape
+from _throughput_table import GOALS, goal_lines, table_lines
+from _titan_models import (
+    TITAN_FAMILIES,
+    PeerNotInstalledError,
+    compile_titan_blocks,
+    require_torchtitan,
+    titan_logits,
+    titan_model,
+)
 
 IMPLEMENTATIONS = ("hf", "hf_compile", "titan", "titan_amp", "d9d", "d9d_compile")
-PEERS = ("titan", "titan_amp")
-"""The torchtitan rows that the table gives ratios against."""
 FLOAT8_IMPLEMENTATIONS = ("titan", "titan_amp", "d9d", "d9d_compile")
 """The rows ``--float8`` trains in FP8."""
 FLOAT8_SUFFIX = "_fp8"
-
-DENSE_0_6B: dict[str, Any] = {
-    "model_type": "qwen3",
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-}
-MOE_30B_A3B_6_LAYERS: dict[str, Any] = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-}
-# Qwen3-4B's widths (and its tied head) cut to 12 of its 36 layers, so that torchtitan's bf16
-# optimizer state and both jobs' activations fit one H200 at seq 4096 x batch 4 without recompute.
-DENSE_4B_12_LAYERS: dict[str, Any] = {
-    **DENSE_0_6B,
-    "hidden_size": 2560,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 9728,
-}
-# Qwen3-8B's widths (untied head) cut to 8 of its 36 layers: the larger dense shape of the FP8
-# comparison (its 4096 x 12288 matmuls are where FP8 pays most), sized for one H200 at seq 4096 x
-# batch 4 without recompute (d9d's float32 master weights and AdamW state: about 45 GiB).
-DENSE_8B_8_LAYERS: dict[str, Any] = {
-    **DENSE_0_6B,
-    "hidden_size": 4096,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "tie_word_embeddings": False,
-}
-# The same widths with 16 of the 36 layers: the LM head (bf16 under FP8) has 16 % of the FLOPs instead
-# of 27 % at 8 layers, nearer a whole 8B model (8 %); fits one H200 without recompute too.
-DENSE_8B_16_LAYERS: dict[str, Any] = {**DENSE_8B_8_LAYERS, "num_hidden_layers": 16}
-# Llama-3.2-1B's config.json (16 layers, tied head, llama3 RoPE scaling).
-LLAMA_3_2_1B: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 2048,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "intermediate_size": 8192,
-    "vocab_size": 128256,
-    "tie_word_embeddings": True,
-    "rope_theta": 500_000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072,
-}
-SHAPES: dict[str, dict[str, Any]] = {
-    "dense": DENSE_0_6B,
-    "dense4b": DENSE_4B_12_LAYERS,
-    "dense8b": DENSE_8B_8_LAYERS,
-    "dense8b16": DENSE_8B_16_LAYERS,
-    "moe": MOE_30B_A3B_6_LAYERS,
-    "llama1b": LLAMA_3_2_1B,
-}
-QUICK: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 4,  # ZBV on 2 ranks builds 4 stages
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-}
-
-
-def model_shape(name: str, quick: bool) -> dict[str, Any]:
-    shape = dict(SHAPES[name])
-    if quick:
-        shape.update({k: v for k, v in QUICK.items() if k in shape})
-    return shape
-
-
-def flops_of_layer_and_head(shape: dict[str, Any], seq: int) -> tuple[float, float]:
-    """Training FLOPs per token of one decoder layer (causal attention included) and of the LM head."""
-    h, heads, kv, dh = (
-        shape["hidden_size"],
-        shape["num_attention_heads"],
-        shape["num_key_value_heads"],
-        shape["head_dim"],
-    )
-    attention_params = h * heads * dh * 2 + h * kv * dh * 2
-    if shape["model_type"] == "qwen3_moe":
-        mlp_params = (
-            h * shape["num_experts"] + shape["num_experts_per_tok"] * 3 * h * shape["moe_intermediate_size"]
-        )
-    else:
-        mlp_params = 3 * h * shape["intermediate_size"]
-    attention = 6 * seq * heads * dh  # causal: half of the 12 x s x H x dh of full attention
-    return float(6 * (attention_params + mlp_params) + attention), float(6 * h * shape["vocab_size"])
-
-
-def flops_per_token(shape: dict[str, Any], seq: int) -> float:
-    """Training FLOPs per token: 6 x active matmul parameters (LM head included) + causal attention."""
-    layer, head = flops_of_layer_and_head(shape, seq)
-    return shape["num_hidden_layers"] * layer + head
 
 
 def measure_peak_tflops(device: torch.device) -> float:
@@ -284,6 +159,13 @@ def _tokens(args: argparse.Namespace, vocab: int, device: torch.device, extra: i
     return torch.randint(0, vocab, (args.batch, args.seq + extra), generator=generator).to(device)
 
 
+def hf_attention(model_type: str, device: torch.device) -> str:
+    """transformers' attention for the family: SDPA; for GPT-OSS's sinks FlexAttention (eager on a CPU)."""
+    if model_type != "gpt_oss":
+        return "sdpa"
+    return "flex_attention" if device.type == "cuda" else "eager"
+
+
 def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, compiled: bool) -> float:
     import transformers
 
@@ -291,10 +173,14 @@ def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_class, model_class = classes[shape["model_type"]]
     fields = {k: v for k, v in shape.items() if k != "model_type"}
-    config = config_class(**fields, attn_implementation="sdpa")
+    config = config_class(**fields, attn_implementation=hf_attention(shape["model_type"], device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model: Any = model_class(config).to(device=device, dtype=dtype)
     model.train()
@@ -312,64 +198,6 @@ def run_hf(args: argparse.Namespace, shape: dict[str, Any], device: torch.device
 
     tokens_per_s, loss = _timed_plain_loop(step, args, device)
     return _report(args, "hf_compile" if compiled else "hf", tokens_per_s, loss, device)
-
-
-def _titan_llama3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
-    """torchtitan's llama3 Transformer at ``shape`` (its MLP width from multiplier and rounding)."""
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-    from torchtitan.models.llama3.model.args import RoPEScalingArgs
-
-    dim, hidden = shape["hidden_size"], shape["intermediate_size"]
-    if shape["head_dim"] != dim // shape["num_attention_heads"]:
-        raise ValueError("torchtitan's llama3 derives head_dim as hidden_size / num_attention_heads")
-    # torchtitan sizes the MLP as multiple_of x ceil(multiplier x int(8 dim / 3) / multiple_of)
-    multiple_of = math.gcd(hidden, 256)
-    multiplier = hidden / int(8 * dim / 3)
-    scaling = shape["rope_scaling"]
-    model_args = TransformerModelArgs(
-        dim=dim,
-        n_layers=shape["num_hidden_layers"],
-        n_heads=shape["num_attention_heads"],
-        n_kv_heads=shape["num_key_value_heads"],
-        vocab_size=shape["vocab_size"],
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=multiplier,
-        norm_eps=shape["rms_norm_eps"],
-        rope_theta=shape["rope_theta"],
-        rope_scaling_args=RoPEScalingArgs(
-            scaling_factor=scaling["factor"],
-            low_freq_factor=scaling["low_freq_factor"],
-            high_freq_factor=scaling["high_freq_factor"],
-            original_max_position_embeddings=scaling["original_max_position_embeddings"],
-        ),
-        max_seq_len=seq,
-    )
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    widths = {m.w1.out_features for m in model.modules() if hasattr(m, "w1")}
-    if widths != {hidden}:
-        raise ValueError(f"torchtitan's llama3 MLP width came out {widths}, not {hidden}")
-    return model
-
-
-def _titan_qwen3(shape: dict[str, Any], seq: int) -> torch.nn.Module:
-    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
-
-    base = qwen3_args["0.6B" if shape["model_type"] == "qwen3" else "30B-A3B"]
-    model_args = dataclasses.replace(
-        base,
-        n_layers=shape["num_hidden_layers"],
-        dim=shape["hidden_size"],
-        n_heads=shape["num_attention_heads"],
-        n_kv_heads=shape["num_key_value_heads"],
-        head_dim=shape["head_dim"],
-        hidden_dim=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
-        max_seq_len=seq,
-        enable_weight_tying=shape["tie_word_embeddings"],
-    )
-    with torch.device("meta"):
-        return Qwen3Model(model_args)
 
 
 def _titan_float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> None:
@@ -400,21 +228,19 @@ def _titan_float8(model: torch.nn.Module, args: argparse.Namespace, device: torc
 
 def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, amp: bool) -> float:
     """torchtitan's model and loss; ``amp``: float32 parameters under bf16 autocast, else all bf16."""
+    require_torchtitan()  # a "not installed" row before any torchtitan import
     from torchtitan.components.loss import cross_entropy_loss
 
-    model: Any = (
-        _titan_llama3(shape, args.seq) if shape["model_type"] == "llama" else _titan_qwen3(shape, args.seq)
-    )
+    model: Any = titan_model(shape, args.seq)
     if args.float8 is not None:
         _titan_float8(model, args, device)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
     low = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not amp:
-        model.to(dtype=low)
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+    # all-bf16, or float32 parameters and AdamW state under autocast (GPT-OSS builds bf16 blocks)
+    model.to(dtype=torch.float32 if amp else low)
+    compile_titan_blocks(model, shape["model_type"])
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     # seq + 1 tokens give inputs and shifted labels of seq tokens each (FP8 matmuls need the
@@ -425,7 +251,7 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
     def step() -> torch.Tensor:
         # torchtitan's trainer: forward and loss under autocast when FSDP does not cast
         with torch.autocast(device.type, dtype=low, enabled=amp):
-            loss = cross_entropy_loss(model(inputs), labels)
+            loss = cross_entropy_loss(titan_logits(model, inputs, shape["model_type"]), labels)
         loss.backward()
         # its trainer clips every step (training.max_norm, default 1.0), as the d9d rows do
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -503,13 +329,13 @@ def pipeline_prediction(
 
     program = schedule.build_program(num_ranks=layout.pp, num_microbatches=layout.microbatches)
     simulated = simulate_program(program, ActionCosts(forward=1.0, backward=2.0))
-    layer, head = flops_of_layer_and_head(shape, seq)
+    layers, head = flops_of_layers_and_head(shape, seq)
     ranges = assign_layers(
         shape["num_hidden_layers"], program.num_stages, last_stage_weight=_head_weight(shape, seq)
     )
     work = [
         sum(
-            len(ranges[i.current_stage]) * layer + (head if i.is_last else 0.0)
+            sum(layers[j] for j in ranges[i.current_stage]) + (head if i.is_last else 0.0)
             for i in program.stage_infos(r)
         )
         for r in range(layout.pp)
@@ -646,9 +472,9 @@ def compare(
 
 
 def _head_weight(shape: dict[str, Any], seq: int) -> float:
-    """The head's (and loss's) training FLOPs in decoder layers: the last pipeline stage's extra cost."""
-    layer, head = flops_of_layer_and_head(shape, seq)
-    return head / layer
+    """The head's (and loss's) training FLOPs in mean decoder layers: the last pipeline stage's extra cost."""
+    layers, head = flops_of_layers_and_head(shape, seq)
+    return head / (sum(layers) / len(layers))
 
 
 def _float8_layers(model: torch.nn.Module) -> int:
@@ -940,14 +766,19 @@ def run_one(args: argparse.Namespace) -> None:
             raise ValueError(f"unknown implementation {args.impl!r}")
 
 
-def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+def _planned_runs(args: argparse.Namespace, shape: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """(implementation, in FP8, d9d's ``read_figures``) of every row of a round, in order.
 
     Without ``--float8``: ``--only`` or every implementation, in bf16. With it: the first d9d
     implementation in bf16 as the baseline, then each FP8-capable implementation of ``--only``
     (default: all of them) in FP8; others named in ``--only`` run as they are. Each d9d row runs
-    once per ``--read-figures`` mode.
+    once per ``--read-figures`` mode. torchtitan rows are left out for a family it does not ship.
     """
+    if not args.only and shape["model_type"] not in TITAN_FAMILIES:
+        print(f"note: torchtitan has no {shape['model_type']} model; no titan rows", flush=True)
+        args = argparse.Namespace(
+            **{**vars(args), "only": [i for i in IMPLEMENTATIONS if not i.startswith("titan")]}
+        )
     if args.float8 is None:
         runs = [(name, False) for name in args.only or IMPLEMENTATIONS]
     else:
@@ -963,63 +794,87 @@ def _planned_runs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     ]
 
 
+NOT_RUN_EXIT = 3
+"""A child's exit status when its implementation cannot run here (a peer not installed)."""
+NOT_RUN_PREFIX = "NOT RUN: "
+
+
+def _child_command(
+    args: argparse.Namespace, impl: str, fp8: bool, mode: str, scratch: Path, *, profiled: bool
+) -> list[str]:
+    """The command line of one row's process."""
+    command = [sys.executable, __file__, "--impl", impl, "--json", str(scratch)]
+    command += [
+        f"--{k}={v}"
+        for k, v in vars(args).items()
+        if k in ("model", "device", "seq", "batch", "steps", "warmup")
+    ]
+    if args.attention_backend is not None and impl.startswith("d9d"):
+        command.append(f"--attention-backend={args.attention_backend}")
+    if impl.startswith("d9d"):
+        command += [f"--d9d-state={args.d9d_state}", f"--read-figures={mode}"]
+    command += ["--quick"] if args.quick else []
+    if fp8:
+        command += [f"--float8={args.float8}"]
+        command += [] if args.float8_experts else ["--no-float8-experts"]
+    return command + (["--profile"] if profiled else [])
+
+
+def _run_child(command: list[str], name: str, scratch: Path, args: argparse.Namespace, profiled: bool) -> Any:
+    """One row's record, the reason it did not run (a string), or None when it failed (printed)."""
+    scratch.unlink(missing_ok=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:  # the child is killed; the other rows still run
+        print(f"{name}: no result within --timeout {args.timeout:.0f} s", flush=True)
+        return None
+    if profiled:
+        print(done.stdout[-12000:], flush=True)
+    if done.returncode == NOT_RUN_EXIT:
+        reason = next(line for line in done.stdout.splitlines() if line.startswith(NOT_RUN_PREFIX))
+        print(f"{name}: {reason}", flush=True)
+        return reason.removeprefix(NOT_RUN_PREFIX)
+    if done.returncode != 0 or not scratch.exists():
+        print(
+            f"{name}: FAILED after {time.perf_counter() - started:.0f} s\n{done.stderr[-2500:]}", flush=True
+        )
+        return None
+    return json.loads(scratch.read_text().splitlines()[-1])
+
+
 def run_all(args: argparse.Namespace) -> None:
     """Runs every implementation in its own process, ``--repeats`` rounds in turn; prints the table.
 
     Rounds alternate the implementations (a, b, c, a, b, c, ...) so that a slow phase of the
-    machine hits each alike; a ratio against torchtitan is taken within each round and the table
-    gives its median over the rounds with the range.
+    machine hits each alike; a ratio against a peer (torchtitan, compiled transformers) is taken
+    within each round and the table gives its median over the rounds with the range. A shape
+    with an issue's goal (``GOALS``) gets a line per d9d row saying whether it is met.
     """
     device = torch.device(args.device)
     peak = measure_peak_tflops(device)
     shape = model_shape(args.model, args.quick)
     flops = flops_per_token(shape, args.seq)
-    runs = _planned_runs(args)
+    runs = _planned_runs(args, shape)
     names = [_row_name(args, impl, fp8=fp8, read_figures=mode) for impl, fp8, mode in runs]
-    rounds: list[dict[str, dict[str, Any]]] = []
+    rounds: list[dict[str, Any]] = []
     scratch = Path(f"/tmp/d9d_throughput_{os.getpid()}.jsonl")
     for round_index in range(args.repeats):
-        records: dict[str, dict[str, Any]] = {}
+        records: dict[str, Any] = {}
         for (impl, fp8, mode), name in zip(runs, names, strict=True):
-            scratch.unlink(missing_ok=True)
-            command = [sys.executable, __file__, "--impl", impl, "--json", str(scratch)]
-            command += [
-                f"--{k}={v}"
-                for k, v in vars(args).items()
-                if k in ("model", "device", "seq", "batch", "steps", "warmup")
-            ]
-            if args.attention_backend is not None and impl.startswith("d9d"):
-                command.append(f"--attention-backend={args.attention_backend}")
-            if impl.startswith("d9d"):
-                command += [f"--d9d-state={args.d9d_state}", f"--read-figures={mode}"]
-            command += ["--quick"] if args.quick else []
-            if fp8:
-                command += [f"--float8={args.float8}"]
-                command += [] if args.float8_experts else ["--no-float8-experts"]
             profiled = args.profile and not impl.startswith("hf") and round_index == 0
-            command += ["--profile"] if profiled else []
-            started = time.perf_counter()
-            try:
-                done = subprocess.run(
-                    command, capture_output=True, text=True, timeout=args.timeout, check=False
-                )
-            except subprocess.TimeoutExpired:  # the child is killed; the other rows still run
-                print(f"{name}: no result within --timeout {args.timeout:.0f} s", flush=True)
+            command = _child_command(args, impl, fp8, mode, scratch, profiled=profiled)
+            record = _run_child(command, name, scratch, args, profiled)
+            if record is None:
                 continue
-            if profiled:
-                print(done.stdout[-12000:], flush=True)
-            if done.returncode != 0 or not scratch.exists():
-                print(
-                    f"{name}: FAILED after {time.perf_counter() - started:.0f} s\n{done.stderr[-2500:]}",
-                    flush=True,
-                )
-                continue
-            record = json.loads(scratch.read_text().splitlines()[-1])
             records[name] = record
-            print(f"round {round_index + 1}: {name} {record['tokens_per_s'] / 1e3:.1f}k tok/s", flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            if isinstance(record, dict):
+                print(
+                    f"round {round_index + 1}: {name} {record['tokens_per_s'] / 1e3:.1f}k tok/s", flush=True
+                )
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(record) + "\n")
         rounds.append(records)
     print(
         f"\n{shape['model_type']} {args.model} ({shape['num_hidden_layers']} layers), "
@@ -1027,25 +882,10 @@ def run_all(args: argparse.Namespace) -> None:
         f"{args.device}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; {flops / 1e9:.2f} GFLOP/token; "
         f"{args.repeats} round(s): median (min-max)"
     )
-    peers = [_row_name(args, peer) for peer in PEERS if _row_name(args, peer) in names]
-    header = "| implementation | k tok/s | MFU % | peak GiB |"
-    header += "".join(f" tok/s vs {peer} | memory vs {peer} |" for peer in peers)
-    print(header)
-    print("|---" * (4 + 2 * len(peers)) + "|")
-    for name in names:
-        done_rounds = [r for r in rounds if name in r]
-        if not done_rounds:
-            continue
-        speeds = [r[name]["tokens_per_s"] / 1e3 for r in done_rounds]
-        mfus = [100 * r[name]["tokens_per_s"] * flops / (peak * 1e12) for r in done_rounds]
-        memory = [r[name]["peak_memory_gib"] for r in done_rounds]
-        line = f"| {name} | {spread(speeds)} | {spread(mfus)} | {spread(memory)} |"
-        for peer in peers:
-            paired = [r for r in done_rounds if peer in r]
-            speed_ratio = [r[name]["tokens_per_s"] / r[peer]["tokens_per_s"] for r in paired]
-            memory_ratio = [r[name]["peak_memory_gib"] / r[peer]["peak_memory_gib"] for r in paired]
-            line += f" {spread(speed_ratio) if paired else '-'} | {spread(memory_ratio) if paired else '-'} |"
-        print(line)
+    print("\n".join(table_lines(names, rounds, flops_per_token=flops, peak_tflops=peak)))
+    goal = GOALS.get(args.model)
+    if goal is not None:
+        print("\n".join(goal_lines(goal, names, rounds, d9d_state=args.d9d_state)), flush=True)
 
 
 def pipeline_schedules() -> list[str]:
@@ -1068,8 +908,7 @@ def main() -> None:
         "--model",
         choices=list(SHAPES),
         default="dense",
-        help="dense: Qwen3-0.6B; dense4b: Qwen3-4B widths, 12 layers; dense8b: Qwen3-8B widths, 8 "
-        "layers; dense8b16: the same, 16 layers; moe: Qwen3-30B-A3B widths, 6 layers; llama1b: Llama-3.2-1B",
+        help=SHAPE_HELP,
     )
     parser.add_argument(
         "--repeats",
@@ -1154,8 +993,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.impl == "all":
         run_all(args)
-    else:
+        return
+    try:
         run_one(args)
+    except PeerNotInstalledError as missing:  # a row of the table, not a crash
+        print(f"{NOT_RUN_PREFIX}{missing}", flush=True)
+        sys.exit(NOT_RUN_EXIT)
 
 
 if __name__ == "__main__":
