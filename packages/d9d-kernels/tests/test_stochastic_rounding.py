@@ -40,12 +40,15 @@ def test_copy_stochastic_rounds_to_a_neighbour_without_bias(backend: KernelBacke
     torch.manual_seed(0)
     source = (torch.randn(64) * 10).to(device)
     source[0] = 1.5  # exactly representable: must be kept
-    samples = torch.stack(
+    # 400 draws per element: 8 seeds, each over 50 copies of the source in one call (every element
+    # draws its own random bits), so the draws cost 8 launches rather than 400
+    copies = source.repeat(50)
+    samples = torch.cat(
         [
-            copy_stochastic_(
-                torch.empty(64, dtype=torch.bfloat16, device=device), source, seed=s, backend=backend
-            ).float()
-            for s in range(400)
+            copy_stochastic_(torch.empty_like(copies, dtype=torch.bfloat16), copies, seed=s, backend=backend)
+            .float()
+            .view(50, 64)
+            for s in range(8)
         ]
     )
     down, up = _bf16_neighbours(source)
@@ -174,7 +177,7 @@ def test_adamw_step_multi_equals_one_call_per_parameter(
 ) -> None:
     # sizes below, at and across the multi-tensor kernel's 1024-element blocks and 2048-element
     # program chunks; empty ones (also first and last); more tensors than one search step
-    shapes = [(0,), (3,), (2048,), (5, 1000), (0,), (1,), (2, 35000), (64, 33), (4100,), (7, 3), (2,), (0, 4)]
+    shapes = [(0,), (3,), (2048,), (5, 1000), (0,), (1,), (2, 3500), (64, 33), (4100,), (7, 3), (2,), (0, 4)]
     multi = _operands(shapes, param_dtype, state_dtype, device)
     single = [[t.clone() for t in column] for column in multi]
     seeds = [11 * i + 5 for i in range(len(shapes))]
