@@ -3,8 +3,8 @@
 The finetune-qwen3 example's own ``run()`` (tiny generated Qwen3, toy prompt/completion set, the
 shipped config.yaml with fewer steps) runs under finetune_job.py, which only records what every
 rank saw. Two nodes of 2 ranks with HSDP, replicating across the nodes and sharding within each,
-give the single-process losses; the checkpoint those 4 ranks wrote then resumes on two nodes of
-one rank each (world 2, ``data_parallel_replicate: 2``): the state it loads is the saved one bit for
+give the single-process losses; the checkpoint those 4 ranks wrote then resumes on another layout,
+2 forked ranks (world 2, ``data_parallel_replicate: 2``): the state it loads is the saved one bit for
 bit, it goes on from the saved step, and its losses and final parameters are one process's (close:
 another world size sums in another order). docs/multi-node.md shows the same commands.
 """
@@ -79,9 +79,7 @@ def _assert_close_to(seen: dict[str, Any], single: dict[str, Any], start: int) -
 
 
 @pytest.mark.timeout(900)
-def test_two_nodes_fine_tune_as_one_process_and_resume_on_two_nodes_of_one_rank(
-    tmp_path: Path, nodes: Launcher
-) -> None:
+def test_two_nodes_fine_tune_as_one_process_and_resume_on_two_ranks(tmp_path: Path, nodes: Launcher) -> None:
     # 2 nodes x 2 ranks, HSDP: replicated across the nodes, sharded within each. The work_dir is
     # fresh: the ranks that find no toy set or tiny model there write them (see toy_setup.py).
     directory = tmp_path / "checkpoints"
@@ -101,15 +99,14 @@ def test_two_nodes_fine_tune_as_one_process_and_resume_on_two_nodes_of_one_rank(
     _assert_same_on_every_rank(four)
     _assert_close_to(four[0], single, start=0)
 
-    # 2 nodes x 1 rank (world 2) resume the 4 ranks' checkpoint of step SAVED.
+    # 2 ranks (world 2, forked: test_multi_node.py covers a kill and resume across torchrun nodes)
+    # resume the 4 ranks' checkpoint of step SAVED.
     resume = (
         f"  checkpoint: {{directory: {directory}, every_steps: {SAVED}, keep_last: 3, "
         f"resume: {{from_step: {SAVED}}}}}\n"
     )
     replicas = _config(tmp_path, "replicas", mesh="{data_parallel_replicate: 2}", checkpoint=resume)
-    run = nodes.start([str(replicas), str(tmp_path / "replicas")], tmp_path / "replicas", nproc_per_node=1)
-    assert run.wait() == [0, 0], run.outputs()
-    two = _ranks(tmp_path / "replicas", 2)
+    two = run_distributed(run_job, replicas, tmp_path / "replicas", world_size=2, timeout_s=RUN_TIMEOUT_S)
     _assert_same_on_every_rank(two)
     for rank, seen in enumerate(two):
         assert seen["first_step"] == SAVED, f"rank {rank} started at step {seen['first_step']}"
