@@ -7,6 +7,7 @@ FP8 grouped GEMM of MoE experts runs its CPU reference (the same quantization, f
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -273,8 +274,10 @@ def test_float8_all_gather_resumes_from_a_checkpoint(checkpoints: dict[str, Path
     directory = checkpoints["dense"]
     gathered = {**FLOAT8, "fsdp_float8_all_gather": True}
     mesh = {"data_parallel_shard": 2}
-    uninterrupted = _run(directory, gathered, mesh=mesh, world_size=2)
-    _run(directory, gathered, mesh=mesh, world_size=2, steps=2, checkpoint_dir=tmp_path / "ckpt")
+    # the uninterrupted run saves after every step (the last two kept); without its last
+    # checkpoint, a resume starts from step 2's and runs the last step again
+    uninterrupted = _run(directory, gathered, mesh=mesh, world_size=2, checkpoint_dir=tmp_path / "ckpt")
+    shutil.rmtree(tmp_path / "ckpt" / "step_000000003")
     resumed = _run(directory, gathered, mesh=mesh, world_size=2, checkpoint_dir=tmp_path / "ckpt")
     for full, rest in zip(uninterrupted, resumed, strict=True):
         assert len(rest["losses"]) == 1  # only the last step ran again
