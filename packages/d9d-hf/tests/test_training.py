@@ -8,6 +8,7 @@ export and gives the single-process model's logits.
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -662,12 +663,13 @@ def test_expert_bias_resumes_exactly(tmp_path: Path) -> None:
         {"config": TINY_MOE, "attention_backend": "eager", "expert_bias_update_rate": 0.01}
     )
     mesh = {"data_parallel_shard": 2}
-    uninterrupted = run_distributed(_train, config, mesh, world_size=2, timeout_s=180)
-    stopped = functools.partial(_train, checkpoint_dir=tmp_path / "ckpt", max_steps=STEPS - 1)
-    run_distributed(stopped, config, mesh, world_size=2, timeout_s=180)
-    resumed = functools.partial(_train, checkpoint_dir=tmp_path / "ckpt")
+    # the uninterrupted run saves after every step (the last two kept); without its last
+    # checkpoint, a resume starts from the one before and runs the last step again
+    saving = functools.partial(_train, checkpoint_dir=tmp_path / "ckpt")
+    uninterrupted = run_distributed(saving, config, mesh, world_size=2, timeout_s=180)
+    shutil.rmtree(tmp_path / "ckpt" / f"step_{STEPS:09d}")
     for full, rest in zip(
-        uninterrupted, run_distributed(resumed, config, mesh, world_size=2, timeout_s=180), strict=True
+        uninterrupted, run_distributed(saving, config, mesh, world_size=2, timeout_s=180), strict=True
     ):
         assert len(rest["losses"]) == 1  # only the last step ran again
         torch.testing.assert_close(rest["losses"], full["losses"][-1:], atol=0, rtol=0)
