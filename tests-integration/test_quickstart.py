@@ -19,13 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 # What train.py imports at its top: imported once in the session's runner (see script_runner).
 SCRIPT_IMPORTS = ("d9d.loop", "d9d.mesh", "d9d.parallel", "d9d.state_mappers")
+CONVERGENCE_STEPS = 160
 
 
 @pytest.mark.timeout(900)
 def test_quickstart_script_converges_below_twice_the_noise_floor(
     tmp_path: Path, torch_runner: subprocess.Popen[str]
 ) -> None:
+    # The shipped config with 160 of its 300 steps: the last 10 losses average about 0.014 there
+    # (0.016 at 120 steps), still well under the bound below.
     config = (REPO / "examples" / "quickstart" / "config.yaml").read_text()
+    assert "max_steps: 300" in config
+    config = config.replace("max_steps: 300", f"max_steps: {CONVERGENCE_STEPS}", 1)
     metrics = tmp_path / "metrics.jsonl"
     config = config.replace(
         "  seed: 0\n  gradient_clipping",
@@ -36,13 +41,13 @@ def test_quickstart_script_converges_below_twice_the_noise_floor(
     path.write_text(config)
     # `python train.py CONFIG` in a process of its own (forked by the script runner, see script_runner)
     # The limit only catches a hang: 300 steps took over 120 s on a busy 2-core machine, and the
-    # runner killed then failed the later tests that share it.
+    # runner killed then failed the later tests that share it (generous for 160 steps too).
     result = run_script(
         torch_runner, QUICKSTART, str(path), cwd=tmp_path, timeout_s=600, preload=SCRIPT_IMPORTS
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records[-1]["step"] == 299
+    assert records[-1]["step"] == CONVERGENCE_STEPS - 1
     final = sum(r["loss"] for r in records[-10:]) / 10
     assert final < 0.02, f"final loss {final} is not within 2x of the noise floor 0.01"
     assert "train" in result.stderr  # the progress bar
@@ -73,7 +78,7 @@ def test_the_script_under_torchrun_gives_the_single_process_curve(tmp_path: Path
     config = (REPO / "examples" / "quickstart" / "config.yaml").read_text()
     config = (
         config.replace("mesh: {}", "mesh: {data_parallel_shard: 2}")
-        .replace("max_steps: 300", "max_steps: 12")
+        .replace("max_steps: 300", "max_steps: 4")
         .replace("warmup: {steps: 20}", "warmup: {steps: 3}")  # a warm-up longer than the run is refused
     )
     metrics = tmp_path / "metrics.jsonl"
