@@ -12,7 +12,7 @@ from quickstart_job import quickstart_config, run_quickstart
 
 from d9d.mesh.testing import DistributedTestError, run_distributed
 
-STEPS = 12
+STEPS = 6  # kills land at step 2 or 3 (random), each with a checkpoint before it
 
 
 def _config(directory: Path | None, mesh: dict[str, int]) -> dict[str, Any]:
