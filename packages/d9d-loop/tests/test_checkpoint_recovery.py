@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from recovery_helpers import checkpoints, run_toy
 
 from d9d.mesh.testing import run_distributed
+
+
+@pytest.fixture(scope="module")
+def six_steps() -> dict[str, Any]:
+    """The uninterrupted 6-step run (no checkpoints) the resumed runs must equal bit for bit."""
+    return run_distributed(run_toy, None, max_steps=6, world_size=1)[0]
 
 
 def _truncate(path: Path) -> None:
@@ -37,9 +44,9 @@ def _metadata(step_dir: Path) -> Path:
     ],
 )
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-    tmp_path: Path, damage: Callable[[Path], None], file_of: Callable[[Path], Path]
+    tmp_path: Path, six_steps: dict[str, Any], damage: Callable[[Path], None], file_of: Callable[[Path], Path]
 ) -> None:
-    reference = run_distributed(run_toy, None, max_steps=6, world_size=1)[0]
+    reference = six_steps
     run_distributed(run_toy, str(tmp_path), max_steps=4, world_size=1)
     assert checkpoints(tmp_path) == ["step_000000002", "step_000000003", "step_000000004"]
     damaged = file_of(tmp_path / "step_000000004")
@@ -104,11 +111,11 @@ def test_flipped_bytes_are_found_by_checksums_when_enabled(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("policy", ["stop", "rollback"])
 def test_non_finite_weights_in_the_newest_checkpoint_fall_back_to_an_older_one(
-    tmp_path: Path, policy: str
+    tmp_path: Path, six_steps: dict[str, Any], policy: str
 ) -> None:
     # With `verify: sizes` a NaN written into the newest checkpoint used to fail every restart
     # (stop), or be reloaded again and again (rollback), never trying the older good one.
-    reference = run_distributed(run_toy, None, max_steps=6, world_size=1)[0]
+    reference = six_steps
     first = run_distributed(run_toy, str(tmp_path), max_steps=4, world_size=1)[0]
     shard = _flip_a_weight(tmp_path / "step_000000004", first["params"]["fc2.weight"])
 
@@ -125,9 +132,9 @@ def test_non_finite_weights_in_the_newest_checkpoint_fall_back_to_an_older_one(
     assert "step_000000004.damaged" in checkpoints(tmp_path)
 
 
-def test_four_ranks_fall_back_together(tmp_path: Path) -> None:
+def test_four_ranks_fall_back_together(tmp_path: Path, six_steps: dict[str, Any]) -> None:
     mesh = {"data_parallel_shard": 4}
-    reference = run_distributed(run_toy, None, max_steps=6, world_size=1)[0]
+    reference = six_steps
     run_distributed(run_toy, str(tmp_path), max_steps=4, mesh=mesh, world_size=4, timeout_s=240)
     _truncate(tmp_path / "step_000000004" / "__2_0.distcp")
     resumed = run_distributed(
