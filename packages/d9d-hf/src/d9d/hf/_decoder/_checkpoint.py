@@ -11,7 +11,7 @@ from torch import nn
 from d9d.hf._decoder._expert_bias import expert_bias_names
 from d9d.hf._decoder._heads import DecoderHead, export_head_of
 from d9d.hf._decoder._model import DecoderModel
-from d9d.hf._decoder._quantized_tensors import refuse_quantized_tensors
+from d9d.hf._decoder._quantized_tensors import dequantized_specs, file_of
 from d9d.hf._decoder._state_mapper import (
     HF_HEAD_TENSORS,
     decoder_export_mapper,
@@ -64,11 +64,10 @@ def check_checkpoint(
     heads = model.head_specs if heads is None else heads
     _refuse_layers_beyond(checkpoint, model.spec.num_layers)
     view = heads_state_module(model, heads)
-    refuse_quantized_tensors(checkpoint)
     specs = {name: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for name, t in view.state_dict().items()}
     mapper = decoder_export_mapper(model.config, heads, model.layout)
     hf_specs = validate_mapping(mapper, specs).output_specs
-    source = checkpoint.specs
+    source = dequantized_specs(checkpoint)  # an MXFP4 pair counts as its bf16 tensor
     source_prefix = "model." if any(name.startswith("model.") for name in source) else ""
     prefix = hf_prefix(export_head_of(heads))
     problems: list[str] = []
@@ -78,7 +77,7 @@ def check_checkpoint(
             problems.append(f"{checkpoint.path}: missing tensor {stored_name!r}")
         elif source[stored_name].shape != spec.shape:
             problems.append(
-                f"{checkpoint.file_of(stored_name)}: tensor {stored_name!r} has shape "
+                f"{file_of(checkpoint, stored_name)}: tensor {stored_name!r} has shape "
                 f"{list(source[stored_name].shape)}, the config needs {list(spec.shape)}"
             )
     if problems:

@@ -11,6 +11,7 @@ from torch import nn
 from d9d.hf._decoder._checkpoint import base_state_module, check_checkpoint, heads_state_module
 from d9d.hf._decoder._heads import DecoderHead
 from d9d.hf._decoder._model import DecoderModel
+from d9d.hf._decoder._quantized_tensors import dequantized_specs, mxfp4_mapper
 from d9d.hf._decoder._state_mapper import decoder_load_mapper
 from d9d.state_mappers import (
     CastMapper,
@@ -67,9 +68,10 @@ def stage_load_mapper(model: DecoderModel, checkpoint: SafetensorsCheckpoint) ->
     check_checkpoint(checkpoint, model, heads)
     target = heads_state_module(model, heads)
     names = target.state_dict().keys()
-    mapper = decoder_load_mapper(
-        model.config, heads, source_names=checkpoint.specs.keys(), target_names=names
-    )
+    source = dequantized_specs(checkpoint)
+    mapper = decoder_load_mapper(model.config, heads, source_names=source.keys(), target_names=names)
+    if source.keys() != checkpoint.specs.keys():  # MXFP4 pairs, dequantized to bf16 as they stream
+        mapper = SequentialMapper([mxfp4_mapper(checkpoint), mapper])
     checked = _checked(mapper, checkpoint, target)
     _saved_heads(model, checkpoint)  # raises now, on the meta device, if a file does not fit
     return checked

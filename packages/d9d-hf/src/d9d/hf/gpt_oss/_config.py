@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, cast
 
@@ -32,13 +33,17 @@ _DEFAULT_ROPE: dict[str, Any] = {
 }
 """transformers' rope block for a GPT-OSS config.json that has none."""
 
+_LOG = logging.getLogger(__name__)
+
 
 class GptOssConfig(DecoderConfigBase):
     """config.json of ``model_type: gpt_oss`` (``GptOssForCausalLM`` and its heads).
 
     Every layer is a mixture of experts; sliding-window and full-attention layers alternate by
     ``layer_types`` (by default even layers slide); every attention head has a learned sink.
-    MXFP4-quantized checkpoints (``quantization_config``) are refused: d9d does not dequantize.
+    An MXFP4-quantized checkpoint (``quantization_config.quant_method: mxfp4``, experts stored as
+    ``*_blocks`` / ``*_scales``) is dequantized to bf16 while it loads; other quantizations are
+    refused. Exported configs leave ``quantization_config`` out: d9d writes bf16 tensors.
     """
 
     architecture_prefix: ClassVar[str] = "GptOss"
@@ -80,13 +85,12 @@ class GptOssConfig(DecoderConfigBase):
 
     @field_validator("quantization_config")
     @classmethod
-    def _not_quantized(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            method = value.get("quant_method")
+    def _mxfp4_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("quant_method") != "mxfp4":
             raise ValueError(
-                f"quant_method={method!r}: quantized GPT-OSS checkpoints (MXFP4 experts, *_blocks / *_scales "
-                "tensors) are not supported, d9d does not dequantize them; load a bf16 checkpoint (for "
-                "example one saved by transformers after loading with Mxfp4Config(dequantize=True))"
+                f"quant_method={value.get('quant_method')!r}: only MXFP4-quantized GPT-OSS checkpoints "
+                "(quant_method 'mxfp4', dequantized to bf16 at load) are supported; load a bf16 "
+                "checkpoint instead"
             )
         return value
 
@@ -100,7 +104,24 @@ class GptOssConfig(DecoderConfigBase):
         types = self.resolved_layer_types()
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        if self.quantization_config is not None:
+            _LOG.info(
+                "GPT-OSS checkpoint is MXFP4-quantized: its experts are dequantized to bf16 at load, "
+                "%.2f GiB of expert weights in memory (about 3.8x their MXFP4 size)",
+                self.expert_weight_bytes(2) / 2**30,
+            )
         return self
+
+    def expert_weight_bytes(self, bytes_per_value: int) -> int:
+        """Bytes of every layer's expert matrices (``gate_up_proj`` and ``down_proj``, no biases)."""
+        per_expert = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * self.num_local_experts * per_expert * bytes_per_value
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config.json content, without ``quantization_config``: d9d loads and writes bf16 experts."""
+        content = super().to_json_dict()
+        content.pop("quantization_config", None)
+        return content
 
     def resolved_layer_types(self) -> list[LayerType]:
         """Each layer's attention: ``layer_types``, else sliding on even layers, as transformers.
