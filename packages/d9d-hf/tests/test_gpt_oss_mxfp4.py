@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import d9d.hf
 from d9d.hf._decoder._mxfp4 import E2M1_VALUES, dequantize_mxfp4
 from d9d.hf._decoder._quantized_tensors import Mxfp4Mapper
-from d9d.state_mappers import TensorPiece, TensorSpec
+from d9d.state_mappers import SafetensorsCheckpoint, TensorPiece, TensorSpec
 
 TINY: dict[str, Any] = {
     "vocab_size": 128,
@@ -89,15 +89,21 @@ def test_dequantizer_equals_transformers_bit_for_bit() -> None:
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantized_twin(checkpoints: dict[str, Path], helpers: Any) -> None:
+def test_mxfp4_checkpoint_loads_as_its_dequantized_twin_and_exports_plain(
+    checkpoints: dict[str, Path], tmp_path: Path, helpers: Any
+) -> None:
     quantized = d9d.hf.load_pretrained(checkpoints["mxfp4"]).eval()
     plain = d9d.hf.load_pretrained(checkpoints["bf16"]).eval()
-    assert "quantization_config" not in quantized.config.to_json_dict()  # exports load as bf16
+    d9d.hf.save_pretrained(quantized, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not [name for name in SafetensorsCheckpoint(tmp_path / "out").specs if name.endswith("_blocks")]
     with torch.no_grad():
         logits = quantized.logits(PROBE)
         torch.testing.assert_close(logits, plain.logits(PROBE), atol=0, rtol=0)
         hf = helpers.hf_model(checkpoints["bf16"]).eval()
         torch.testing.assert_close(logits, hf(PROBE).logits, atol=1e-4, rtol=1e-4)
+        exported = helpers.hf_model(tmp_path / "out").eval()  # transformers reads it as a plain model
+        torch.testing.assert_close(exported(PROBE).logits, hf(PROBE).logits, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
