@@ -36,7 +36,6 @@ class Mxfp4Pair:
     """One quantized tensor: ``name`` stored as ``name_blocks`` and ``name_scales``."""
 
     name: str
-    file: Path
 
     @property
     def blocks(self) -> str:
@@ -69,15 +68,16 @@ def mxfp4_pairs(checkpoint: SafetensorsCheckpoint) -> list[Mxfp4Pair]:
                 )
         if not name.endswith(BLOCKS_SUFFIX):
             continue
-        pair = Mxfp4Pair(name=name.removesuffix(BLOCKS_SUFFIX), file=checkpoint.file_of(name))
-        _check_pair(pair, specs[pair.blocks], specs[pair.scales])
+        pair, file = Mxfp4Pair(name=name.removesuffix(BLOCKS_SUFFIX)), checkpoint.file_of(name)
+        _check_pair(pair, specs[pair.blocks], specs[pair.scales], where=f"{file}: ")
         if pair.name in specs:
-            raise ValueError(f"{pair.file}: tensor {pair.name!r} is stored both plain and as an MXFP4 pair")
+            raise ValueError(f"{file}: tensor {pair.name!r} is stored both plain and as an MXFP4 pair")
         pairs.append(pair)
     return pairs
 
 
-def _check_pair(pair: Mxfp4Pair, blocks: TensorSpec, scales: TensorSpec) -> None:
+def _check_pair(pair: Mxfp4Pair, blocks: TensorSpec, scales: TensorSpec, *, where: str = "") -> None:
+    """Raises unless ``blocks`` and ``scales`` are an MXFP4 pair's specs (``where`` starts the message)."""
     fits = (
         blocks.dtype == torch.uint8
         and scales.dtype == torch.uint8
@@ -87,7 +87,7 @@ def _check_pair(pair: Mxfp4Pair, blocks: TensorSpec, scales: TensorSpec) -> None
     )
     if not fits:
         raise ValueError(
-            f"{pair.file}: tensor {pair.blocks!r} {blocks.dtype} {list(blocks.shape)} and "
+            f"{where}tensor {pair.blocks!r} {blocks.dtype} {list(blocks.shape)} and "
             f"{pair.scales!r} {scales.dtype} {list(scales.shape)} are not an MXFP4 pair (uint8 "
             f"blocks (experts, rows, G, {BLOCK_BYTES}) and uint8 scales (experts, rows, G))"
         )
@@ -129,7 +129,7 @@ class Mxfp4Mapper(MapperGroup):
     """
 
     def __init__(self, name: str) -> None:
-        self._pair = Mxfp4Pair(name=name, file=Path())
+        self._pair = Mxfp4Pair(name=name)
 
     @property
     def inputs(self) -> frozenset[str]:
