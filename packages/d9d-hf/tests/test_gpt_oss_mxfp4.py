@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import d9d.hf
 from d9d.hf._decoder._mxfp4 import E2M1_VALUES, dequantize_mxfp4
 from d9d.hf._decoder._quantized_tensors import Mxfp4Mapper
+from d9d.mesh.testing import run_distributed
 from d9d.state_mappers import SafetensorsCheckpoint, TensorPiece, TensorSpec
 
 TINY: dict[str, Any] = {
@@ -148,3 +149,56 @@ def test_a_slice_of_the_experts_reads_only_those_experts() -> None:
         for name, t in (("w_blocks", blocks), ("w_scales", scales))
     }
     assert torch.equal(plan.run(pieces)["w"], dequantize_mxfp4(blocks, scales)[1:3, 8:40, 2:5])
+
+
+def _train_expert_parallel(directory: Path, mesh: dict[str, int]) -> list[float]:
+    """Two steps under ``mesh`` (fp32, eager attention): the losses."""
+    from d9d.hf import HFModelProvider, PretrainedModelConfig, TokenBatch, TokenSample, causal_lm_task
+    from d9d.loop import (
+        AutoDataProvider,
+        AutoLRSchedulerProvider,
+        AutoOptimizerProvider,
+        ForwardBackwardFinished,
+        ProjectConfig,
+        TrainingConfigurator,
+    )
+
+    rows = [TokenSample(input_ids=ids, labels=ids.clone()) for ids in PROBE.repeat(2, 1)]
+    trainer_config = {"max_steps": 2, "global_batch_size": 4, "microbatch_size": 2, "device": "cpu"}
+    config = ProjectConfig.model_validate(
+        {
+            "mesh": mesh,
+            "trainer": {**trainer_config, "logging": {"progress_bar": False}},
+            "data": {"shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        }
+    )
+    trainer = TrainingConfigurator(
+        mesh=config.mesh,
+        parameters=config.trainer,
+        model_provider=HFModelProvider(
+            PretrainedModelConfig(source=str(directory), attention_backend="eager")
+        ),
+        task_provider=causal_lm_task,
+        data_provider=AutoDataProvider(
+            dataset_factory=lambda _: rows, collator=TokenBatch.collate, config=config.data
+        ),
+        optimizer_provider=AutoOptimizerProvider(config.optimizer),
+        lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
+    ).configure()
+    losses: list[float] = []
+    with trainer:
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
+        trainer.train()
+    return losses
+
+
+def test_expert_parallel_ranks_load_their_mxfp4_experts(checkpoints: dict[str, Path]) -> None:
+    mesh = {"expert_parallel": 2, "data_parallel_shard": 2}
+    quantized = run_distributed(
+        _train_expert_parallel, checkpoints["mxfp4"], mesh, world_size=2, timeout_s=180
+    )
+    plain = run_distributed(_train_expert_parallel, checkpoints["bf16"], {}, world_size=1, timeout_s=180)[0]
+    assert len(plain) >= 2 and len(quantized) == 2
+    for losses in quantized:  # each rank loads the slice of experts it holds
+        torch.testing.assert_close(losses, plain, atol=2e-5, rtol=2e-5)
