@@ -6,6 +6,10 @@ Run from the repository root on a CUDA machine:
 FLOPs counted as FlashAttention does: forward 4 * batch * seq^2 * q_heads * head_dim (halved when
 causal), backward 2.5x forward; packed rows are counted as if dense (the usual convention), so
 packed numbers are "effective" TFLOP/s.
+
+A second table times sliding-window attention at Gemma-3-1B's heads (4 query heads and 1
+key/value head of 256, window 512, 4 x 4096 tokens): SDPA given the window as a dense mask
+against FlexAttention's block-sparse kernel (``flex_attention``), median of 5 repeats of 10 calls.
 """
 
 import argparse
@@ -22,7 +26,8 @@ from d9d.kernels.layers import (
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS_PER_STEP = 16384
-BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_4")
+BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
+WINDOW_BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
 
 
 def time_ms(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
@@ -60,16 +65,53 @@ def _measure(backend: AttentionBackend, batch: int, seq: int, packed: bool) -> f
     return time_ms(step)
 
 
+def _measure_window(backend: AttentionBackend, window: int | None) -> list[float]:
+    """Gemma-3-1B's heads, 4 x 4096 tokens: five repeats of the mean of 10 fwd+bwd calls."""
+    device = torch.device("cuda")
+    shape_q, shape_kv = (4, 4096, 4, 256), (4, 4096, 1, 256)
+    q = torch.randn(shape_q, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(shape_q, device=device, dtype=torch.bfloat16)
+
+    def step() -> None:
+        out = backend.attend(q, k, v, causal=True, softmax_scale=256**-0.5, sliding_window=window)
+        out.backward(upstream)
+
+    return [time_ms(step) for _ in range(5)]
+
+
+def _window_table(results: list[dict[str, object]]) -> None:
+    print("\n| backend | window | fwd+bwd ms, median (min-max) of 5 | vs sdpa |")
+    print("|---|---|---|---|")
+    baseline: float | None = None
+    for name in WINDOW_BACKENDS:
+        try:
+            backend = build_attention_backend(name)
+        except AttentionBackendUnavailableError:
+            continue
+        for window in (512, None):
+            times = sorted(_measure_window(backend, window))
+            median = times[len(times) // 2]
+            if name == "sdpa" and window == 512:
+                baseline = median
+            ratio = f"{baseline / median:.2f}x" if baseline is not None and window == 512 else "-"
+            label = "causal" if window is None else str(window)
+            print(f"| {name} | {label} | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | {ratio} |")
+            results.append({"backend": name, "window": window, "ms": median, "ms_all": times})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--eager-max-seq", type=int, default=8192)
+    parser.add_argument("--window-only", action="store_true", help="the sliding-window table only")
     args = parser.parse_args()
     results: list[dict[str, object]] = []
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| backend | seq | batch | packed (4 docs/row) | fwd+bwd ms | TFLOP/s |")
     print("|---|---|---|---|---|---|")
-    for name in BACKENDS:
+    for name in () if args.window_only else BACKENDS:
         try:
             backend = build_attention_backend(name)
         except AttentionBackendUnavailableError as error:
@@ -98,6 +140,7 @@ def main() -> None:
                         "tflops": tflops,
                     }
                 )
+    _window_table(results)
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=1)

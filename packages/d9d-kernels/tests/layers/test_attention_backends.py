@@ -15,6 +15,7 @@ from d9d.kernels.layers import (
     EagerAttentionBackend,
     FlashAttention2Backend,
     FlashAttention4Backend,
+    FlexAttentionBackend,
     SdpaAttentionBackend,
     build_attention_backend,
     build_attention_mask,
@@ -25,7 +26,7 @@ DOCUMENTS = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 
 
 
 def _available_backends(device: torch.device) -> list[AttentionBackend]:
-    backends: list[AttentionBackend] = [SdpaAttentionBackend()]
+    backends: list[AttentionBackend] = [SdpaAttentionBackend(), FlexAttentionBackend()]
     if device.type == "cuda":
         for name in ("flash_attention_2", "flash_attention_4"):
             try:
@@ -130,6 +131,24 @@ def test_backends_agree_with_eager_forward_and_backward(
     for backend in _available_backends(device):
         for got, expected in zip(run(backend), reference, strict=True):
             torch.testing.assert_close(got, expected, **tolerance, msg=lambda m, b=backend: f"{type(b)}: {m}")
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), HEAD_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [1, 3, 200])
+def test_flex_window_block_mask_equals_eager_at_lengths_off_its_block_size(
+    q_heads: int, kv_heads: int, causal: bool, window: int
+) -> None:
+    # 130 tokens: one full 128-token block and a partial one; CPU runs the forward (no backward
+    # there), a GPU also runs the backward in test_backends_agree_with_eager_forward_and_backward
+    torch.manual_seed(0)
+    q = torch.randn(2, 130, q_heads, 16)
+    k = torch.randn(2, 130, kv_heads, 16)
+    v = torch.randn(2, 130, kv_heads, 16)
+    options = {"causal": causal, "softmax_scale": 0.25, "sliding_window": window}
+    got = FlexAttentionBackend().attend(q, k, v, **options)
+    expected = EagerAttentionBackend().attend(q, k, v, **options)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_attention_equals_attention_per_document() -> None:

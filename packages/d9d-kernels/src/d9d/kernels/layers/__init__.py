@@ -30,6 +30,7 @@ from d9d.kernels.layers._flash_attention import (
     FlashAttention2Backend,
     FlashAttention4Backend,
 )
+from d9d.kernels.layers._flex_attention import FlexAttentionBackend
 from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExperts, SharedInputGroupedMatmul
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
@@ -109,6 +110,7 @@ __all__ = [
     "RouterScoreFunction",
     "RouterSelection",
     "SdpaAttentionBackend",
+    "FlexAttentionBackend",
     "SharedInputGroupedMatmul",
     "SinkAttentionBackend",
     "SwiGLU",

@@ -15,9 +15,10 @@ from d9d.kernels.layers._flash_attention import (
     FlashAttention2Backend,
     FlashAttention4Backend,
 )
+from d9d.kernels.layers._flex_attention import FlexAttentionBackend
 from d9d.kernels.layers._sdpa_attention import SdpaAttentionBackend
 
-AttentionBackendName = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_4"]
+AttentionBackendName = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_4"]
 ATTENTION_BACKEND_ENV_VAR = "D9D_ATTENTION_BACKEND"
 _NAMES: tuple[str, ...] = get_args(AttentionBackendName)
 
@@ -34,6 +35,8 @@ def build_attention_backend(name: AttentionBackendName) -> AttentionBackend:
             return EagerAttentionBackend()
         case "sdpa":
             return SdpaAttentionBackend()
+        case "flex_attention":
+            return FlexAttentionBackend()
         case "flash_attention_2":
             return FlashAttention2Backend()
         case "flash_attention_4":
@@ -44,8 +47,9 @@ def detect_attention_backend(*, sinks: bool = False) -> AttentionBackendName:
     """The fastest backend installed and supported by the current CUDA device, else ``"sdpa"``.
 
     FlashAttention 4 is chosen on Hopper/Blackwell (compute capability 9.x/10.x) when installed,
-    FlashAttention 2 on Ampere and newer when installed; everything else uses SDPA. With
-    ``sinks`` only backends that attend with sinks compete: SDPA.
+    FlashAttention 2 on Ampere and newer when installed; without either, Ampere and newer get
+    ``"flex_attention"`` (SDPA's flash kernel, and FlexAttention for sliding windows); everything
+    else uses SDPA. With ``sinks`` only backends that attend with sinks compete: SDPA.
     """
     if sinks or not torch.cuda.is_available():
         return "sdpa"
@@ -61,12 +65,12 @@ def detect_attention_backend(*, sinks: bool = False) -> AttentionBackendName:
         except AttentionBackendUnavailableError:
             continue
         return candidate
-    return "sdpa"
+    return "flex_attention" if major >= 8 else "sdpa"
 
 
 def _parse_name(value: str, *, source: str) -> AttentionBackendName:
     match value:
-        case "eager" | "sdpa" | "flash_attention_2" | "flash_attention_4":
+        case "eager" | "sdpa" | "flex_attention" | "flash_attention_2" | "flash_attention_4":
             return value
         case _:
             raise ValueError(f"{source}={value!r} is not an attention backend; choose one of {list(_NAMES)}")
