@@ -1,4 +1,5 @@
-"""Attention sinks: eager and SDPA against a plain-PyTorch reference and transformers' GPT-OSS attention."""
+"""Attention sinks: eager, SDPA and FlexAttention against a plain-PyTorch reference and transformers'
+GPT-OSS attention."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from d9d.kernels.layers import (
     ATTENTION_BACKEND_ENV_VAR,
     EagerAttentionBackend,
+    FlexAttentionBackend,
     GroupedQueryAttention,
     RotaryEmbedding,
     SdpaAttentionBackend,
@@ -15,6 +17,7 @@ from d9d.kernels.layers import (
     detect_attention_backend,
     select_attention_backend,
 )
+from d9d.kernels.layers._flex_attention import rescale_for_sinks
 
 
 def _reference(
@@ -54,6 +57,68 @@ def test_backends_attend_with_sinks_as_the_reference(
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got[3].abs().min() > 0  # every sink gets a gradient
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 200])
+def test_flex_attends_with_sinks_as_the_reference_off_its_block_size(window: int | None) -> None:
+    # 130 tokens: a full 128-token block and a partial one; forward only on CPU (flex has no CPU
+    # backward), the GPU test below also checks gradients
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 130, 4, 8, generator=generator)
+    k = torch.randn(2, 130, 2, 8, generator=generator)
+    v = torch.randn(2, 130, 2, 8, generator=generator)
+    sinks = torch.tensor([3.0, -2.0, 0.0, 1.5])
+    out = FlexAttentionBackend().attend_with_sinks(
+        q, k, v, sinks=sinks, causal=True, softmax_scale=8**-0.5, sliding_window=window
+    )
+    torch.testing.assert_close(out.double(), _reference(q, k, v, sinks, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_sink_rescaling_of_attention_and_its_lse_gives_the_reference_gradients(window: int | None) -> None:
+    # what FlexAttentionBackend does after the kernel, on a differentiable plain attention and lse
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 7, 4, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 7, 2, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 7, 2, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([3.0, -2.0, 0.0, 1.5], dtype=torch.float64, requires_grad=True)
+    heads_q = q.transpose(1, 2)
+    heads_k, heads_v = (t.transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    scores = heads_q @ heads_k.transpose(-1, -2) * 8**-0.5
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    allowed = (j <= i) & (i - j < window if window is not None else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    plain = (torch.softmax(scores, -1) @ heads_v).transpose(1, 2)
+    out = rescale_for_sinks(plain, torch.logsumexp(scores, -1), sinks)
+    expected = _reference(q, k, v, sinks, window)
+    torch.testing.assert_close(out, expected)
+    weight = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((expected * weight).sum(), (q, k, v, sinks))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 128])
+def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(window: int | None) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape_q, shape_kv = (2, 300, 8, 64), (2, 300, 2, 64)
+    q = torch.randn(shape_q, generator=generator, device="cuda", requires_grad=True)
+    k = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
+    v = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
+    sinks = torch.randn(8, generator=generator, device="cuda", requires_grad=True)
+    options = {"causal": True, "softmax_scale": 0.125, "sliding_window": window}
+    outs = [
+        backend.attend_with_sinks(q, k, v, sinks=sinks, **options)
+        for backend in (FlexAttentionBackend(), EagerAttentionBackend())
+    ]
+    weight = torch.randn(outs[0].shape, generator=generator, device="cuda")
+    grads = [torch.autograd.grad((out * weight).sum(), (q, k, v, sinks)) for out in outs]
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_sinks_with_packed_documents_equal_each_document_alone() -> None:

@@ -49,11 +49,14 @@ def detect_attention_backend(*, sinks: bool = False) -> AttentionBackendName:
     FlashAttention 4 is chosen on Hopper/Blackwell (compute capability 9.x/10.x) when installed,
     FlashAttention 2 on Ampere and newer when installed; without either, Ampere and newer get
     ``"flex_attention"`` (SDPA's flash kernel, and FlexAttention for sliding windows); everything
-    else uses SDPA. With ``sinks`` only backends that attend with sinks compete: SDPA.
+    else uses SDPA. With ``sinks`` only backends that attend with sinks compete: FlexAttention on
+    Ampere and newer, else SDPA.
     """
-    if sinks or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return "sdpa"
     major, _ = torch.cuda.get_device_capability()
+    if sinks:
+        return "flex_attention" if major >= 8 else "sdpa"
     candidates: list[AttentionBackendName] = []
     if major in (9, 10):
         candidates.append("flash_attention_4")

@@ -1,4 +1,4 @@
-"""FlexAttention backend: sliding windows as a block-sparse kernel instead of a dense mask."""
+"""FlexAttention backend: sliding windows and attention sinks as block-sparse kernels, no dense mask."""
 
 from __future__ import annotations
 
@@ -6,25 +6,42 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from d9d.kernels.layers._attention_mask import check_sliding_window
+from d9d.kernels.layers._attention_sinks import check_sinks
 from d9d.kernels.layers._eager_attention import check_attention_shapes
 from d9d.kernels.layers._sdpa_attention import SdpaAttentionBackend
 
-_BlockMaskKey = tuple[int, bool, int, str]
+_BlockMaskKey = tuple[int, bool, int | None, str]
 
 
-def _window_mask_mod(*, causal: bool, sliding_window: int) -> Callable[..., torch.Tensor]:
-    """The mask of ``AttentionBackend`` for one window, in FlexAttention's ``mask_mod`` form."""
+def _mask_mod(*, causal: bool, sliding_window: int | None) -> Callable[..., torch.Tensor]:
+    """The mask of ``AttentionBackend`` (causal and/or a window), in FlexAttention's ``mask_mod`` form."""
 
     def allowed(
         batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> torch.Tensor:
-        inside = (query - key).abs() < sliding_window
+        inside = (query - key).abs() < sliding_window if sliding_window is not None else query >= 0
         return inside & (key <= query) if causal else inside
 
     return allowed
+
+
+def rescale_for_sinks(output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks turned into attention with them: each row times ``sigmoid(lse - sink)``.
+
+    A query's weights without the sink are ``exp(score_j - lse)``; with it they are ``exp(score_j) /
+    (exp(lse) + exp(sink))``, the same weights times ``exp(lse) / (exp(lse) + exp(sink))``.
+
+    Args:
+        output: ``(batch, seq, heads, head_dim)`` attention output without sinks.
+        lse: ``(batch, heads, seq)`` log-sum-exp of each query's scaled, masked scores.
+        sinks: ``(heads,)`` sink logits.
+    """
+    compute = torch.promote_types(output.dtype, torch.float32)
+    kept = torch.sigmoid(lse.to(compute) - sinks.to(compute).view(1, -1, 1)).transpose(1, 2).unsqueeze(-1)
+    return (output.to(compute) * kept).to(output.dtype)
 
 
 class FlexAttentionBackend:
@@ -36,11 +53,19 @@ class FlexAttentionBackend:
     shapes on an H200 (4 x 4096 tokens, 4 query heads of 256, window 512) forward plus backward
     take 1.15 ms against SDPA's 4.64 ms. Everything without a window (plain causal or full
     attention, and packed documents) goes to ``SdpaAttentionBackend``, whose flash kernel is faster
-    there. On a GPU the kernel is compiled (``torch.compile``; inside an already compiled model it
-    is traced in place). On a CPU FlexAttention's unfused reference runs for inference only (it
-    has no backward there); a CPU forward that needs gradients goes to SDPA.
+    there.
 
-    The block mask of each (length, causal, window, device) is built once and reused.
+    With attention sinks (``attend_with_sinks``, GPT-OSS) every mask without packed documents runs
+    here: the kernel also returns each query's log-sum-exp ``lse``, and the sink joins the
+    denominator afterwards as ``output * sigmoid(lse - sink)`` (the same weights as a softmax over
+    the scores and the sink, with gradients through ``lse``); SDPA would need a dense float mask of
+    every head with an extra key column. On a GPU the kernel is compiled (``torch.compile``; inside
+    an already compiled model it is traced in place). On a CPU FlexAttention's unfused reference
+    runs for inference only (it has no backward there); a CPU forward that needs gradients goes to
+    SDPA.
+
+    The block mask of each (length, causal, window, device) is built once and reused. Packed
+    documents (``document_ids``) go to SDPA, with or without sinks.
     """
 
     def __init__(self) -> None:
@@ -72,34 +97,82 @@ class FlexAttentionBackend:
                 sliding_window=sliding_window,
                 document_ids=document_ids,
             )
+        output, _ = self._flex(
+            query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
+        )
+        return output
+
+    def attend_with_sinks(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        sinks: torch.Tensor,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See ``SinkAttentionBackend.attend_with_sinks``."""
+        if document_ids is not None or not self._flex_runs(query, key, value, sinks):
+            return self._dense.attend_with_sinks(
+                query,
+                key,
+                value,
+                sinks=sinks,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                document_ids=document_ids,
+            )
+        check_sinks(sinks, query.shape[2])
+        output, lse = self._flex(
+            query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
+        )
+        return rescale_for_sinks(output, lse, sinks)
+
+    def _flex(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        sliding_window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlexAttention in the ``(batch, seq, heads, head_dim)`` layout, with each query's log-sum-exp."""
         group = check_attention_shapes(query, key, value)
-        check_sliding_window(sliding_window)
+        if sliding_window is not None:
+            check_sliding_window(sliding_window)
         block_mask = self._block_mask(
             query.shape[1], causal=causal, sliding_window=sliding_window, device=query.device
         )
         kernel = self._compiled if query.is_cuda else flex_attention
-        output = kernel(
+        output, aux = kernel(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
             block_mask=block_mask,
             scale=softmax_scale,
             enable_gqa=group > 1,
+            return_aux=AuxRequest(lse=True),
         )
-        return cast(torch.Tensor, output).transpose(1, 2)
+        return cast(torch.Tensor, output).transpose(1, 2), cast(torch.Tensor, aux.lse)
 
     @staticmethod
-    def _flex_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    def _flex_runs(*tensors: torch.Tensor) -> bool:
         """FlexAttention has no backward on a CPU: there it runs only for inference."""
-        return query.is_cuda or not any(t.requires_grad for t in (query, key, value))
+        return tensors[0].is_cuda or not any(t.requires_grad for t in tensors)
 
     def _cached_block_mask(
-        self, seq: int, *, causal: bool, sliding_window: int, device: torch.device
+        self, seq: int, *, causal: bool, sliding_window: int | None, device: torch.device
     ) -> BlockMask:
         cache_key = (seq, causal, sliding_window, str(device))
         block_mask = self._block_masks.get(cache_key)
         if block_mask is None:
-            mask_mod = _window_mask_mod(causal=causal, sliding_window=sliding_window)
+            mask_mod = _mask_mod(causal=causal, sliding_window=sliding_window)
             block_mask = create_block_mask(mask_mod, None, None, seq, seq, device=device)
             self._block_masks[cache_key] = block_mask
         return block_mask
