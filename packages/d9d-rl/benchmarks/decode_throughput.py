@@ -17,8 +17,10 @@ over the paged pool in place, a CUDA graph per batch-size bucket on CUDA; ``--no
 runs the same step eagerly). Beside tokens/s of both sides and their ratio, each point prints the
 engine's HBM roofline: the bytes its decode steps must read at least (all weights once per step,
 plus every decoding row's keys and values for its current length, from ``engine.last_stats``) over
-``--bandwidth`` (default 4.8 TB/s, the H200's HBM3e), as a fraction of the engine's measured time
-(prefills and sampling included, so a lower bound of the decode steps' own fraction).
+``--bandwidth`` (default 4.8 TB/s, the H200's HBM3e), as a fraction of two times: the engine's
+whole call (prefills, sampling and the host's planning included: ``roofline``) and the device time
+of its decode steps alone (CUDA events around each step, ``EngineStats.decode_seconds``: ``decode
+roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefills' device time.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
 calls: at the 8B width and batch 256 the two caches and weights may not fit one GPU together
@@ -94,6 +96,8 @@ class Point:
     reference_tokens_per_s: float
     roofline_bytes: int
     engine_seconds: float
+    decode_seconds: float
+    prefill_seconds: float
     decode_steps: int
     graph_buckets: tuple[int, ...]
 
@@ -201,11 +205,17 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
+    decode_seconds: list[float] = []
+    prefill_seconds: list[float] = []
     for run in runs.values():
         _timed(run, device)  # warm-up: compilation, allocator
     for _ in range(args.repeats):  # alternating, so drift hits both sides alike
         for name, run in runs.items():
             times[name].append(_timed(run, device))
+            if name == "d9d":
+                assert engine.last_stats is not None
+                decode_seconds.append(engine.last_stats.decode_seconds)
+                prefill_seconds.append(engine.last_stats.prefill_seconds)
     tokens = sum(workload.lengths)
     stats = engine.last_stats
     assert stats is not None
@@ -215,6 +225,8 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         reference_tokens_per_s=tokens / statistics.median(times["transformers"]),
         roofline_bytes=_roofline_bytes(engine),  # the same every call: same rows, same lengths
         engine_seconds=statistics.median(times["d9d"]),
+        decode_seconds=statistics.median(decode_seconds),
+        prefill_seconds=statistics.median(prefill_seconds),
         decode_steps=stats.decode_steps,
         graph_buckets=stats.graph_buckets,
     )
@@ -252,7 +264,8 @@ def main() -> None:
     )
     print(
         f"{'width':<12}{'batch':>6}{'tokens':>9}{'d9d tok/s':>12}{'hf tok/s':>12}{'ratio':>7}"
-        f"{'MB/step':>10}{'d9d GB/s':>10}{'roofline':>9}  graph buckets",
+        f"{'MB/step':>10}{'d9d GB/s':>10}{'roofline':>9}{'ms/step':>9}{'decode roofline':>16}"
+        f"{'prefill s':>10}  graph buckets",
         flush=True,
     )
     for width in args.widths:
@@ -265,7 +278,9 @@ def main() -> None:
                 f"{point.reference_tokens_per_s:>12.1f}"
                 f"{point.engine_tokens_per_s / point.reference_tokens_per_s:>7.2f}"
                 f"{point.roofline_bytes / steps / 1e6:>10.1f}{achieved / 1e9:>10.1f}"
-                f"{achieved / args.bandwidth:>9.1%}  {','.join(map(str, point.graph_buckets)) or 'off'}",
+                f"{achieved / args.bandwidth:>9.1%}{point.decode_seconds / steps * 1e3:>9.2f}"
+                f"{point.roofline_bytes / point.decode_seconds / args.bandwidth:>16.1%}"
+                f"{point.prefill_seconds:>10.2f}  {','.join(map(str, point.graph_buckets)) or 'off'}",
                 flush=True,
             )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,10 +131,15 @@ def test_greedy_continuous_batching_equals_the_gathering_path_and_transformers()
     engine = EmbeddedRolloutEngine(
         tiny_model(sliding_window=False), config=EmbeddedEngineConfig(max_rows=2, page_size=2, max_context=32)
     )
+    started = time.perf_counter()
     completions = engine.generate_capped(PROMPTS, SamplingParams(temperature=0.0), caps)
+    call_seconds = time.perf_counter() - started
     stats = engine.last_stats
     assert stats is not None and stats.admissions == len(PROMPTS) and stats.decode_steps > max(caps)
     assert stats.graph_buckets == ()  # no graphs on the CPU
+    # the decode steps' and prefills' own times are disjoint parts of the call
+    assert stats.decode_seconds > 0 and stats.prefill_seconds > 0
+    assert stats.decode_seconds + stats.prefill_seconds <= call_seconds
     fields = tiny_config(sliding_window=False).model_dump(exclude={"model_type"}, exclude_none=True)
     reference = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
     reference.load_state_dict(engine.model.state_dict())

@@ -3,6 +3,7 @@ and (on CUDA) its graphs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,48 @@ from d9d.rl._decode_step import StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._scheduler import SequenceState
+
+
+class _DeviceTimer:
+    """Sums the device time of spans without synchronizing inside them.
+
+    On CUDA each span records a pair of timing events on the current stream, read once in
+    ``seconds`` (after the call, when its results have reached the host); elsewhere the device is
+    synchronous and the wall clock is its time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wall = 0.0
+        self._started: torch.cuda.Event | float | None = None
+
+    def start(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._started = event
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        started = self._started
+        self._started = None
+        if isinstance(started, torch.cuda.Event):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append((started, event))
+        elif started is not None:
+            self._wall += time.perf_counter() - started
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._wall + sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+
+    def reset(self) -> None:
+        self._events.clear()
+        self._wall = 0.0
 
 
 class DecodeRuntime:
@@ -53,6 +96,8 @@ class DecodeRuntime:
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None
         self.decode_steps = 0
         self.decode_context_tokens = 0
+        self._decode_timer = _DeviceTimer(device)
+        self._prefill_timer = _DeviceTimer(device)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -64,10 +109,23 @@ class DecodeRuntime:
         self._slots.reset()
         self.decode_steps = 0
         self.decode_context_tokens = 0
+        self._decode_timer.reset()
+        self._prefill_timer.reset()
+
+    @property
+    def decode_seconds(self) -> float:
+        """Device time of this call's decode steps (loading their rows, the step, its logits)."""
+        return self._decode_timer.seconds()
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Device time of this call's prefill forwards."""
+        return self._prefill_timer.seconds()
 
     def decode(self, rows: Sequence[SequenceState]) -> torch.Tensor:
         """``(len(rows), vocab)`` float32 next-token logits of rows with one new token each."""
         update = self._slots.plan(rows)
+        self._decode_timer.start()
         order = self._step.load(update)
         self.decode_steps += 1
         self.decode_context_tokens += sum(update.lengths)
@@ -75,6 +133,7 @@ class DecodeRuntime:
             logits = self._graphs.forward(update.rows)
         else:
             logits = self._step.forward(update.rows, max(len(row.blocks) for row in rows))
+        self._decode_timer.stop()
         if update.order == list(range(len(rows))):
             return logits[: len(rows)]
         return logits[order.long()]
@@ -86,4 +145,7 @@ class DecodeRuntime:
             starts=[row.cached for row in rows],
             blocks=[row.blocks for row in rows],
         )
-        return forward_paged(self._model, self.cache, batch, pad_token_id=self._pad)
+        self._prefill_timer.start()
+        logits = forward_paged(self._model, self.cache, batch, pad_token_id=self._pad)
+        self._prefill_timer.stop()
+        return logits

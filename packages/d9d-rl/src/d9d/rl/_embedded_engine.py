@@ -35,6 +35,10 @@ class EngineStats:
             cached tokens whose keys and values they read.
         graph_buckets: Batch-size buckets with a captured CUDA graph after the call (none
             without graphs).
+        decode_seconds: Device time of the decode steps (CUDA events on CUDA, the wall clock
+            elsewhere): the call's time less prefills, sampling and the host's planning between
+            steps.
+        prefill_seconds: Device time of the prefill forwards, measured the same way.
     """
 
     rows: int
@@ -47,6 +51,8 @@ class EngineStats:
     decode_steps: int
     decode_context_tokens: int
     graph_buckets: tuple[int, ...]
+    decode_seconds: float
+    prefill_seconds: float
 
 
 class EmbeddedRolloutEngine:
@@ -216,6 +222,8 @@ class EmbeddedRolloutEngine:
             decode_steps=runtime.decode_steps,
             decode_context_tokens=runtime.decode_context_tokens,
             graph_buckets=runtime.graph_buckets,
+            decode_seconds=runtime.decode_seconds,
+            prefill_seconds=runtime.prefill_seconds,
         )
         return self._completions(scheduler.finished, sampling.samples_per_prompt)
 
