@@ -141,8 +141,13 @@ class _PlainBackend:
 
 
 def test_auto_detection_picks_a_backend_with_sinks() -> None:
-    assert isinstance(select_attention_backend(environ={}, sinks=True), SdpaAttentionBackend)
-    assert detect_attention_backend(sinks=True) == "sdpa"  # never FlashAttention, even on a GPU
+    # never FlashAttention, even where it is installed: it has no sinks
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
+        assert detect_attention_backend(sinks=True) == "flex_attention"
+        assert isinstance(select_attention_backend(environ={}, sinks=True), FlexAttentionBackend)
+    else:
+        assert detect_attention_backend(sinks=True) == "sdpa"
+        assert isinstance(select_attention_backend(environ={}, sinks=True), SdpaAttentionBackend)
     chosen = select_attention_backend(environ={ATTENTION_BACKEND_ENV_VAR: "eager"}, sinks=True)
     assert isinstance(chosen, EagerAttentionBackend)  # an explicit choice is kept
 
