@@ -125,11 +125,12 @@ class GroupedSwiGLUExperts(nn.Module):
             up = matmul(tokens, self.up_proj, tokens_per_expert)
         else:
             gate, up = self.shared_input_matmul(tokens, self.gate_proj, self.up_proj, tokens_per_expert)
-        gate = _add_bias(gate, self.gate_proj_bias, tokens_per_expert)
-        up = _add_bias(up, self.up_proj_bias, tokens_per_expert)
+        experts_of_rows = None if self.down_proj_bias is None else _experts_of_rows(tokens, tokens_per_expert)
+        gate = _add_bias(gate, self.gate_proj_bias, experts_of_rows)
+        up = _add_bias(up, self.up_proj_bias, experts_of_rows)
         hidden = apply_expert_activation(self.activation, gate, up)
         return _add_bias(
-            matmul(hidden, self.down_proj, tokens_per_expert), self.down_proj_bias, tokens_per_expert
+            matmul(hidden, self.down_proj, tokens_per_expert), self.down_proj_bias, experts_of_rows
         )
 
     def extra_repr(self) -> str:
@@ -140,9 +141,23 @@ class GroupedSwiGLUExperts(nn.Module):
         )
 
 
-def _add_bias(rows: torch.Tensor, bias: torch.Tensor | None, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """``rows`` plus each row's expert's bias (``output_size`` given: no host sync on the GPU)."""
-    if bias is None:
+def _experts_of_rows(rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``(M, E)`` one-hot of each row's expert, in ``rows``' dtype (``output_size`` given: no host sync)."""
+    experts = torch.arange(tokens_per_expert.shape[0], device=rows.device)
+    expert_of_row = torch.repeat_interleave(experts, tokens_per_expert, output_size=rows.shape[0])
+    return (expert_of_row.unsqueeze(1) == experts.unsqueeze(0)).to(rows.dtype)
+
+
+def _add_bias(
+    rows: torch.Tensor, bias: torch.Tensor | None, experts_of_rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``rows`` plus each row's expert's bias.
+
+    A matmul with the one-hot ``experts_of_rows`` rather than a gather: the bias's gradient is then
+    one dense ``(E, M) @ (M, width)`` matmul, where a gather's backward adds every row into its
+    expert's bias with atomics (``index_add``, about 1.8 ms per bias at GPT-OSS-20B's widths on an
+    H200: a tenth of the step).
+    """
+    if bias is None or experts_of_rows is None:
         return rows
-    per_row = torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=rows.shape[0])
-    return rows + per_row.to(rows.dtype)
+    return rows + experts_of_rows @ bias.to(rows.dtype)
