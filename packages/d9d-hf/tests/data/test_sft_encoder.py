@@ -17,6 +17,7 @@ from d9d.hf.data import (
     TokenizerFiles,
     TokenizerFilesError,
 )
+from d9d.hf.data._encoder import ChatEncoder
 from d9d.loop.data import Record, RecordPosition, SampleError
 
 ALTERNATING = (
@@ -78,6 +79,28 @@ def test_prompt_completion_and_text_put_the_loss_where_their_format_says(files: 
     text = SFTEncoder(files=files, format=TextFormatConfig(), eos_id=2, pad_id=0)
     row = text.encode(_record({"text": "hi there"}))
     assert _learned(files, row.input_ids, row.labels) == ["hi", "there", "<eos>"]
+
+
+def test_the_chat_encoder_adds_a_missing_system_prompt_and_learns_from_the_given_turn(
+    files: TokenizerFiles,
+) -> None:
+    chat = ChatEncoder(files, ChatFormatConfig(system_prompt="be brief"))
+    user = {"role": "user", "content": "hi"}
+    own_system = [{"role": "system", "content": "hi"}, user]
+    assert chat.with_system_prompt([user]) == [{"role": "system", "content": "be brief"}, user]
+    assert chat.with_system_prompt(own_system) == own_system
+    turns = [
+        user,
+        {"role": "assistant", "content": "there"},
+        {"role": "user", "content": "capital of peru"},
+        {"role": "assistant", "content": "lima"},
+    ]
+    ids, labels = chat.encode(turns, where="here")
+    assert _learned(files, ids, labels) == ["there", "<eos>", "lima", "<eos>"]
+    ids, labels = chat.encode(turns, where="here", learn_from=2)
+    assert _learned(files, ids, labels) == ["lima", "<eos>"]
+    with pytest.raises(SampleError, match=r"^row 3: 'chosen': the chat template failed .*alternate"):
+        chat.encode(chat.with_system_prompt([user]), where="row 3: 'chosen'")
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
+from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from d9d.hf.data._chat_encoding import IGNORE_INDEX, encode_chat
 from d9d.hf.data._chat_template import ChatTemplate, ChatTemplateError, Message
-from d9d.hf.data._format_config import ChatFormatConfig, PromptCompletionFormatConfig, TextFormatConfig
+from d9d.hf.data._format_config import (
+    ChatFormatConfig,
+    ChatTemplateOptions,
+    PromptCompletionFormatConfig,
+    TextFormatConfig,
+)
 from d9d.hf.data._tokenizer_files import TokenizerFiles
 from d9d.loop.data import Record, SampleError, TokenRow
 
@@ -43,7 +49,79 @@ def _messages(record: Record, field: str) -> list[Message]:
     return message_list(record.fields.get(field), where=record.where, field=field)
 
 
-class SFTEncoder:
+class ChatEncoder:
+    """Conversations to ids and labels through the checkpoint's chat template and a format's options.
+
+    Args:
+        files: The tokenizer directory's files.
+        options: The format's system prompt, template file (else the tokenizer directory's) and
+            template variables.
+    """
+
+    def __init__(self, files: TokenizerFiles, options: ChatTemplateOptions) -> None:
+        self._tokenizer: Tokenizer = files.tokenizer
+        self._options = options
+        override = None if options.template is None else options.template.read_text()
+        self._template: ChatTemplate = files.template(override)
+
+    def with_system_prompt(self, messages: list[Message]) -> list[Message]:
+        """``messages`` led by the options' system prompt, where one is set and they have none."""
+        if self._options.system_prompt is not None and messages[0].get("role") != "system":
+            return [{"role": "system", "content": self._options.system_prompt}, *messages]
+        return messages
+
+    def encode(
+        self, messages: list[Message], *, where: str, learn_from: int = 0
+    ) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` of ``messages`` (see ``encode_chat``).
+
+        Raises:
+            SampleError: If the template fails, its message prefixed by ``where``.
+        """
+        try:
+            return encode_chat(
+                self._template,
+                self._tokenizer,
+                messages,
+                variables=self._options.variables,
+                learn_from=learn_from,
+            )
+        except ChatTemplateError as e:
+            raise SampleError(f"{where}: {e}") from e
+
+
+_Format = TypeVar("_Format", bound=BaseModel)
+
+
+class FormatEncoder(Generic[_Format]):
+    """A record encoder's state: tokenizer, format, eos and pad ids, and a chat format's ``ChatEncoder``.
+
+    The ``ChatEncoder`` is built only when the format is a ``ChatTemplateOptions``.
+
+    Args:
+        files: The tokenizer directory's files.
+        format: The record format.
+        eos_id: The end-of-sequence token id.
+        pad_id: Padding's token id.
+    """
+
+    def __init__(self, *, files: TokenizerFiles, format: _Format, eos_id: int, pad_id: int) -> None:
+        self._tokenizer: Tokenizer = files.tokenizer
+        self._format = format
+        self._eos = eos_id
+        self._pad = pad_id
+        self._chat_encoder = ChatEncoder(files, format) if isinstance(format, ChatTemplateOptions) else None
+
+    @property
+    def pad_id(self) -> int:
+        """Padding's token id."""
+        return self._pad
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class SFTEncoder(FormatEncoder[ChatFormatConfig | PromptCompletionFormatConfig | TextFormatConfig]):
     """Encodes records as the format says, with the checkpoint's tokenizer and chat template.
 
     Args:
@@ -56,30 +134,6 @@ class SFTEncoder:
     tokenizer directory's.
     """
 
-    def __init__(
-        self,
-        *,
-        files: TokenizerFiles,
-        format: ChatFormatConfig | PromptCompletionFormatConfig | TextFormatConfig,
-        eos_id: int,
-        pad_id: int,
-    ) -> None:
-        self._tokenizer: Tokenizer = files.tokenizer
-        self._format = format
-        self._eos = eos_id
-        self._pad = pad_id
-        self._template: ChatTemplate | None = None
-        if isinstance(format, ChatFormatConfig):
-            override = None if format.template is None else format.template.read_text()
-            self._template = files.template(override)
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
-
     def encode(self, record: Record) -> TokenRow:
         """The record's tokens and labels (see the format configs).
 
@@ -88,16 +142,11 @@ class SFTEncoder:
         """
         match self._format:
             case ChatFormatConfig():
-                assert self._template is not None  # built in __init__ for this format
-                messages = _messages(record, self._format.messages_field)
-                if self._format.system_prompt is not None and messages[0].get("role") != "system":
-                    messages = [{"role": "system", "content": self._format.system_prompt}, *messages]
-                try:
-                    ids, labels = encode_chat(
-                        self._template, self._tokenizer, messages, variables=self._format.variables
-                    )
-                except ChatTemplateError as e:
-                    raise SampleError(f"{record.where}: {e}") from e
+                assert self._chat_encoder is not None  # built in __init__ for this format
+                messages = self._chat_encoder.with_system_prompt(
+                    _messages(record, self._format.messages_field)
+                )
+                ids, labels = self._chat_encoder.encode(messages, where=record.where)
             case PromptCompletionFormatConfig():
                 prompt = self._ids(_text(record, self._format.prompt_field))
                 completion = [

@@ -5,13 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import Tokenizer
-
-from d9d.hf.data._chat_encoding import IGNORE_INDEX, encode_chat
-from d9d.hf.data._chat_template import ChatTemplate, ChatTemplateError, Message
-from d9d.hf.data._encoder import message_list
+from d9d.hf.data._chat_encoding import IGNORE_INDEX
+from d9d.hf.data._chat_template import Message
+from d9d.hf.data._encoder import FormatEncoder, message_list
 from d9d.hf.data._preference_config import PreferenceChatFormatConfig, PreferenceTextFormatConfig
-from d9d.hf.data._tokenizer_files import TokenizerFiles
 from d9d.loop.data import Record, SampleError, TokenRow
 
 
@@ -37,7 +34,7 @@ def _messages(value: Any, *, role: str, where: str, key: str) -> list[Message]:
     return message_list(value, where=where, field=key)
 
 
-class PreferenceEncoder:
+class PreferenceEncoder(FormatEncoder[PreferenceChatFormatConfig | PreferenceTextFormatConfig]):
     """Encodes preference records as the format says, with the checkpoint's tokenizer and template.
 
     Args:
@@ -46,27 +43,6 @@ class PreferenceEncoder:
         eos_id: Appended after each answer of the text format.
         pad_id: Padding's token id.
     """
-
-    def __init__(
-        self,
-        *,
-        files: TokenizerFiles,
-        format: PreferenceChatFormatConfig | PreferenceTextFormatConfig,
-        eos_id: int,
-        pad_id: int,
-    ) -> None:
-        self._tokenizer: Tokenizer = files.tokenizer
-        self._format = format
-        self._eos = eos_id
-        self._pad = pad_id
-        self._template: ChatTemplate | None = None
-        if isinstance(format, PreferenceChatFormatConfig):
-            override = None if format.template is None else format.template.read_text()
-            self._template = files.template(override)
-
-    @property
-    def pad_id(self) -> int:
-        return self._pad
 
     def encode(self, record: Record, index: int) -> PreferencePair:
         """The row's two sequences.
@@ -106,21 +82,9 @@ class PreferenceEncoder:
     def _chat(
         self, fmt: PreferenceChatFormatConfig, prompt: Any, answer: Any, *, where: str, key: str
     ) -> tuple[list[int], list[int]]:
-        assert self._template is not None  # built in __init__ for this format
-        before = _messages(prompt, role="user", where=where, key=fmt.prompt_field)
-        if fmt.system_prompt is not None and before[0].get("role") != "system":
-            before = [{"role": "system", "content": fmt.system_prompt}, *before]
+        assert self._chat_encoder is not None  # built in __init__ for this format
+        before = self._chat_encoder.with_system_prompt(
+            _messages(prompt, role="user", where=where, key=fmt.prompt_field)
+        )
         after = _messages(answer, role="assistant", where=where, key=key)
-        try:
-            return encode_chat(
-                self._template,
-                self._tokenizer,
-                [*before, *after],
-                variables=fmt.variables,
-                learn_from=len(before),
-            )
-        except ChatTemplateError as e:
-            raise SampleError(f"{where}: '{key}': {e}") from e
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._chat_encoder.encode([*before, *after], where=f"{where}: '{key}'", learn_from=len(before))
