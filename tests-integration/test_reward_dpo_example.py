@@ -18,6 +18,7 @@ import torch
 from script_in_process import run_script_in_process
 from transformers import AutoModelForCausalLM
 
+from d9d.loop import StepFinished
 from d9d.mesh import DistributedContext, MeshParameters
 from d9d.rl import DPOBatch
 
@@ -28,7 +29,7 @@ SHIPPED = (EXAMPLE / "dpo.yaml").read_text()
 
 # Module names the example's scripts import from their own folder; other examples have files of
 # the same names (examples/classification/toy_data.py), which an earlier test may have imported.
-EXAMPLE_MODULES = ("toy_data", "train_reward", "train_dpo", "completions")
+EXAMPLE_MODULES = ("toy_data", "train_reward", "train_dpo", "completions", "_reward_dpo_common")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,6 +84,32 @@ def test_a_bad_config_stops_the_script_naming_the_key(
     code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
     assert code == 2
     assert named in stderr
+
+
+def test_an_export_dir_of_other_files_stops_the_script_naming_the_switch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    export = tmp_path / "mine"
+    export.mkdir()
+    (export / "notes.txt").write_text("not d9d's")
+    path = tmp_path / "dpo.yaml"
+    shipped = SHIPPED.replace("runs/reward-dpo/dpo-policy", str(export))
+    path.write_text(shipped.replace("runs/reward-dpo", str(tmp_path / "runs")))
+    code, stderr = run_script_in_process(SCRIPT, str(path), capsys=capsys)
+    assert code == 2
+    assert "(dpo.replace_export_dir: true)" in stderr
+    assert (export / "notes.txt").read_text() == "not d9d's"
+    assert not (tmp_path / "runs").exists()  # refused before any work
+
+
+def test_the_eval_report_prints_evaluation_steps_only(
+    train_dpo: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = train_dpo.eval_reporter("eval/loss", "eval/rewards/margins")
+    capsys.readouterr()
+    report(StepFinished(step=3, metrics={"loss": 0.7}))
+    report(StepFinished(step=4, metrics={"eval/loss": 0.69314, "eval/rewards/margins": 0.125}))
+    assert capsys.readouterr().out == "eval after 5 steps: eval/loss=0.6931 eval/rewards/margins=0.1250\n"
 
 
 def test_the_held_out_pairs_carry_the_reference_scores_in_dpo_batches(

@@ -12,25 +12,28 @@ accuracy and margin, and exports the policy.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
-from toy_data import TINY_PAD, write_tiny_checkpoint
-from train_reward import RewardSection, pair_files
+from _reward_dpo_common import (
+    PairsSection,
+    checkpoint_directory,
+    eval_reporter,
+    pair_files,
+    script_main,
+    tiny_checkpoint,
+    train_and_export,
+)
+from toy_data import TINY_PAD
 
-from d9d.hf import HFModelProvider, PretrainedModelConfig, load_pretrained, resolve_snapshot
+from d9d.hf import HFModelProvider, PretrainedModelConfig, load_pretrained
 from d9d.hf.data import PreferenceData, PreferenceDataConfig, PreferencePair, load_preference_pairs
 from d9d.loop import (
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
-    ConfigFileError,
     EvaluationData,
-    ExportTargetError,
     ProjectConfig,
-    StepFinished,
     TrainingConfigurator,
     check_export_target,
 )
@@ -47,33 +50,19 @@ from d9d.rl import (
 )
 
 
-class DPOSection(BaseModel):
-    """The data, the loss, where the reference comes from and where the run writes.
+class DPOSection(PairsSection):
+    """The pairs (see ``PairsSection``; train_reward.py's), the loss, where the reference comes from.
 
     Attributes:
-        work_dir: The generated tiny checkpoint and pairs live here (train_reward.py's).
-        train: Training pairs: a JSONL of ``{prompt, chosen, rejected}`` (None: generated).
-        held_out: Held-out pairs, evaluated during training (None: generated).
-        generated_pairs: Pairs generated for training (and an eighth of that for held-out).
-        sequence_length: Tokens of the longest prompt + answer kept.
         loss: DPO's sigmoid loss or IPO, and beta.
         reference: ``scored``: every pair is scored by the initial weights before training (no
             second model while training); ``colocated``: the reference runs beside the policy.
-        export_dir: The Hugging Face export of the policy (replaced like train_reward.py's).
-        replace_export_dir: Replace ``export_dir`` even when it holds files d9d did not write.
+        export_dir: The Hugging Face export of the policy.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    work_dir: Path = Path("runs/reward-dpo")
-    train: Path | None = None
-    held_out: Path | None = None
-    generated_pairs: int = Field(default=1024, ge=8)
-    sequence_length: int = Field(default=16, ge=4)
     loss: DPOLossConfig = DPOLossConfig()
     reference: Literal["scored", "colocated"] = "scored"
     export_dir: Path = Path("runs/reward-dpo/dpo-policy")
-    replace_export_dir: bool = False
 
 
 class DPOConfig(ProjectConfig):
@@ -89,10 +78,7 @@ def model_section(config: DPOConfig) -> PretrainedModelConfig:
         if config.model.head != "causal_lm":
             raise ValueError(f"model.head: DPO trains a causal LM, got {config.model.head!r}")
         return config.model
-    checkpoint = config.dpo.work_dir / "tiny-qwen3"
-    if not checkpoint.exists():
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny_checkpoint(checkpoint, seed=config.trainer.seed)
+    checkpoint = tiny_checkpoint(config.dpo.work_dir, config.trainer.seed)
     return PretrainedModelConfig(source=str(checkpoint), pad_token_id=TINY_PAD)
 
 
@@ -104,27 +90,16 @@ class Pairs:
         self._model = model
         self._splits: tuple[PreferenceData, PreferenceData] | None = None
 
-    def directory(self, dist_context: DistributedContext) -> Path:
-        """The checkpoint's local directory (downloaded once, by the main process first)."""
-        with dist_context.main_process_first():
-            return resolve_snapshot(self._model.source, revision=self._model.revision)
-
     def _build(self, dist_context: DistributedContext) -> tuple[PreferenceData, PreferenceData]:
         if self._splits is None:
             section = self._config.dpo
             with dist_context.main_process_first():
-                shared = RewardSection(
-                    work_dir=section.work_dir,
-                    train=section.train,
-                    held_out=section.held_out,
-                    generated_pairs=section.generated_pairs,
-                )
-                files = pair_files(shared, self._config.trainer.seed)  # the reward model's pairs
+                files = pair_files(section, self._config.trainer.seed)  # the reward model's pairs
             dataset = {"format": "text", "sequence_length": section.sequence_length}
             train, held_out = (
                 load_preference_pairs(
                     PreferenceDataConfig.model_validate({"source": str(file), **dataset}),
-                    tokenizer_directory=self.directory(dist_context),
+                    tokenizer_directory=checkpoint_directory(self._model, dist_context),
                     pad_id=self._model.pad_token_id,
                 )
                 for file in files
@@ -140,7 +115,7 @@ class Pairs:
 
     def reference(self, dist_context: DistributedContext) -> torch.nn.Module:
         """The frozen reference: the policy's initial weights, whole, on this rank's device."""
-        return load_pretrained(self.directory(dist_context), device=dist_context.device)
+        return load_pretrained(checkpoint_directory(self._model, dist_context), device=dist_context.device)
 
 
 Scored = tuple[PreferencePair, ReferenceScore | None]
@@ -212,45 +187,15 @@ def run(config: DPOConfig) -> Path:
     ).configure()
     if reference is not None:
         reference.attach(trainer)
-    with trainer:
-        main = trainer.dist_context.is_main_process
-        trainer.events.subscribe(StepFinished, lambda event: _report(event) if main else None)
-        trainer.train()
-        replace = section.replace_export_dir
-        export = trainer.export(section.export_dir, overwrite=overwrite, replace_other=replace)
-    if main:
-        print(f"exported the DPO policy to {export}")
-    return export
-
-
-def _report(event: StepFinished) -> None:
-    metrics = event.metrics
-    if "eval/rewards/accuracies" in metrics:
-        print(
-            f"eval after {event.step + 1} steps: eval/loss={metrics['eval/loss']:.4f} "
-            f"eval/rewards/accuracies={metrics['eval/rewards/accuracies']:.4f} "
-            f"eval/rewards/margins={metrics['eval/rewards/margins']:.4f}",
-            flush=True,
-        )
+    report = eval_reporter("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins")
+    return train_and_export(trainer, section, overwrite=overwrite, report=report, exported="the DPO policy")
 
 
 USAGE = "usage: train_dpo.py CONFIG.yaml  (e.g. examples/reward-dpo/dpo.yaml)"
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr)
-        sys.exit(2)
-    try:
-        config = DPOConfig.from_yaml(sys.argv[1])
-    except ConfigFileError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
-    try:
-        run(config)
-    except ExportTargetError as e:
-        print(f"{e} (dpo.replace_export_dir: true)", file=sys.stderr)
-        sys.exit(2)
+    script_main(USAGE, DPOConfig.from_yaml, run, section="dpo")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,19 @@ exports a directory transformers loads as Qwen3ForSequenceClassification (num_la
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-from toy_data import TINY_PAD, write_pairs, write_tiny_checkpoint
+from _reward_dpo_common import (
+    PairsSection,
+    checkpoint_directory,
+    eval_reporter,
+    pair_files,
+    script_main,
+    tiny_checkpoint,
+    train_and_export,
+)
+from pydantic import Field
+from toy_data import TINY_PAD
 
 from d9d.hf import (
     HFModelConfig,
@@ -23,7 +31,6 @@ from d9d.hf import (
     PretrainedModelConfig,
     RewardBatch,
     RewardPairs,
-    resolve_snapshot,
     reward_task,
 )
 from d9d.hf.data import PreferenceDataConfig, load_preference_pairs
@@ -31,42 +38,24 @@ from d9d.loop import (
     AutoDataProvider,
     AutoLRSchedulerProvider,
     AutoOptimizerProvider,
-    ConfigFileError,
     EvaluationData,
-    ExportTargetError,
     ProjectConfig,
-    StepFinished,
     TrainingConfigurator,
     check_export_target,
 )
 from d9d.mesh import DistributedContext
 
 
-class RewardSection(BaseModel):
-    """The data, the loss's centering term and where the run writes.
+class RewardSection(PairsSection):
+    """The pairs (see ``PairsSection``), the loss's centering term and where the run writes.
 
     Attributes:
-        work_dir: The generated tiny checkpoint and pairs live here.
-        train: Training pairs: a JSONL of ``{prompt, chosen, rejected}`` (None: generated).
-        held_out: Held-out pairs, evaluated during training (None: generated).
-        generated_pairs: Pairs generated for training (and an eighth of that for held-out).
-        sequence_length: Tokens of the longest prompt + answer kept.
         center_rewards_coefficient: TRL's centering term (None: off).
-        export_dir: The Hugging Face export. A previous export there is replaced; any other
-            non-empty directory stops the run before training, unless ``replace_export_dir``.
-        replace_export_dir: Replace ``export_dir`` even when it holds files d9d did not write.
+        export_dir: The Hugging Face export of the reward model.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    work_dir: Path = Path("runs/reward-dpo")
-    train: Path | None = None
-    held_out: Path | None = None
-    generated_pairs: int = Field(default=1024, ge=8)
-    sequence_length: int = Field(default=16, ge=4)
     center_rewards_coefficient: float | None = Field(default=None, ge=0.0)
     export_dir: Path = Path("runs/reward-dpo/reward-model")
-    replace_export_dir: bool = False
 
 
 class RewardConfig(ProjectConfig):
@@ -82,10 +71,7 @@ def model_section(config: RewardConfig) -> PretrainedModelConfig:
         if not isinstance(config.model, PretrainedModelConfig):
             raise ValueError("model: the reward model starts from a checkpoint (set model.source)")
         return config.model
-    checkpoint = config.reward.work_dir / "tiny-qwen3"
-    if not checkpoint.exists():
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny_checkpoint(checkpoint, seed=config.trainer.seed)
+    checkpoint = tiny_checkpoint(config.reward.work_dir, config.trainer.seed)
     return PretrainedModelConfig(
         source=str(checkpoint), head="sequence_classification", num_labels=1, pad_token_id=TINY_PAD
     )
@@ -101,17 +87,6 @@ def pad_token_id(model: PretrainedModelConfig) -> int:
     return model.pad_token_id
 
 
-def pair_files(section: RewardSection, seed: int) -> tuple[Path, Path]:
-    """The training and held-out JSONL files (generated under ``work_dir`` when not given)."""
-    train = section.train or section.work_dir / "pairs-train.jsonl"
-    held_out = section.held_out or section.work_dir / "pairs-held-out.jsonl"
-    if section.train is None and not train.exists():
-        write_pairs(train, section.generated_pairs, seed=seed)
-    if section.held_out is None and not held_out.exists():
-        write_pairs(held_out, max(8, section.generated_pairs // 8), seed=seed + 1)
-    return train, held_out
-
-
 class Pairs:
     """Both splits as ``RewardPairs``, read (and every row checked) once the checkpoint is known."""
 
@@ -119,10 +94,6 @@ class Pairs:
         self._config = config
         self._model = model
         self._splits: tuple[RewardPairs, RewardPairs] | None = None
-
-    def _directory(self, dist_context: DistributedContext) -> Path:
-        with dist_context.main_process_first():
-            return resolve_snapshot(self._model.source, revision=self._model.revision)
 
     def _build(self, dist_context: DistributedContext) -> tuple[RewardPairs, RewardPairs]:
         if self._splits is None:
@@ -134,7 +105,7 @@ class Pairs:
                     PreferenceDataConfig.model_validate(
                         {"source": str(file), "format": "text", "sequence_length": section.sequence_length}
                     ),
-                    tokenizer_directory=self._directory(dist_context),
+                    tokenizer_directory=checkpoint_directory(self._model, dist_context),
                     pad_id=pad,
                 )
                 for file in files
@@ -172,44 +143,15 @@ def run(config: RewardConfig) -> Path:
         lr_scheduler_provider=AutoLRSchedulerProvider(config.lr_scheduler),
         evaluation_data=EvaluationData(dataset_factory=pairs.held_out, collator=collate),
     ).configure()
-    with trainer:
-        main = trainer.dist_context.is_main_process
-        trainer.events.subscribe(StepFinished, lambda event: _report(event) if main else None)
-        trainer.train()
-        replace = section.replace_export_dir
-        export = trainer.export(section.export_dir, overwrite=overwrite, replace_other=replace)
-    if main:
-        print(f"exported the reward model to {export}")
-    return export
-
-
-def _report(event: StepFinished) -> None:
-    metrics = event.metrics
-    if "eval/accuracy" in metrics:
-        print(
-            f"eval after {event.step + 1} steps: eval/loss={metrics['eval/loss']:.4f} "
-            f"eval/accuracy={metrics['eval/accuracy']:.4f} eval/margin={metrics['eval/margin']:.4f}",
-            flush=True,
-        )
+    report = eval_reporter("eval/loss", "eval/accuracy", "eval/margin")
+    return train_and_export(trainer, section, overwrite=overwrite, report=report, exported="the reward model")
 
 
 USAGE = "usage: train_reward.py CONFIG.yaml  (e.g. examples/reward-dpo/reward.yaml)"
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr)
-        sys.exit(2)
-    try:
-        config = RewardConfig.from_yaml(sys.argv[1])
-    except ConfigFileError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
-    try:
-        run(config)
-    except ExportTargetError as e:
-        print(f"{e} (reward.replace_export_dir: true)", file=sys.stderr)
-        sys.exit(2)
+    script_main(USAGE, RewardConfig.from_yaml, run, section="reward")
 
 
 if __name__ == "__main__":
