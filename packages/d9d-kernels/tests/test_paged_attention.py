@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from d9d.kernels import KernelBackend, paged_decode_attention
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels.layers import sdpa_with_sinks
 
 
@@ -90,6 +91,14 @@ def _expected(case: _Case, paged: _Paged, scale: float) -> torch.Tensor:
             attended = sdpa_with_sinks(q, k, v, allowed, paged.sinks, softmax_scale=scale)
         out[row] = attended[0, :, 0]
     return out
+
+
+def _inputs(case: _Case, paged: _Paged, scale: float) -> PagedDecodeInputs:
+    return PagedDecodeInputs(
+        query=paged.query, key_cache=paged.key_cache, value_cache=paged.value_cache,
+        block_table=paged.block_table, lengths=paged.lengths,
+        page_size=case.page_size, softmax_scale=scale, sliding_window=case.window, sinks=paged.sinks,
+    )  # fmt: skip
 
 
 def _call(
@@ -169,6 +178,19 @@ def test_bad_inputs_raise_naming_the_tensor(change: dict[str, torch.Tensor], mes
         _call(case, _bad(_paged(case), **change), 0.25)
 
 
+def test_inputs_derive_the_sizes_every_path_reads() -> None:
+    # GQA 4 query heads over 2 kv heads, value_dim 8 < head_dim 24, a 5-block table of 3-slot pages
+    case = _Case(lengths=(3, 2, 0), head_dim=24, value_dim=8, page_size=3, sinks=True)
+    inputs = _inputs(case, _paged(case), 0.25)
+    sizes = (inputs.rows, inputs.q_heads, inputs.head_dim, inputs.kv_heads, inputs.value_dim)
+    assert sizes == (3, 4, 24, 2, 8)
+    assert (inputs.group, inputs.capacity) == (2, 15)
+    assert [t.shape for t in inputs.floats] == [(3, 4, 24), (54, 2, 24), (54, 2, 8), (4,)]
+    inputs.check()  # fits: no error
+    without_sinks = PagedDecodeInputs(**{**inputs.__dict__, "sinks": None})
+    assert len(without_sinks.floats) == 3
+
+
 def test_bad_page_size_and_window_raise() -> None:
     case = _Case(lengths=(3, 2))
     paged = _paged(case)
@@ -204,11 +226,7 @@ def test_triton_kernel_matches_reference_in_interpreter(case: _Case, num_splits:
 
     paged = _paged(case)
     scale = case.head_dim**-0.5
-    out = paged_decode_attention_triton(
-        paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths,
-        page_size=case.page_size, softmax_scale=scale, sliding_window=case.window, sinks=paged.sinks,
-        num_splits=num_splits,
-    )  # fmt: skip
+    out = paged_decode_attention_triton(_inputs(case, paged, scale), num_splits=num_splits)
     torch.testing.assert_close(out, _call(case, paged, scale), rtol=1e-5, atol=1e-5)
 
 
@@ -288,9 +306,7 @@ def test_custom_op_for_torch_compile_equals_eager_path_and_has_a_fake() -> None:
     paged = _paged(case)
     args = (paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths, paged.sinks)
     custom_op: Any = torch.ops.d9d_kernels.paged_decode_attention
-    eager = paged_decode_attention_triton(
-        *args[:5], page_size=4, softmax_scale=0.25, sliding_window=4, sinks=paged.sinks, num_splits=2
-    )
+    eager = paged_decode_attention_triton(_inputs(case, paged, 0.25), num_splits=2)
     assert torch.equal(custom_op(*args, 4, 0.25, 4, 2, 16), eager)
     with FakeTensorMode() as mode:
         fake = custom_op(*(mode.from_tensor(t) for t in args[:5]), None, 4, 0.25, 4, 2, 16)

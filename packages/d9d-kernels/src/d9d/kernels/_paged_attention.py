@@ -5,69 +5,10 @@ from __future__ import annotations
 import torch
 
 from d9d.kernels._backend import KernelBackend, use_triton
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._reference.paged_attention import paged_decode_attention_reference
 
 _OP = "paged_decode_attention"
-
-
-def _check_shapes(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    page_size: int,
-) -> None:
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dim() != 3:
-            raise ValueError(f"{_OP}: {name} must be 3-D, got shape {tuple(t.shape)}")
-    rows, q_heads, head_dim = query.shape
-    num_slots, kv_heads, key_dim = key_cache.shape
-    if tuple(value_cache.shape[:2]) != (num_slots, kv_heads):
-        raise ValueError(
-            f"{_OP}: value_cache shape {tuple(value_cache.shape)} does not match key_cache "
-            f"{tuple(key_cache.shape)} in (num_slots, kv_heads)"
-        )
-    if key_dim != head_dim:
-        raise ValueError(f"{_OP}: key_cache head_dim {key_dim} differs from query head_dim {head_dim}")
-    if kv_heads == 0 or q_heads % kv_heads != 0:
-        raise ValueError(f"{_OP}: query heads {q_heads} are not a multiple of key_cache kv_heads {kv_heads}")
-    if page_size < 1 or num_slots % page_size != 0:
-        raise ValueError(f"{_OP}: page_size={page_size} does not divide key_cache's {num_slots} slots")
-    if block_table.dim() != 2 or block_table.shape[0] != rows:
-        raise ValueError(
-            f"{_OP}: block_table must be (rows={rows}, max_blocks), got {tuple(block_table.shape)}"
-        )
-    if tuple(lengths.shape) != (rows,):
-        raise ValueError(f"{_OP}: lengths must be (rows={rows},), got {tuple(lengths.shape)}")
-
-
-def _check_types(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    sinks: torch.Tensor | None,
-) -> None:
-    if not query.is_floating_point() or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"{_OP}: query, key_cache and value_cache must share one floating dtype, got {query.dtype}, "
-            f"{key_cache.dtype}, {value_cache.dtype}"
-        )
-    for name, t in (("block_table", block_table), ("lengths", lengths)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{_OP}: {name} must be int32, got {t.dtype}")
-    tensors = [("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table)]
-    tensors += [("lengths", lengths)] + ([("sinks", sinks)] if sinks is not None else [])
-    for name, t in tensors:
-        if t.device != query.device:
-            raise ValueError(f"{_OP}: {name} is on {t.device}, query on {query.device}")
-    if sinks is not None and (tuple(sinks.shape) != (query.shape[1],) or not sinks.is_floating_point()):
-        raise ValueError(
-            f"{_OP}: sinks must be a floating (q_heads={query.shape[1]},) tensor, got {tuple(sinks.shape)} "
-            f"{sinks.dtype}"
-        )
 
 
 def paged_decode_attention(
@@ -119,19 +60,13 @@ def paged_decode_attention(
         RuntimeError: ``backend`` is TRITON where the kernels cannot run (no Triton, no CUDA device
             outside the interpreter).
     """
-    _check_shapes(query, key_cache, value_cache, block_table, lengths, page_size)
-    _check_types(query, key_cache, value_cache, block_table, lengths, sinks)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{_OP}: sliding_window={sliding_window} must be at least 1")
-    floats = (query, key_cache, value_cache) + ((sinks,) if sinks is not None else ())
-    if use_triton(backend, _OP, *floats):
-        from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
-
-        return paged_decode_attention_triton(
-            query, key_cache, value_cache, block_table, lengths,
-            page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
-        )  # fmt: skip
-    return paged_decode_attention_reference(
-        query, key_cache, value_cache, block_table, lengths,
+    inputs = PagedDecodeInputs(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, lengths=lengths,
         page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
+    inputs.check()
+    if use_triton(backend, _OP, *inputs.floats):
+        from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(inputs)
+    return paged_decode_attention_reference(inputs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._reference.precision import upcast
 
 
@@ -25,36 +26,23 @@ def visible_positions(lengths: torch.Tensor, capacity: int, sliding_window: int 
     return visible
 
 
-def paged_decode_attention_reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    page_size: int,
-    softmax_scale: float,
-    sliding_window: int | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
+def paged_decode_attention_reference(inputs: PagedDecodeInputs) -> torch.Tensor:
     """Gathers each row's slots through its block table and attends with a masked fp32 softmax.
 
     Shapes as in ``d9d.kernels.paged_decode_attention``; rows whose query sees no key (length 0)
     get zeros. Slots of positions a row does not see are replaced by slot 0 before the gather, so
     block-table entries past a row's length may hold anything.
     """
-    rows, q_heads, head_dim = query.shape
-    kv_heads = key_cache.shape[1]
-    group = q_heads // kv_heads
-    capacity = block_table.shape[1] * page_size
-    visible = visible_positions(lengths, capacity, sliding_window)
-    positions = torch.arange(capacity, device=query.device)
-    blocks = block_table.to(torch.int64)[:, positions // page_size]
+    rows, kv_heads, group, capacity = inputs.rows, inputs.kv_heads, inputs.group, inputs.capacity
+    page_size, sinks = inputs.page_size, inputs.sinks
+    visible = visible_positions(inputs.lengths, capacity, inputs.sliding_window)
+    positions = torch.arange(capacity, device=inputs.query.device)
+    blocks = inputs.block_table.to(torch.int64)[:, positions // page_size]
     slots = torch.where(visible, blocks * page_size + positions % page_size, 0)
-    keys = upcast(key_cache[slots])  # (rows, capacity, kv_heads, head_dim)
-    values = upcast(value_cache[slots])  # (rows, capacity, kv_heads, value_dim)
-    grouped = upcast(query).view(rows, kv_heads, group, head_dim)
-    scores = torch.einsum("rkgd,rtkd->rkgt", grouped, keys) * softmax_scale
+    keys = upcast(inputs.key_cache[slots])  # (rows, capacity, kv_heads, head_dim)
+    values = upcast(inputs.value_cache[slots])  # (rows, capacity, kv_heads, value_dim)
+    grouped = upcast(inputs.query).view(rows, kv_heads, group, inputs.head_dim)
+    scores = torch.einsum("rkgd,rtkd->rkgt", grouped, keys) * inputs.softmax_scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     if sinks is not None:
         sink_column = upcast(sinks).view(1, kv_heads, group, 1).expand(rows, -1, -1, 1)
@@ -63,4 +51,4 @@ def paged_decode_attention_reference(
     # a row that sees nothing softmaxes over -inf only (NaN): its output is defined as zeros
     weights = weights.masked_fill(~visible.any(dim=1)[:, None, None, None], 0.0)
     out = torch.einsum("rkgt,rtkv->rkgv", weights, values)
-    return out.reshape(rows, q_heads, value_cache.shape[2]).to(query.dtype)
+    return out.reshape(rows, inputs.q_heads, inputs.value_dim).to(inputs.query.dtype)

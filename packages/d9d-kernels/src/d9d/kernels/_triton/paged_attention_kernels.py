@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -175,23 +176,13 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
 
 
-def paged_decode_attention_kernel(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    sinks: torch.Tensor | None,
-    page_size: int,
-    softmax_scale: float,
-    sliding_window: int | None,
-    num_splits: int,
-    block_n: int,
-) -> torch.Tensor:
+def paged_decode_attention_kernel(inputs: PagedDecodeInputs, num_splits: int, block_n: int) -> torch.Tensor:
     """Launches the split kernel (and, for ``num_splits > 1``, the combine kernel); see the module."""
-    rows, q_heads, head_dim = query.shape
-    kv_heads, value_dim = key_cache.shape[1], value_cache.shape[2]
-    group = q_heads // kv_heads
+    query, key_cache, value_cache = inputs.query, inputs.key_cache, inputs.value_cache
+    block_table, lengths, sinks = inputs.block_table, inputs.lengths, inputs.sinks
+    page_size, sliding_window = inputs.page_size, inputs.sliding_window
+    rows, q_heads, head_dim, kv_heads = inputs.rows, inputs.q_heads, inputs.head_dim, inputs.kv_heads
+    value_dim, group = inputs.value_dim, inputs.group
     out = torch.empty((rows, q_heads, value_dim), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
@@ -204,7 +195,7 @@ def paged_decode_attention_kernel(
     block_dv = next_power_of_2(value_dim)
     _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
-        q_heads, group, sliding_window or 0, softmax_scale * _LOG2E,
+        q_heads, group, sliding_window or 0, inputs.softmax_scale * _LOG2E,
         query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._triton.launch import interpreted
 
 # Programs per SM the split count aims at: enough to hide a program's tail behind another's loads.
@@ -51,10 +52,11 @@ def _paged_decode_attention(
 ) -> torch.Tensor:
     from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
 
-    return paged_decode_attention_kernel(
-        query, key_cache, value_cache, block_table, lengths, sinks,
-        page_size, softmax_scale, sliding_window, num_splits, block_n,
+    inputs = PagedDecodeInputs(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, lengths=lengths,
+        page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
+    return paged_decode_attention_kernel(inputs, num_splits, block_n)
 
 
 @_paged_decode_attention.register_fake
@@ -75,34 +77,25 @@ def _paged_decode_attention_fake(
 
 
 def paged_decode_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    page_size: int,
-    softmax_scale: float,
-    sliding_window: int | None,
-    sinks: torch.Tensor | None,
-    num_splits: int | None = None,
+    inputs: PagedDecodeInputs, *, num_splits: int | None = None
 ) -> torch.Tensor:
     """Paged decode attention through the Triton kernels; see ``d9d.kernels.paged_decode_attention``.
 
     Args:
+        inputs: The op's checked arguments.
         num_splits: Programs per (row, kv head); None picks ``splits_for``'s (tests force it).
     """
     from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
     from d9d.kernels._triton.rms_norm_kernels import multiprocessor_count
 
-    block_n = block_size(query.dtype)
+    block_n = block_size(inputs.query.dtype)
     if num_splits is None:
-        programs = query.shape[0] * key_cache.shape[1]
-        capacity = block_table.shape[1] * page_size
-        sms = multiprocessor_count(query.device)
-        num_splits = splits_for(programs, capacity, block_n, multiprocessors=sms)
-    args = (query, key_cache, value_cache, block_table, lengths, sinks)
-    options = (page_size, softmax_scale, sliding_window, num_splits, block_n)
+        sms = multiprocessor_count(inputs.query.device)
+        num_splits = splits_for(inputs.rows * inputs.kv_heads, inputs.capacity, block_n, multiprocessors=sms)
     if torch.compiler.is_compiling():
-        return _paged_decode_attention(*args, *options)
-    return paged_decode_attention_kernel(*args, *options)
+        i = inputs
+        return _paged_decode_attention(
+            i.query, i.key_cache, i.value_cache, i.block_table, i.lengths, i.sinks,
+            i.page_size, i.softmax_scale, i.sliding_window, num_splits, block_n,
+        )  # fmt: skip
+    return paged_decode_attention_kernel(inputs, num_splits, block_n)

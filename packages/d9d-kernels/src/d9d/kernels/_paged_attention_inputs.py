@@ -1,0 +1,142 @@
+"""One paged decode attention call's tensors and options: checked once, sizes derived once.
+
+The public op checks them; its PyTorch reference, its Triton launch and the kernels read the sizes
+from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_OP = "paged_decode_attention"
+
+
+@dataclass(kw_only=True, frozen=True)
+class PagedDecodeInputs:
+    """The arguments of ``d9d.kernels.paged_decode_attention`` (see there for their shapes).
+
+    Attributes:
+        query: ``(rows, q_heads, head_dim)``.
+        key_cache: ``(num_slots, kv_heads, head_dim)``.
+        value_cache: ``(num_slots, kv_heads, value_dim)``.
+        block_table: ``(rows, max_blocks)`` int32.
+        lengths: ``(rows,)`` int32.
+        page_size: Slots per block.
+        softmax_scale: Score multiplier.
+        sliding_window: The window, or None for the whole row.
+        sinks: ``(q_heads,)`` attention-sink logits, or None.
+    """
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    page_size: int
+    softmax_scale: float
+    sliding_window: int | None
+    sinks: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        """Query rows (one new token each)."""
+        return self.query.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        """Query heads."""
+        return self.query.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        """Query and key head size."""
+        return self.query.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads."""
+        return self.key_cache.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        """Value head size (the output's last dimension)."""
+        return self.value_cache.shape[2]
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row's block table addresses: ``max_blocks * page_size``."""
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def floats(self) -> tuple[torch.Tensor, ...]:
+        """The floating tensors: query, caches and sinks where given."""
+        return (self.query, self.key_cache, self.value_cache) + (
+            (self.sinks,) if self.sinks is not None else ()
+        )
+
+    def check(self) -> None:
+        """Raises ``ValueError`` naming what does not fit (see ``paged_decode_attention``'s Raises)."""
+        self._check_shapes()
+        self._check_types()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{_OP}: sliding_window={self.sliding_window} must be at least 1")
+
+    def _check_shapes(self) -> None:
+        query, key_cache, value_cache = self.query, self.key_cache, self.value_cache
+        for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+            if t.dim() != 3:
+                raise ValueError(f"{_OP}: {name} must be 3-D, got shape {tuple(t.shape)}")
+        rows, q_heads, head_dim = query.shape
+        num_slots, kv_heads, key_dim = key_cache.shape
+        if tuple(value_cache.shape[:2]) != (num_slots, kv_heads):
+            raise ValueError(
+                f"{_OP}: value_cache shape {tuple(value_cache.shape)} does not match key_cache "
+                f"{tuple(key_cache.shape)} in (num_slots, kv_heads)"
+            )
+        if key_dim != head_dim:
+            raise ValueError(f"{_OP}: key_cache head_dim {key_dim} differs from query head_dim {head_dim}")
+        if kv_heads == 0 or q_heads % kv_heads != 0:
+            raise ValueError(
+                f"{_OP}: query heads {q_heads} are not a multiple of key_cache kv_heads {kv_heads}"
+            )
+        page_size = self.page_size
+        if page_size < 1 or num_slots % page_size != 0:
+            raise ValueError(f"{_OP}: page_size={page_size} does not divide key_cache's {num_slots} slots")
+        if self.block_table.dim() != 2 or self.block_table.shape[0] != rows:
+            raise ValueError(
+                f"{_OP}: block_table must be (rows={rows}, max_blocks), got {tuple(self.block_table.shape)}"
+            )
+        if tuple(self.lengths.shape) != (rows,):
+            raise ValueError(f"{_OP}: lengths must be (rows={rows},), got {tuple(self.lengths.shape)}")
+
+    def _check_types(self) -> None:
+        query, key_cache, value_cache, sinks = self.query, self.key_cache, self.value_cache, self.sinks
+        if (
+            not query.is_floating_point()
+            or key_cache.dtype != query.dtype
+            or value_cache.dtype != query.dtype
+        ):
+            raise ValueError(
+                f"{_OP}: query, key_cache and value_cache must share one floating dtype, got {query.dtype}, "
+                f"{key_cache.dtype}, {value_cache.dtype}"
+            )
+        for name, t in (("block_table", self.block_table), ("lengths", self.lengths)):
+            if t.dtype != torch.int32:
+                raise ValueError(f"{_OP}: {name} must be int32, got {t.dtype}")
+        tensors = [("key_cache", key_cache), ("value_cache", value_cache), ("block_table", self.block_table)]
+        tensors += [("lengths", self.lengths)] + ([("sinks", sinks)] if sinks is not None else [])
+        for name, t in tensors:
+            if t.device != query.device:
+                raise ValueError(f"{_OP}: {name} is on {t.device}, query on {query.device}")
+        if sinks is not None and (tuple(sinks.shape) != (query.shape[1],) or not sinks.is_floating_point()):
+            raise ValueError(
+                f"{_OP}: sinks must be a floating (q_heads={query.shape[1]},) tensor, got "
+                f"{tuple(sinks.shape)} {sinks.dtype}"
+            )
