@@ -103,6 +103,26 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str, strategy
     return losses
 
 
+def _save_initial_weights(path: Path) -> Path:
+    """The unpipelined MLP's weights (seed 0) in ``path``: every run of a test starts from them."""
+    torch.manual_seed(0)
+    full = StagedMLP(PipelineStageInfo(current_stage=0, num_stages=1))
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def initial_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights file every pipelined layout below starts from."""
+    return _save_initial_weights(tmp_path_factory.mktemp("pipelined") / "init.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference_curve(initial_weights: Path) -> list[float]:
+    """The non-pipelined single-process losses from ``initial_weights``, once for every layout."""
+    return run_distributed(_train, {}, {"name": "1f1b"}, str(initial_weights), "hsdp", world_size=1)[0]
+
+
 @pytest.mark.parametrize(
     ("mesh", "schedule", "world", "strategy"),
     [
@@ -126,15 +146,16 @@ def _train(mesh: dict[str, int], schedule: dict[str, Any], source: str, strategy
     ],
 )
 def test_pipelined_run_matches_non_pipelined(
-    tmp_path: Path, mesh: dict[str, int], schedule: dict[str, Any], world: int, strategy: str
+    initial_weights: Path,
+    reference_curve: list[float],
+    mesh: dict[str, int],
+    schedule: dict[str, Any],
+    world: int,
+    strategy: str,
 ) -> None:
     # Both runs start from the same weights, loaded through the stages' state mappers: each
     # pipeline stage reads only its own tensors from the file.
-    torch.manual_seed(0)
-    full = StagedMLP(PipelineStageInfo(current_stage=0, num_stages=1))
-    source = tmp_path / "init.safetensors"
-    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(source))
-    reference = run_distributed(_train, {}, {"name": "1f1b"}, str(source), "hsdp", world_size=1)[0]
+    source, reference = initial_weights, reference_curve
     curves = run_distributed(_train, mesh, schedule, str(source), strategy, world_size=world, timeout_s=240)
     assert len(reference) == 6
     for curve in curves:
@@ -184,10 +205,7 @@ def _train_with_checkpoints(
     ],
 )
 def test_pipelined_run_checkpoints_and_resumes_exactly(tmp_path: Path, schedule: dict[str, Any]) -> None:
-    torch.manual_seed(0)
-    full = StagedMLP(PipelineStageInfo(current_stage=0, num_stages=1))
-    source = tmp_path / "init.safetensors"
-    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(source))
+    source = _save_initial_weights(tmp_path / "init.safetensors")
     args = (schedule, str(source))
     straight = run_distributed(_train_with_checkpoints, *args, str(tmp_path / "a"), 6, world_size=2)
     run_distributed(_train_with_checkpoints, *args, str(tmp_path / "b"), 4, world_size=2)
