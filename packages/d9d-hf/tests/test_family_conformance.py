@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -334,6 +335,92 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     return {case.name: save_checkpoint(case, root / case.name) for case in FAMILIES}
 
 
+LORA = {"kind": "lora", "target": r"q_proj|v_proj|o_proj", "r": 4, "alpha": 8.0}
+
+
+def _train_single(directory: Path, export: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One process: the full-weight reference run, then the LoRA run that exports to ``export``."""
+    return _train(directory, {}), _train(directory, {}, export, LORA)
+
+
+def _train_layouts(directory: Path, layouts: tuple[str, ...]) -> dict[str, dict[str, Any] | str]:
+    """Each of ``layouts`` trained in turn in this world; a layout that raised gives its traceback."""
+    results: dict[str, dict[str, Any] | str] = {}
+    for layout in layouts:
+        try:
+            results[layout] = _train(directory, LAYOUTS[layout])
+        except Exception:
+            results[layout] = traceback.format_exc()
+    return results
+
+
+def _world_size(mesh: dict[str, int]) -> int:
+    # expert parallelism splits the data-parallel ranks: it adds none
+    return math.prod(size for dim, size in mesh.items() if dim != "expert_parallel")
+
+
+@dataclass(frozen=True)
+class SingleProcessRuns:
+    """A family's one-process runs.
+
+    Attributes:
+        reference: ``_train``'s result without a mesh (losses, gradient norms, logits).
+        lora: The LoRA run's result and the directory of its merged export.
+    """
+
+    reference: dict[str, Any]
+    lora: tuple[dict[str, Any], Path]
+
+
+class FamilyRuns:
+    """Each family's training runs, made on first use and kept for the module.
+
+    A family's one-process runs share one process, and all its layouts (two ranks each) share one
+    two-rank world: each run still builds its own trainer and model from the checkpoint.
+    """
+
+    def __init__(self, checkpoints: dict[str, Path], root: Path) -> None:
+        self._checkpoints = checkpoints
+        self._root = root
+        self._single: dict[str, SingleProcessRuns] = {}
+        self._layouts: dict[str, list[dict[str, dict[str, Any] | str]]] = {}
+
+    def single(self, case: FamilyCase) -> SingleProcessRuns:
+        """The family's reference and LoRA runs."""
+        if case.name not in self._single:
+            export = self._root / case.name / "lora-export"
+            directory = self._checkpoints[case.name]
+            runs = run_distributed(_train_single, directory, export, world_size=1, timeout_s=360)
+            reference, lora = runs[0]
+            self._single[case.name] = SingleProcessRuns(reference=reference, lora=(lora, export))
+        return self._single[case.name]
+
+    def layout(self, case: FamilyCase, layout: str) -> list[dict[str, Any]]:
+        """Every rank's ``_train`` result on ``layout``; fails naming a rank's traceback there."""
+        if case.name not in self._layouts:
+            (world_size,) = {_world_size(LAYOUTS[name]) for name in case.layouts}
+            self._layouts[case.name] = run_distributed(
+                _train_layouts,
+                self._checkpoints[case.name],
+                case.layouts,
+                world_size=world_size,
+                timeout_s=180 * len(case.layouts),
+            )
+        results: list[dict[str, Any]] = []
+        for rank, outcome in enumerate(self._layouts[case.name]):
+            result = outcome[layout]
+            if isinstance(result, str):
+                pytest.fail(f"{case.name} on {layout}, rank {rank}:\n{result}")
+            results.append(result)
+        return results
+
+
+@pytest.fixture(scope="module")
+def family_runs(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> FamilyRuns:
+    """The families' training runs, shared by the LoRA and parallelism tests."""
+    return FamilyRuns(family_checkpoints, tmp_path_factory.mktemp("family-runs"))
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
     ids[:, :3] = 0  # left padding: the pad id's embedding row gets no gradient in transformers
@@ -382,13 +469,9 @@ def test_round_trip_loads_in_transformers_with_the_same_logits(
 
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
 def test_lora_trains_and_its_merged_export_loads_in_transformers(
-    family_checkpoints: dict[str, Path], helpers: Any, tmp_path: Path, case: FamilyCase
+    family_runs: FamilyRuns, helpers: Any, case: FamilyCase
 ) -> None:
-    lora = {"kind": "lora", "target": r"q_proj|v_proj|o_proj", "r": 4, "alpha": 8.0}
-    export = tmp_path / "export"
-    result = run_distributed(
-        _train, family_checkpoints[case.name], {}, export, lora, world_size=1, timeout_s=180
-    )[0]
+    result, export = family_runs.single(case).lora
     hf = helpers.hf_model(export).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(PROBE).logits, result["logits"], atol=1e-4, rtol=1e-4)
@@ -406,29 +489,15 @@ def test_config_json_selects_the_family_from_source_and_from_scratch(
     assert scratch.config.decoder_spec() == family.decoder_spec()
 
 
-_REFERENCES: dict[str, dict[str, Any]] = {}
-
-
-def _reference(directory: Path) -> dict[str, Any]:
-    key = str(directory)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_distributed(_train, directory, {}, world_size=1, timeout_s=180)[0]
-    return _REFERENCES[key]
-
-
 @pytest.mark.parametrize(
     ("case", "layout"),
     [pytest.param(case, layout, id=f"{case.name}-{layout}") for case in FAMILIES for layout in case.layouts],
 )
 def test_parallelism_trains_to_the_single_process_losses(
-    family_checkpoints: dict[str, Path], case: FamilyCase, layout: str
+    family_runs: FamilyRuns, case: FamilyCase, layout: str
 ) -> None:
-    directory = family_checkpoints[case.name]
-    expected = _reference(directory)
-    mesh = LAYOUTS[layout]
-    # expert parallelism splits the data-parallel ranks: it adds none
-    world_size = math.prod(size for dim, size in mesh.items() if dim != "expert_parallel")
-    results = run_distributed(_train, directory, mesh, world_size=world_size, timeout_s=180)
+    expected = family_runs.single(case).reference
+    results = family_runs.layout(case, layout)
     assert len(expected["losses"]) == STEPS
     for result in results:
         torch.testing.assert_close(result["losses"], expected["losses"], atol=2e-5, rtol=2e-5)
