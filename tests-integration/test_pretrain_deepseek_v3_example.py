@@ -1,6 +1,6 @@
 """The DeepSeek-V3 pre-training example's config: it builds the family it promises, on its mesh.
 
-The training run itself is the Qwen3-MoE example's script under torchrun
+The training run itself is the Qwen3-MoE example's script on 4 ranks
 (``test_pretrain_moe_example.py`` runs that script); here only what this config adds is checked,
 in-process and without training.
 """
