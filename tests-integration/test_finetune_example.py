@@ -5,22 +5,21 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from script_in_process import run_script_in_process
-from script_runner import run_script, start_runner, stop_runner
+from script_runner import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "finetune-qwen3" / "train.py"
 CAPITALS = {"france": "paris", "italy": "rome", "spain": "madrid", "peru": "lima", "kenya": "nairobi"}
 
 
-# What train.py and its toy_setup import at their top: imported once in the runner, before it
-# forks each run (see script_runner), instead of once per run.
+# What train.py and its toy_setup import at their top: imported once in the session's script runner
+# (conftest.py's torch_runner), before it forks each run (see script_runner), instead of once per run.
 SCRIPT_IMPORTS = (
     "pydantic",
     "tokenizers",
@@ -33,18 +32,13 @@ SCRIPT_IMPORTS = (
 )
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
-    process = start_runner(tmp_path_factory.mktemp("runner"))
-    yield process
-    stop_runner(process)
-
-
-def _run(config: str, tmp_path: Path, runner: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-    """``python train.py CONFIG`` in a process of its own (forked by the script runner)."""
+def _run(
+    config: str, tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> subprocess.CompletedProcess[str]:
+    """``python train.py CONFIG`` in a process of its own (forked by the session's script runner)."""
     path = tmp_path / "config.yaml"
     path.write_text(config)
-    return run_script(runner, SCRIPT, str(path), cwd=tmp_path, timeout_s=300, preload=SCRIPT_IMPORTS)
+    return run_script(torch_runner, SCRIPT, str(path), cwd=tmp_path, timeout_s=300, preload=SCRIPT_IMPORTS)
 
 
 def _shipped_config(tmp_path: Path, *, steps: int = 30) -> str:
@@ -70,11 +64,11 @@ def test_script_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str
 
 @pytest.fixture(scope="module")
 def shipped_run(
-    tmp_path_factory: pytest.TempPathFactory, runner: subprocess.Popen[str]
+    tmp_path_factory: pytest.TempPathFactory, torch_runner: subprocess.Popen[str]
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """The shipped config, 30 steps, once per module: its directory (toy set, tiny checkpoint, export)."""
     directory = tmp_path_factory.mktemp("shipped")
-    return directory, _run(_shipped_config(directory), directory, runner)
+    return directory, _run(_shipped_config(directory), directory, torch_runner)
 
 
 def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
@@ -106,7 +100,7 @@ def test_a_short_run_lowers_the_held_out_loss_and_exports_for_transformers(
 
 
 def test_a_users_chat_jsonl_file_trains_from_config_alone(
-    tmp_path: Path, runner: subprocess.Popen[str]
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
 ) -> None:
     chats = tmp_path / "chats.jsonl"
     lines = [
@@ -126,18 +120,20 @@ def test_a_users_chat_jsonl_file_trains_from_config_alone(
     config = config.replace("format: prompt_completion", "format: chat").replace(
         "toy_data: true", "toy_data: false"
     )
-    result = _run(config, tmp_path, runner)
+    result = _run(config, tmp_path, torch_runner)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "60 samples used, 0 truncated, 0 dropped as too long, 0 skipped" in result.stdout
     before, after = _losses(result.stdout)
     assert after < 0.5 * before
 
 
-def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path, runner: subprocess.Popen[str]) -> None:
+def test_streaming_trains_from_the_file_as_it_goes(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     config = _shipped_config(tmp_path, steps=12).replace("eval_fraction: 0.2", "eval_fraction: 0.0")
     config = config.replace("packing: true ", "streaming: true\n  packing: true ")
     assert "streaming: true" in config
-    result = _run(config, tmp_path, runner)
+    result = _run(config, tmp_path, torch_runner)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out loss before: n/a (no held-out split" in result.stdout
     assert (tmp_path / "runs" / "export" / "config.json").is_file()
@@ -150,7 +146,9 @@ def test_streaming_trains_from_the_file_as_it_goes(tmp_path: Path, runner: subpr
     assert counts is not None and int(counts.group(1)) > 0, result.stdout
 
 
-def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path, runner: subprocess.Popen[str]) -> None:
+def test_a_bad_line_stops_the_run_naming_file_and_line(
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
+) -> None:
     chats = tmp_path / "chats.jsonl"
     chats.write_text(
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{oops\n'
@@ -159,7 +157,7 @@ def test_a_bad_line_stops_the_run_naming_file_and_line(tmp_path: Path, runner: s
     config = config.replace("format: prompt_completion", "format: chat").replace(
         "toy_data: true", "toy_data: false"
     )
-    result = _run(config, tmp_path, runner)
+    result = _run(config, tmp_path, torch_runner)
     assert result.returncode == 2
     assert f"{chats}:2: not valid JSON" in result.stderr
     assert not (tmp_path / "runs" / "export").exists()
@@ -201,17 +199,17 @@ def test_toy_data_is_written_only_inside_the_work_dir(
 
 
 def test_rerunning_a_finished_config_says_so_without_a_before_loss(
-    tmp_path: Path, runner: subprocess.Popen[str]
+    tmp_path: Path, torch_runner: subprocess.Popen[str]
 ) -> None:
     # the second run resumed at its last step, trained nothing and printed the trained model's
     # loss as the untrained "before"
     config = _shipped_config(tmp_path, steps=3)
     checkpoints = tmp_path / "runs" / "checkpoints"
     config = config.replace("trainer:\n", f"trainer:\n  checkpoint: {{directory: {checkpoints}}}\n", 1)
-    first = _run(config, tmp_path, runner)
+    first = _run(config, tmp_path, torch_runner)
     assert first.returncode == 0, first.stderr[-3000:]
     _losses(first.stdout)
-    again = _run(config, tmp_path, runner)
+    again = _run(config, tmp_path, torch_runner)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already finished at step 3: nothing trained; held-out loss: " in again.stdout
     assert "held-out loss before" not in again.stdout
@@ -224,7 +222,7 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(
     tmp_path: Path,
     family: str,
     shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
-    runner: subprocess.Popen[str],
+    torch_runner: subprocess.Popen[str],
 ) -> None:
     # The same script and config with model.source at another family's checkpoint: config.json's
     # model_type picks the family; nothing else changes. The toy set and its tokenizer come from
@@ -266,7 +264,7 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(
     config = config.replace(f"source: {tmp_path}/runs/toy_pairs.jsonl", toy_pairs)
     assert toy_pairs in config
     config = config.replace("replace_export_dir: false", "replace_export_dir: true")
-    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, runner)
+    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, torch_runner)
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = _losses(result.stdout)
     assert after < before
@@ -277,7 +275,7 @@ def test_a_llama_or_qwen2_source_trains_by_config_alone(
 def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
     tmp_path: Path,
     shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
-    runner: subprocess.Popen[str],
+    torch_runner: subprocess.Popen[str],
 ) -> None:
     # README: the shipped config's jsonl tracker feeds `d9d plot`; naming the generated model and
     # adding a checkpoint directory is all `d9d export CONFIG CHECKPOINTS OUT` needs.
@@ -298,7 +296,7 @@ def test_the_readmes_plot_and_export_recipes_work_on_the_shipped_config(
     checkpoints = tmp_path / "runs" / "checkpoints"
     config = config.replace("trainer:\n", f"trainer:\n  checkpoint: {{directory: {checkpoints}}}\n", 1)
     config = f"model: {{source: {shipped / 'runs' / 'tiny-qwen3'}}}\n{config}"
-    result = _run(config, tmp_path, runner)
+    result = _run(config, tmp_path, torch_runner)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     assert main(["export", str(tmp_path / "config.yaml"), str(checkpoints), str(out)]) == 0
@@ -357,7 +355,7 @@ def test_a_missing_template_file_stops_the_run_in_one_line_before_any_work(
 def test_chat_data_on_a_tokenizer_without_a_chat_template_stops_in_one_line(
     tmp_path: Path,
     shipped_run: tuple[Path, subprocess.CompletedProcess[str]],
-    runner: subprocess.Popen[str],
+    torch_runner: subprocess.Popen[str],
 ) -> None:
     shipped, toy = shipped_run
     assert toy.returncode == 0, toy.stderr[-3000:]
@@ -376,7 +374,7 @@ def test_chat_data_on_a_tokenizer_without_a_chat_template_stops_in_one_line(
     config = config.replace("format: prompt_completion", "format: chat").replace(
         "toy_data: true", "toy_data: false"
     )
-    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, runner)
+    result = _run(f"model: {{source: {source}}}\n{config}", tmp_path, torch_runner)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "has no chat template" in result.stderr and "dataset.format.template" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
