@@ -264,4 +264,7 @@ def test_tensor_parallel_splits_latent_attention_by_heads_equal_to_one_process(
         for name, gradient in expected["gradients"].items():
             torch.testing.assert_close(result["gradients"][name], gradient, atol=1e-6, rtol=1e-4, msg=name)
         for name, parameter in expected["parameters"].items():
-            torch.testing.assert_close(result["parameters"][name], parameter, atol=1e-6, rtol=1e-4, msg=name)
+            # 5e-6 is 0.5% of one step's update (lr 1e-3): AdamW moves an entry whose gradient is near
+            # its eps (1e-8) by an amount that the gradient's float rounding changes (seen: 1.8e-6 on
+            # one lm_head entry of gradient -4.7e-8), while a wrongly split weight moves by about lr
+            torch.testing.assert_close(result["parameters"][name], parameter, atol=5e-6, rtol=1e-4, msg=name)

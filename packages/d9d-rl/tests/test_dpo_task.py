@@ -196,8 +196,12 @@ def test_fsdp_tp_and_pp_on_two_ranks_equal_one_process(job: Path, one_process: d
     one = one_process
     for run in runs:
         assert run["losses"] == pytest.approx(one["losses"], abs=1e-5)
-        for got, want in zip(run["metrics"], one["metrics"], strict=True):
-            assert got == pytest.approx(want, abs=1e-5)  # means over all pairs of all ranks
+        for step, (got, want) in enumerate(zip(run["metrics"], one["metrics"], strict=True)):
+            # step 0: the policy is the reference, every margin is 0 up to rounding (about 1e-7 here),
+            # and which side of 0 a rounding falls on decides "chosen > rejected"; compare the rest
+            skipped = {"rewards/accuracies"} if step == 0 else set[str]()
+            compared = {k: v for k, v in got.items() if k not in skipped}
+            assert compared == pytest.approx({k: v for k, v in want.items() if k not in skipped}, abs=1e-5)
         assert run["weights"] and run["weights"].keys() <= one["weights"].keys()  # PP: this rank's stage
         for name, value in run["weights"].items():
             torch.testing.assert_close(value, one["weights"][name], rtol=1e-4, atol=1e-5)
