@@ -12,7 +12,7 @@ it once, and their input gradients run as one GEMM over both (``[dgate | dup] @ 
 """
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -118,76 +118,38 @@ def _quantize_weight_rows(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor
     return quantize_rowwise(_joined(weights, dim=2), dim=2)
 
 
-class _CastSite:
-    """One place that casts to float8: compiled on CUDA, the plain function elsewhere.
+def _cast_rows(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, K_i)`` parts joined to row-major float8 ``(M, sum K_i)``, one scale per row ``(M, 1)``.
 
-    Compiled, a cast is one fused kernel (join and transpose included) instead of several eager
-    passes. Each site wraps its own function, so Dynamo keeps its own shapes per site: the shapes
-    start static (a dynamic reduction dim gives two-pass kernels at about a third of the
-    bandwidth, measured on H200) and a row count that changes (expert parallelism) turns dynamic
-    after one recompile, while the widths, fixed per site, stay static. Inputs are detached so that
-    autograd flags add no variants. The site compiles on its first CUDA call, not at import:
-    ``torch.compile`` imports Dynamo and Inductor, seconds that every process importing
-    d9d.parallel would pay (CPU jobs, tools, each rank of a launch) for casts it may never run.
+    On CUDA one Triton kernel reads each part once; elsewhere the reference.
     """
+    detached = tuple(p.detach() for p in parts)
+    if detached[0].is_cuda:
+        from d9d.parallel import _float8_cast_kernels as kernels
 
-    def __init__(self, cast: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._cast = cast
-        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        detached = [t.detach() for t in tensors]
-        if not detached[0].is_cuda:
-            return self._cast(*detached)
-        if self._compiled is None:
-            self._compiled = torch.compile(self._cast)
-        return self._compiled(*detached)
+        if kernels.rows_fit(*(p.shape[1] for p in detached)):
+            return kernels.cast_rows(detached)
+    return _quantize_row_blocks(detached)
 
 
-def _single_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_row_blocks((x,))
+def _cast_weight_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, K, N)``: float8 column-major per group, one scale per (group, column) ``(G, 1, N)``."""
+    if weight.is_cuda:
+        from d9d.parallel import _float8_cast_kernels as kernels
+
+        return kernels.cast_weight_columns(weight.detach())
+    return _quantize_weight_columns(weight.detach())
 
 
-def _single_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight_columns(weight)
+def _cast_weight_rows(*weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, K, N_i)`` joined to row-major float8 ``(G, K, sum N_i)``, one scale per (group, row)."""
+    detached = tuple(w.detach() for w in weights)
+    if detached[0].is_cuda:
+        from d9d.parallel import _float8_cast_kernels as kernels
 
-
-def _single_grad(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_row_blocks((grad,))
-
-
-def _single_weight_for_grad(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight_rows((weight,))
-
-
-def _pair_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_row_blocks((x,))
-
-
-def _pair_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight_columns(weight)
-
-
-def _pair_grads(grad_a: torch.Tensor, grad_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_row_blocks((grad_a, grad_b))
-
-
-def _pair_weights_for_grad(
-    weight_a: torch.Tensor, weight_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight_rows((weight_a, weight_b))
-
-
-# The custom ops below stay opaque to an outer torch.compile, which traced the casts wrongly
-# otherwise (torch 2.11: an autograd.Function holding them lost its input gradients under compile).
-_CAST_SINGLE_INPUT = _CastSite(_single_input)
-_CAST_SINGLE_WEIGHT = _CastSite(_single_weight)
-_CAST_SINGLE_GRAD = _CastSite(_single_grad)
-_CAST_SINGLE_WEIGHT_FOR_GRAD = _CastSite(_single_weight_for_grad)
-_CAST_PAIR_INPUT = _CastSite(_pair_input)
-_CAST_PAIR_WEIGHT = _CastSite(_pair_weight)
-_CAST_PAIR_GRADS = _CastSite(_pair_grads)
-_CAST_PAIR_WEIGHTS_FOR_GRAD = _CastSite(_pair_weights_for_grad)
+        if kernels.rows_fit(*(w.shape[2] for w in detached)):
+            return kernels.cast_weight_rows(detached)
+    return _quantize_weight_rows(detached)
 
 
 def _scaled_grouped_mm(
@@ -253,8 +215,8 @@ def _empty_like_or_nothing(t: torch.Tensor, needed: bool) -> torch.Tensor:
 
 @torch.library.custom_op("d9d_parallel::float8_grouped_mm", mutates_args=())
 def _float8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    x_data, x_scale = _CAST_SINGLE_INPUT(x)
-    w_data, w_scale = _CAST_SINGLE_WEIGHT(weight)
+    x_data, x_scale = _cast_rows(x)
+    w_data, w_scale = _cast_weight_columns(weight)
     return _scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype)
 
 
@@ -275,9 +237,7 @@ def _float8_grouped_mm_backward(
     grad = grad.contiguous()
     grad_x = grad_weight = x.new_empty((0,))
     if need_x:
-        grad_x = _input_grad(_CAST_SINGLE_GRAD(grad), _CAST_SINGLE_WEIGHT_FOR_GRAD(weight), group_ends).to(
-            x.dtype
-        )
+        grad_x = _input_grad(_cast_rows(grad), _cast_weight_rows(weight), group_ends).to(x.dtype)
     if need_weight:
         grad_weight = _grouped_weight_grad(x.to(grad.dtype), grad, group_ends).to(weight.dtype)
     return grad_x, grad_weight
@@ -314,10 +274,10 @@ _float8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 def _float8_grouped_mm_pair(
     x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, group_ends: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x_data, x_scale = _CAST_PAIR_INPUT(x)  # once for both products
+    x_data, x_scale = _cast_rows(x)  # once for both products
     outputs: list[torch.Tensor] = []
     for weight in (weight_a, weight_b):
-        w_data, w_scale = _CAST_PAIR_WEIGHT(weight)
+        w_data, w_scale = _cast_weight_columns(weight)
         outputs.append(_scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype))
     return outputs[0], outputs[1]
 
@@ -346,7 +306,7 @@ def _float8_grouped_mm_pair_backward(
     if need_x:
         # [grad_a | grad_b] @ [weight_a | weight_b].T: one GEMM over both, one scale per row
         grad_x = _input_grad(
-            _CAST_PAIR_GRADS(grad_a, grad_b), _CAST_PAIR_WEIGHTS_FOR_GRAD(weight_a, weight_b), group_ends
+            _cast_rows(grad_a, grad_b), _cast_weight_rows(weight_a, weight_b), group_ends
         ).to(x.dtype)
     if need_weight_a:
         grad_weight_a = _grouped_weight_grad(x.to(grad_a.dtype), grad_a, group_ends).to(weight_a.dtype)
