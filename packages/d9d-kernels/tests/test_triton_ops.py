@@ -193,3 +193,23 @@ def test_grouped_mm_auto_path_on_gpu() -> None:
         return grouped_mm(x, w, tokens, backend=backend)  # pyright: ignore[reportArgumentType]
 
     assert_matches_reference(op, [x, w], [0, 1], torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "rows"),
+    [
+        (4096, 151936, 768),  # 256 MiB of logits, in multiples of 256 tokens (6 chunks)
+        (16384, 151936, 2048),  # an eighth of the tokens is more: 8 chunks, not 22
+        (65536, 151936, 3328),  # an eighth would pass 1 GiB of logits
+        (100, 151936, 100),  # all of a short batch
+        (5000, 10**7, 13),  # a row wider than 256 MiB / 256 tokens: as many as fit 256 MiB
+    ],
+)
+def test_linear_cross_entropy_default_chunks(tokens: int, vocab: int, rows: int) -> None:
+    pytest.importorskip("triton")
+    from d9d.kernels._triton.linear_cross_entropy_kernels import (
+        _chunk_rows,  # pyright: ignore[reportPrivateUsage]
+    )
+
+    assert _chunk_rows(tokens, vocab, 2, 0) == rows
+    assert _chunk_rows(tokens, vocab, 2, 100) == 100, "an explicit chunk_size wins"

@@ -19,7 +19,7 @@ from d9d.loop.estimate import (
     optimizer_memory,
     summary_line,
 )
-from d9d.loop.estimate._activations import layer_forward_bytes, saved_per_layer_bytes
+from d9d.loop.estimate._activations import head_chunk_rows, layer_forward_bytes, saved_per_layer_bytes
 from d9d.loop.peft import LoRAConfig, NF4BaseConfig, PlainBaseConfig
 from d9d.mesh import MeshParameters
 
@@ -209,3 +209,9 @@ def test_table_and_summary_name_every_component_and_rank() -> None:
         assert row in table
     assert "rank 1" in table and "layers: rank 0: 0-0, rank 1: 1-1" in table
     assert summary_line(estimates).startswith("memory estimate: ")
+
+
+def test_head_chunks_follow_the_kernels_rule() -> None:
+    # d9d-kernels' linear cross-entropy: 256 MiB of logits or an eighth of the tokens, up to 1 GiB
+    row = 151936 * 2
+    assert [head_chunk_rows(tokens, row) for tokens in (100, 4096, 16384, 65536)] == [100, 768, 2048, 3328]
