@@ -14,7 +14,9 @@ alternating timed calls; the table prints the medians.
 
 The engine decodes through its static decode step (device-resident rows, ``paged_decode_attention``
 over the paged pool in place, a CUDA graph per batch-size bucket on CUDA; ``--no-cuda-graphs``
-runs the same step eagerly). Beside tokens/s of both sides and their ratio, each point prints the
+runs the same step eagerly; ``--compile-decode`` compiles its model part with ``torch.compile``
+first, ``EmbeddedEngineConfig.compile_decode``: the warm-up call compiles, so the timed calls
+replay graphs of the compiled kernels). Beside tokens/s of both sides and their ratio, each point prints the
 engine's HBM roofline: the bytes its decode steps must read at least (all weights once per step,
 plus every decoding row's keys and values for its current length, from ``engine.last_stats``) over
 ``--bandwidth`` (default 4.8 TB/s, the H200's HBM3e), as a fraction of two times: the engine's
@@ -30,7 +32,11 @@ GPU (one H200; the issue's table):
     uv run packages/d9d-rl/benchmarks/decode_throughput.py
 GPU, the goal's point (batch 64) and two smaller ones at the 0.6B width, in a few minutes:
     uv run packages/d9d-rl/benchmarks/decode_throughput.py --widths qwen3-0.6b --batches 1 16 64 --repeats 2
-CPU smoke run (tiny widths, seconds):
+GPU, the engine's decode step compiled, at the 0.6B width (compare ms/step with the same command
+without ``--compile-decode``):
+    uv run packages/d9d-rl/benchmarks/decode_throughput.py --widths qwen3-0.6b --batches 1 64 \
+        --repeats 2 --compile-decode
+CPU smoke run (tiny widths, seconds; add ``--compile-decode`` for the compiled step, a minute):
     uv run packages/d9d-rl/benchmarks/decode_throughput.py --quick
 """
 
@@ -124,7 +130,13 @@ def _config(width: str, vocab: int, context: int) -> dict[str, Any]:
 
 
 def _d9d_engine(
-    fields: dict[str, Any], workload: Workload, device: torch.device, dtype: torch.dtype, graphs: bool
+    fields: dict[str, Any],
+    workload: Workload,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    graphs: bool,
+    compile_decode: bool,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
@@ -134,6 +146,7 @@ def _d9d_engine(
         max_rows=workload.batch,
         max_context=fields["max_position_embeddings"],
         cuda_graphs=graphs and device.type == "cuda",
+        compile_decode=compile_decode,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
@@ -199,7 +212,14 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     )
     fields = _config(width, args.vocab, args.prompt_length + args.max_completion + 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine, engine_run = _d9d_engine(fields, workload, device, dtype, not args.no_cuda_graphs)
+    engine, engine_run = _d9d_engine(
+        fields,
+        workload,
+        device,
+        dtype,
+        graphs=not args.no_cuda_graphs,
+        compile_decode=args.compile_decode,
+    )
     runs = {
         "d9d": engine_run,
         "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
@@ -249,6 +269,11 @@ def main() -> None:
     parser.add_argument("--compile-cpu", action="store_true", help="let transformers compile on CPU too")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine's decode step eagerly")
     parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="compile the engine's decode step with torch.compile (EmbeddedEngineConfig.compile_decode)",
+    )
+    parser.add_argument(
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
@@ -259,7 +284,9 @@ def main() -> None:
     completions = f"{args.min_completion}..{args.max_completion}"
     print(
         f"device={device} prompts={args.prompt_length} completions={completions} "
-        f"roofline bandwidth={args.bandwidth / 1e12:.2f} TB/s",
+        f"roofline bandwidth={args.bandwidth / 1e12:.2f} TB/s "
+        f"engine decode step: {'compiled' if args.compile_decode else 'eager'}, "
+        f"{'no CUDA graphs' if args.no_cuda_graphs else 'CUDA graphs on CUDA'}",
         flush=True,  # each point as it ends: a run cut short keeps the points so far
     )
     print(

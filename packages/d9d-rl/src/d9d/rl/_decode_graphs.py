@@ -11,7 +11,8 @@ class GraphedDecodeStep:
     """Runs ``step.forward(rows)`` by replaying a CUDA graph captured for ``rows``.
 
     The first step of a bucket runs eagerly on a side stream (the warm-up: lazy initialization,
-    Triton compilation; its logits are that step's result), then the bucket's graph is captured
+    Triton compilation, ``torch.compile``'s compilation of a compiled step; its logits are that
+    step's result), then the bucket's graph is captured
     (capture records, it does not run) into a memory pool shared by every bucket's graph. Later
     steps of the bucket replay it. The graphs read the step's buffers, the pool and the weights at
     the addresses they had when captured: drop this object when any of them is reallocated (the
@@ -58,9 +59,15 @@ class GraphedDecodeStep:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self._step.forward(rows)
         except RuntimeError as error:
+            compiled = (
+                "; the step is compiled (compile_decode): a compilation or autotuning the warm-up did "
+                "not run fails a capture too, try EmbeddedEngineConfig(compile_decode=False) first"
+                if self._step.compiled
+                else ""
+            )
             raise RuntimeError(
                 f"capturing the engine's decode step ({rows} rows) in a CUDA graph failed: {error}. "
                 "Some layer of this model reads a tensor on the host or changes shape by its values; "
-                "run the engine without graphs: EmbeddedEngineConfig(cuda_graphs=False)"
+                f"run the engine without graphs: EmbeddedEngineConfig(cuda_graphs=False){compiled}"
             ) from error
         self._graphs[rows] = (graph, logits)

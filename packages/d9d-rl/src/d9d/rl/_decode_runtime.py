@@ -11,7 +11,7 @@ import torch
 from d9d.hf import DecoderCausalLM
 from d9d.rl._decode_graphs import GraphedDecodeStep
 from d9d.rl._decode_slots import DecodeSlots
-from d9d.rl._decode_step import StaticDecodeStep
+from d9d.rl._decode_step import DecodeFunction, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._scheduler import SequenceState
@@ -62,8 +62,8 @@ class _DeviceTimer:
 class DecodeRuntime:
     """The pool of ``num_blocks`` blocks, the decode step's buffers and graphs, for one engine.
 
-    Decoding rows (one new token each) run the static decode step (a replayed CUDA graph with
-    ``cuda_graphs``); rows being prefilled run the model eagerly over the pool
+    Decoding rows (one new token each) run the static decode step (compiled with ``compiled``, a
+    replayed CUDA graph with ``cuda_graphs``); rows being prefilled run the model eagerly over the pool
     (``forward_paged``). A ``generate`` call reuses the runtime when its pool is large enough.
 
     Args:
@@ -72,6 +72,7 @@ class DecodeRuntime:
         num_blocks: Blocks of the pool.
         pad_token_id: Input token of idle rows and padding.
         cuda_graphs: Capture and replay the decode step (CUDA only).
+        compiled: The engine's compiled ``decode_rows`` (``compile_decode``), or None: eager.
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class DecodeRuntime:
         num_blocks: int,
         pad_token_id: int,
         cuda_graphs: bool,
+        compiled: DecodeFunction | None = None,
     ) -> None:
         device = next(model.parameters()).device
         self._model = model
@@ -90,7 +92,11 @@ class DecodeRuntime:
             model, num_blocks=num_blocks, page_size=config.page_size, device=device
         )
         self._step = StaticDecodeStep(
-            model, self.cache, max_rows=config.max_rows, max_blocks=config.blocks_for(config.max_context)
+            model,
+            self.cache,
+            max_rows=config.max_rows,
+            max_blocks=config.blocks_for(config.max_context),
+            compiled=compiled,
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None

@@ -6,14 +6,23 @@ copy per step (``load``). ``forward(rows)`` then runs the model on the first ``r
 reads nothing else from the host, so the same call can be captured in a CUDA graph and replayed
 (``GraphedDecodeStep``). Attention reads the paged pool in place (d9d-kernels'
 ``paged_decode_attention``); a row of length 0 is idle: its key and value go to the pool's
-scratch block and its attention output is zeros.
+scratch block and its attention output is zeros. The model part (``decode_rows``) may run
+compiled (``compile_decode_rows``): Inductor fuses its elementwise work around the matmuls and the
+attention op, and the CUDA graph of a bucket records the compiled kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch._dynamo import maybe_mark_dynamic  # pyright: ignore[reportPrivateUsage]
+from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
+    FailOnRecompileLimitHit,
+    TorchDynamoException,
+)
 
 from d9d.hf import DecoderCausalLM
 from d9d.kernels import paged_decode_attention
@@ -52,10 +61,18 @@ class StaticDecodeStep:
         cache: The paged pool; its last block is the scratch block (never handed to a row).
         max_rows: Rows the buffers hold.
         max_blocks: Block-table columns per row (blocks of the longest row).
+        compiled: ``compile_decode_rows``'s function, shared by the steps of one engine (its
+            graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
     """
 
     def __init__(
-        self, model: DecoderCausalLM, cache: PagedKVCache, *, max_rows: int, max_blocks: int
+        self,
+        model: DecoderCausalLM,
+        cache: PagedKVCache,
+        *,
+        max_rows: int,
+        max_blocks: int,
+        compiled: DecodeFunction | None = None,
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -68,9 +85,18 @@ class StaticDecodeStep:
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.write_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self._scratch_slot = cache.keys[0].shape[0] - cache.page_size
         self._host = torch.empty(0, dtype=torch.int32)
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
+        self._compiled = compiled
+        if compiled is not None:
+            for tensor in (*cache.keys, *cache.values):
+                # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
+                maybe_mark_dynamic(tensor, 0)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model part runs compiled."""
+        return self._compiled is not None
 
     def load(self, update: DecodeUpdate) -> torch.Tensor:
         """Sends ``update`` in one host-to-device copy (pinned, asynchronous on CUDA) and applies it.
@@ -117,32 +143,118 @@ class StaticDecodeStep:
             rows: Rows to run (idle ones included).
             blocks: Block-table columns attention may read (at least the longest row's blocks);
                 None: all of them (a shape that does not depend on the rows, for CUDA graphs).
+                A compiled step always reads all of them.
+
+        Raises:
+            RuntimeError: If the compiled step fails to compile.
         """
-        model, backbone = self._model, self._model.model
-        lm_head, norm = model.lm_head, backbone.norm
-        assert lm_head is not None and norm is not None  # checked at construction
-        lengths = self.lengths[:rows]
-        positions = (lengths.long() - 1).clamp_min(0)
-        table = self.block_table[:rows, :blocks]
-        page = self.cache.page_size
-        slots = table.gather(1, (positions // page)[:, None])[:, 0].long() * page + positions % page
-        self.positions[:rows].copy_(positions)
-        self.write_slots[:rows].copy_(torch.where(lengths > 0, slots, self._scratch_slot))
-        hidden = backbone.embed(self.input_ids[:rows, None])
-        tables = backbone.position_embeddings(self.positions[:rows, None], dtype=hidden.dtype)
-        for index, (layer, position_embeddings) in enumerate(
-            zip(backbone.decoder_layers(), tables, strict=True)
-        ):
-            view = DecodeLayerView(
-                keys=self.cache.keys[index],
-                values=self.cache.values[index],
-                page_size=page,
-                write_slots=self.write_slots[:rows],
-                block_table=table,
-                lengths=lengths,
-            )
-            hidden = layer(hidden, position_embeddings, None, kv_cache=view)
-        return lm_head.compute_logits(norm(hidden))[:, 0].float()
+        cache = self.cache
+        state = (
+            self.input_ids[:rows],
+            self.lengths[:rows],
+            self.block_table[:rows, : None if self._compiled is not None else blocks],
+            self.positions[:rows],
+            self.write_slots[:rows],
+        )
+        if self._compiled is None:
+            return decode_rows(self._model, cache.keys, cache.values, cache.page_size, *state)
+        for tensor in state:
+            # one graph serves every row count above one (a size of 1 is always specialized)
+            maybe_mark_dynamic(tensor, 0)
+        try:
+            return self._compiled(self._model, cache.keys, cache.values, cache.page_size, *state)
+        except (TorchDynamoException, FailOnRecompileLimitHit) as error:
+            raise RuntimeError(
+                f"compiling the engine's decode step ({rows} rows) with torch.compile failed: {error}. "
+                "Run the engine without it: EmbeddedEngineConfig(compile_decode=False)"
+            ) from error
+
+
+DecodeFunction = Callable[
+    [
+        DecoderCausalLM,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        int,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+"""``decode_rows``'s signature: the eager function or its compiled form."""
+
+
+def decode_rows(
+    model: DecoderCausalLM,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    page_size: int,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    table: torch.Tensor,
+    positions_out: torch.Tensor,
+    write_slots_out: torch.Tensor,
+) -> torch.Tensor:
+    """The model part of a decode step: ``(rows, vocab)`` float32 logits of rows with one new token.
+
+    Args:
+        model: The whole model.
+        keys: Each layer's key pool ``(num_slots, kv_heads, head_dim)``; its last block is scratch.
+        values: Each layer's value pool.
+        page_size: Slots per block.
+        input_ids: ``(rows,)`` int64, each row's new token.
+        lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
+        table: ``(rows, columns)`` int32 block table.
+        positions_out: ``(rows,)`` int64, written: each row's position (``length - 1``, 0 if idle).
+        write_slots_out: ``(rows,)`` int64, written: each row's slot for its new key and value (the
+            scratch block's first slot if idle).
+    """
+    backbone = model.model
+    lm_head, norm = model.lm_head, backbone.norm
+    if lm_head is None or norm is None:
+        raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
+    positions = (lengths.long() - 1).clamp_min(0)
+    slots = (
+        table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
+    )
+    scratch = keys[0].shape[0] - page_size
+    positions_out.copy_(positions)
+    write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
+    hidden = backbone.embed(input_ids[:, None])
+    tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
+    for index, (layer, position_embeddings) in enumerate(zip(backbone.decoder_layers(), tables, strict=True)):
+        view = DecodeLayerView(
+            keys=keys[index],
+            values=values[index],
+            page_size=page_size,
+            write_slots=write_slots_out,
+            block_table=table,
+            lengths=lengths,
+        )
+        hidden = layer(hidden, position_embeddings, None, kv_cache=view)
+    return lm_head.compute_logits(norm(hidden))[:, 0].float()
+
+
+def compile_decode_rows(max_rows: int) -> DecodeFunction:
+    """``decode_rows`` through ``torch.compile`` (Inductor, the whole step one graph), for one engine.
+
+    Sizes of one row are always specialized, so the steps of one row take a graph of their own;
+    the other buckets share one with the row count dynamic (and the pool's size: a rebuilt pool
+    reuses the graphs). A guard that splits the buckets further (a kernel's launch picked by the
+    row count) recompiles, at most once per bucket: the limit is the buckets' count, and past it
+    Dynamo raises (``fullgraph``) instead of running the step eagerly. The region is the engine's
+    own (``isolate_recompiles``): other engines' graphs do not count against it.
+
+    Args:
+        max_rows: The engine's ``max_rows`` (buckets: powers of two up to it).
+    """
+    buckets = (max_rows - 1).bit_length() + 1
+    # torch.compile's typed overloads omit recompile_limit and isolate_recompiles (its definition has them)
+    compile_region = cast(Callable[..., DecodeFunction], torch.compile)
+    return compile_region(decode_rows, fullgraph=True, recompile_limit=buckets, isolate_recompiles=True)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,6 +12,7 @@ from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
 from d9d.rl._block_pool import BlockPool
 from d9d.rl._decode_runtime import DecodeRuntime
+from d9d.rl._decode_step import compile_decode_rows
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._rollout_engine import Completion, SamplingParams
 from d9d.rl._sampling import sample_keyed
@@ -67,11 +68,12 @@ class EmbeddedRolloutEngine:
     static decode step: its state lives in device buffers that one small host-to-device copy per
     step updates, its attention reads the pool in place (d9d-kernels' ``paged_decode_attention``),
     and on CUDA it is captured once per batch-size bucket in a CUDA graph and replayed
-    (``config.cuda_graphs``); prefills run eagerly. Log-probabilities are
-    those of the model's own distribution (temperature 1, no filtering), equal to the trainer's
-    forward on the same tokens. Sampling draws each token with noise keyed by (seed, row, token
-    index), so a seeded call gives the same completions whatever the admission order, rows at
-    once or preemptions (up to floating-point differences between batch shapes).
+    (``config.cuda_graphs``), compiled first with ``config.compile_decode``; prefills run eagerly.
+    Log-probabilities are those of the model's own distribution (temperature 1, no filtering),
+    equal to the trainer's forward on the same tokens. Sampling draws each token with noise keyed
+    by (seed, row, token index), so a seeded call gives the same completions whatever the
+    admission order, rows at once or preemptions (up to floating-point differences between batch
+    shapes).
 
     State: the weights (``update_weights`` copies into them), a seeded generator that every
     unseeded ``generate`` call advances, and the pool with the decode step's buffers and graphs,
@@ -109,6 +111,10 @@ class EmbeddedRolloutEngine:
                 f"{self._device}. Leave cuda_graphs unset (None: on for CUDA only) or set it to False"
             )
         self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
+        # one compiled region per engine: its graphs serve every pool the engine allocates
+        self._compiled_decode = (
+            compile_decode_rows(self._config.max_rows) if self._config.compile_decode else None
+        )
         self._runtime: DecodeRuntime | None = None
         self._weights = model.state_dict()
         self._offloader = TensorOffloader(self._device)
@@ -268,6 +274,7 @@ class EmbeddedRolloutEngine:
                 num_blocks=num_blocks,
                 pad_token_id=self._pad,
                 cuda_graphs=self._cuda_graphs,
+                compiled=self._compiled_decode,
             )
             self._runtime = runtime
         runtime.start_call()

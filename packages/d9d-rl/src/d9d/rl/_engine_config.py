@@ -24,6 +24,16 @@ class EmbeddedEngineConfig(BaseModel):
             norm, LM head) in a CUDA graph per batch-size bucket (powers of two up to
             ``max_rows``) and replay it. None: on where the engine's device is CUDA. True on
             another device is refused when the engine is built. Prefills always run eagerly.
+        compile_decode: Run the decode step's model part (embedding, layers, final norm, LM head)
+            through ``torch.compile`` (Inductor, one graph; any device Inductor supports): the
+            elementwise work around the matmuls and the attention op (norms, rotary embedding,
+            residual adds, activations, casts) fuses into fewer kernels. With ``cuda_graphs`` a
+            bucket's warm-up step compiles and its graph records the compiled kernels. One row
+            and the other buckets take a graph each (the row count is a dynamic size), compiled
+            once per engine and reused by every pool (after ``sleep`` too). A compiled step's
+            attention gets the whole block table (``max_context``'s blocks) on every step. The
+            first steps pay the compilation. A model that cannot compile in one graph stops the
+            first decode step with an error naming the switch (never a silent eager fall-back).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +43,7 @@ class EmbeddedEngineConfig(BaseModel):
     max_context: int = Field(default=32768, gt=1)
     num_blocks: int | None = Field(default=None, gt=0)
     cuda_graphs: bool | None = None
+    compile_decode: bool = False
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:
