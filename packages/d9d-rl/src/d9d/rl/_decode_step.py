@@ -13,6 +13,7 @@ attention op, and the CUDA graph of a bucket records the compiled kernels.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -254,6 +255,9 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
     buckets = (max_rows - 1).bit_length() + 1
     # torch.compile's typed overloads omit recompile_limit and isolate_recompiles (its definition has them)
     compile_region = cast(Callable[..., DecodeFunction], torch.compile)
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        # torch < 2.15: Dynamo's process-wide limit (8) applies; the dynamic row count needs 2 graphs
+        return compile_region(decode_rows, fullgraph=True)
     return compile_region(decode_rows, fullgraph=True, recompile_limit=buckets, isolate_recompiles=True)
 
 
