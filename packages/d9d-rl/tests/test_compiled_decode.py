@@ -79,6 +79,7 @@ def test_compiled_step_on_cuda_with_and_without_graphs_decodes_as_the_eager_grap
     sampling = SamplingParams(max_tokens=12, temperature=0.0, samples_per_prompt=3)
     caps = [12, 3, 9, 5, 12, 1]
     results: list[list[Completion]] = []
+    compiled_graphs = 0
     for graphs, compiled in ((False, False), (True, True), (False, True)):
         config = EmbeddedEngineConfig(
             max_rows=8, page_size=4, max_context=64, cuda_graphs=graphs, compile_decode=compiled
@@ -89,6 +90,10 @@ def test_compiled_step_on_cuda_with_and_without_graphs_decodes_as_the_eager_grap
         stats = engine.last_stats
         assert stats is not None and (8 in stats.graph_buckets) == graphs
         # every bucket ran compiled: past the limit (the buckets' count) Dynamo would have raised
-        assert (_graphs() - before > 0) == compiled and _graphs() - before <= 4
+        new_graphs = _graphs() - before
+        assert new_graphs <= 4 and (compiled or new_graphs == 0)
+        compiled_graphs += new_graphs
+    # torch < 2.15 has no per-region cache: the second compiled engine may reuse the first's graphs
+    assert compiled_graphs > 0
     for other in results[1:]:
         _assert_same(other, results[0], tolerance=1e-4)  # Inductor's norms against the Triton kernels
