@@ -34,6 +34,7 @@ class EmbeddedEngineConfig(BaseModel):
             attention gets the whole block table (``max_context``'s blocks) on every step. The
             first steps pay the compilation. A model that cannot compile in one graph stops the
             first decode step with an error naming the switch (never a silent eager fall-back).
+            Experimental: its CUDA equality test has not passed on a GPU yet.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
