@@ -74,6 +74,26 @@ def test_flex_attends_with_sinks_as_the_reference_off_its_block_size(window: int
     torch.testing.assert_close(out.double(), _reference(q, k, v, sinks, window), atol=1e-5, rtol=1e-5)
 
 
+def test_flex_full_attention_with_sinks_equals_sdpa_and_eager_without_a_block_mask() -> None:
+    # neither causal nor windowed: flex gets block_mask=None and builds (and caches) no mask; forward
+    # only on CPU, over a full 128-token block and a partial one
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 130, 4, 8, generator=generator)
+    k = torch.randn(2, 130, 2, 8, generator=generator)
+    v = torch.randn(2, 130, 2, 8, generator=generator)
+    sinks = torch.tensor([3.0, -2.0, 0.0, 1.5])
+    flex = FlexAttentionBackend()
+    out = flex.attend_with_sinks(q, k, v, sinks=sinks, causal=False, softmax_scale=8**-0.5)
+    assert flex._block_masks == {}  # pyright: ignore[reportPrivateUsage]
+    for backend in (SdpaAttentionBackend(), EagerAttentionBackend()):
+        expected = backend.attend_with_sinks(q, k, v, sinks=sinks, causal=False, softmax_scale=8**-0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # a masked call still builds its block mask once and keeps it
+    flex.attend_with_sinks(q, k, v, sinks=sinks, causal=True, softmax_scale=8**-0.5)
+    flex.attend_with_sinks(q, k, v, sinks=sinks, causal=True, softmax_scale=8**-0.5)
+    assert list(flex._block_masks) == [(130, True, None, "cpu")]  # pyright: ignore[reportPrivateUsage]
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_sink_rescaling_of_attention_and_its_lse_gives_the_reference_gradients(window: int | None) -> None:
     # what FlexAttentionBackend does after the kernel, on a differentiable plain attention and lse
@@ -101,15 +121,17 @@ def test_sink_rescaling_of_attention_and_its_lse_gives_the_reference_gradients(w
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("window", [None, 128])
-def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(window: int | None) -> None:
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 128), (False, None)])
+def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(
+    causal: bool, window: int | None
+) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape_q, shape_kv = (2, 300, 8, 64), (2, 300, 2, 64)
     q = torch.randn(shape_q, generator=generator, device="cuda", requires_grad=True)
     k = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
     v = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
     sinks = torch.randn(8, generator=generator, device="cuda", requires_grad=True)
-    options = {"causal": True, "softmax_scale": 0.125, "sliding_window": window}
+    options = {"causal": causal, "softmax_scale": 0.125, "sliding_window": window}
     outs = [
         backend.attend_with_sinks(q, k, v, sinks=sinks, **options)
         for backend in (FlexAttentionBackend(), EagerAttentionBackend())

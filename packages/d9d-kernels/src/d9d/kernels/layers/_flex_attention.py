@@ -64,8 +64,9 @@ class FlexAttentionBackend:
     runs for inference only (it has no backward there); a CPU forward that needs gradients goes to
     SDPA.
 
-    The block mask of each (length, causal, window, device) is built once and reused. Packed
-    documents (``document_ids``) go to SDPA, with or without sinks.
+    The block mask of each (length, causal, window, device) is built once and reused; full
+    attention (neither causal nor windowed) passes none, so FlexAttention skips the mask and its
+    block-sparsity bookkeeping. Packed documents (``document_ids``) go to SDPA, with or without sinks.
     """
 
     def __init__(self) -> None:
@@ -146,8 +147,12 @@ class FlexAttentionBackend:
         group = check_attention_shapes(query, key, value)
         if sliding_window is not None:
             check_sliding_window(sliding_window)
-        block_mask = self._block_mask(
-            query.shape[1], causal=causal, sliding_window=sliding_window, device=query.device
+        block_mask = (
+            None
+            if not causal and sliding_window is None
+            else self._block_mask(
+                query.shape[1], causal=causal, sliding_window=sliding_window, device=query.device
+            )
         )
         kernel = self._compiled if query.is_cuda else flex_attention
         output, aux = kernel(
