@@ -13,6 +13,7 @@ from rl_tiny_model import VOCAB, tiny_config, tiny_model
 from d9d.hf import DecoderCausalLM
 from d9d.kernels.layers import sdpa_with_sinks
 from d9d.rl import EmbeddedEngineConfig, EmbeddedRolloutEngine, SamplingParams
+from d9d.rl._decode_runtime import _DeviceTimer  # pyright: ignore[reportPrivateUsage]
 from d9d.rl._decode_slots import DecodeSlots, bucket_for
 from d9d.rl._decode_step import DecodeLayerView, StaticDecodeStep
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
@@ -171,3 +172,31 @@ def test_replayed_graphs_decode_as_the_eager_step() -> None:
     assert [c.token_ids for c in results[0]] == [c.token_ids for c in results[1]]
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_timer_reuses_its_event_pairs_after_a_reset() -> None:
+    timer = _DeviceTimer(torch.device("cuda"))
+    x = torch.randn(512, 512, device="cuda")
+
+    def spans(count: int) -> None:
+        nonlocal x
+        for _ in range(count):
+            timer.start()
+            x = torch.tanh(x @ x)
+            timer.stop()
+
+    spans(3)
+    pool = list(timer._pairs)  # pyright: ignore[reportPrivateUsage]
+    assert len(pool) == 3 and timer.seconds() > 0
+    timer.reset()
+    assert timer.seconds() == 0.0  # the pairs before the reset are not counted
+    spans(2)
+    assert timer.seconds() > 0
+    assert all(a is b for a, b in zip(timer._pairs, pool, strict=True))  # pyright: ignore[reportPrivateUsage]
+    timer.reset()
+    spans(4)  # one pair past the pool: the three kept, one new
+    grown = timer._pairs  # pyright: ignore[reportPrivateUsage]
+    assert len(grown) == 4 and all(a is b for a, b in zip(grown, pool, strict=False))
+    assert timer.seconds() > 0

@@ -20,42 +20,50 @@ from d9d.rl._scheduler import SequenceState
 class _DeviceTimer:
     """Sums the device time of spans without synchronizing inside them.
 
-    On CUDA each span records a pair of timing events on the current stream, read once in
-    ``seconds`` (after the call, when its results have reached the host); elsewhere the device is
-    synchronous and the wall clock is its time.
+    On CUDA each span records into the next of a pool of reusable timing-event pairs (a pair is
+    allocated only when the pool runs out), on the current stream; ``seconds`` reads the pairs used
+    since ``reset`` once (after the call, when its results have reached the host), and ``reset``
+    rewinds to the pool's start without freeing it. Elsewhere the device is synchronous and the
+    wall clock is its time.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._used = 0
+        self._open = False
         self._wall = 0.0
-        self._started: torch.cuda.Event | float | None = None
+        self._wall_started: float | None = None
 
     def start(self) -> None:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._started = event
+            if self._used == len(self._pairs):
+                self._pairs.append(
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                )
+            self._pairs[self._used][0].record()
+            self._open = True
         else:
-            self._started = time.perf_counter()
+            self._wall_started = time.perf_counter()
 
     def stop(self) -> None:
-        started = self._started
-        self._started = None
-        if isinstance(started, torch.cuda.Event):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._events.append((started, event))
-        elif started is not None:
-            self._wall += time.perf_counter() - started
+        if self._open:
+            self._pairs[self._used][1].record()
+            self._used += 1
+            self._open = False
+        elif self._wall_started is not None:
+            self._wall += time.perf_counter() - self._wall_started
+            self._wall_started = None
 
     def seconds(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()
-        return self._wall + sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+        used = self._pairs[: self._used]
+        if used:
+            used[-1][1].synchronize()
+        return self._wall + sum(start.elapsed_time(end) for start, end in used) / 1e3
 
     def reset(self) -> None:
-        self._events.clear()
+        self._used = 0
+        self._open = False
         self._wall = 0.0
 
 
