@@ -245,19 +245,21 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
     Sizes of one row are always specialized, so the steps of one row take a graph of their own;
     the other buckets share one with the row count dynamic (and the pool's size: a rebuilt pool
     reuses the graphs). A guard that splits the buckets further (a kernel's launch picked by the
-    row count) recompiles, at most once per bucket: the limit is the buckets' count, and past it
-    Dynamo raises (``fullgraph``) instead of running the step eagerly. The region is the engine's
-    own (``isolate_recompiles``): other engines' graphs do not count against it.
+    row count) recompiles, at most once per bucket. On torch 2.15 and newer the limit is the
+    buckets' count, past which Dynamo raises (``fullgraph``) instead of running the step eagerly,
+    and the region is the engine's own (``isolate_recompiles``): other engines' graphs do not count
+    against it. Older torch has neither argument: the engines of a process share Dynamo's cache of
+    ``decode_rows`` and its process-wide limit.
 
     Args:
         max_rows: The engine's ``max_rows`` (buckets: powers of two up to it).
     """
-    buckets = (max_rows - 1).bit_length() + 1
     # torch.compile's typed overloads omit recompile_limit and isolate_recompiles (its definition has them)
     compile_region = cast(Callable[..., DecodeFunction], torch.compile)
     if "recompile_limit" not in inspect.signature(torch.compile).parameters:
         # torch < 2.15: Dynamo's process-wide limit (8) applies; the dynamic row count needs 2 graphs
         return compile_region(decode_rows, fullgraph=True)
+    buckets = (max_rows - 1).bit_length() + 1
     return compile_region(decode_rows, fullgraph=True, recompile_limit=buckets, isolate_recompiles=True)
 
 
