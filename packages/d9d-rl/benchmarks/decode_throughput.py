@@ -106,6 +106,8 @@ class Point:
     prefill_seconds: float
     decode_steps: int
     graph_buckets: tuple[int, ...]
+    cublas_tokens_per_s: float | None  # --few-rows-linear both: the engine without the kernel
+    cublas_decode_seconds: float | None
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -137,6 +139,7 @@ def _d9d_engine(
     *,
     graphs: bool,
     compile_decode: bool,
+    few_rows_linear: bool | None,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
@@ -147,6 +150,7 @@ def _d9d_engine(
         max_context=fields["max_position_embeddings"],
         cuda_graphs=graphs and device.type == "cuda",
         compile_decode=compile_decode,
+        few_rows_linear=few_rows_linear,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
@@ -212,6 +216,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     )
     fields = _config(width, args.vocab, args.prompt_length + args.max_completion + 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mode = args.few_rows_linear
     engine, engine_run = _d9d_engine(
         fields,
         workload,
@@ -219,23 +224,37 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         dtype,
         graphs=not args.no_cuda_graphs,
         compile_decode=args.compile_decode,
+        few_rows_linear={"auto": None, "on": True, "off": False, "both": True}[mode],
     )
     runs = {
         "d9d": engine_run,
         "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
     }
+    engines = {"d9d": engine}
+    if mode == "both":
+        engines["cublas"], runs["cublas"] = _d9d_engine(
+            fields,
+            workload,
+            device,
+            dtype,
+            graphs=not args.no_cuda_graphs,
+            compile_decode=args.compile_decode,
+            few_rows_linear=False,
+        )
     times: dict[str, list[float]] = {name: [] for name in runs}
-    decode_seconds: list[float] = []
+    decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
     for run in runs.values():
         _timed(run, device)  # warm-up: compilation, allocator
     for _ in range(args.repeats):  # alternating, so drift hits both sides alike
         for name, run in runs.items():
             times[name].append(_timed(run, device))
-            if name == "d9d":
-                assert engine.last_stats is not None
-                decode_seconds.append(engine.last_stats.decode_seconds)
-                prefill_seconds.append(engine.last_stats.prefill_seconds)
+            if name in engines:
+                stats = engines[name].last_stats
+                assert stats is not None
+                decode_seconds[name].append(stats.decode_seconds)
+                if name == "d9d":
+                    prefill_seconds.append(stats.prefill_seconds)
     tokens = sum(workload.lengths)
     stats = engine.last_stats
     assert stats is not None
@@ -245,10 +264,12 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         reference_tokens_per_s=tokens / statistics.median(times["transformers"]),
         roofline_bytes=_roofline_bytes(engine),  # the same every call: same rows, same lengths
         engine_seconds=statistics.median(times["d9d"]),
-        decode_seconds=statistics.median(decode_seconds),
+        decode_seconds=statistics.median(decode_seconds["d9d"]),
         prefill_seconds=statistics.median(prefill_seconds),
         decode_steps=stats.decode_steps,
         graph_buckets=stats.graph_buckets,
+        cublas_tokens_per_s=tokens / statistics.median(times["cublas"]) if "cublas" in times else None,
+        cublas_decode_seconds=statistics.median(decode_seconds["cublas"]) if "cublas" in engines else None,
     )
 
 
@@ -272,6 +293,13 @@ def main() -> None:
         "--compile-decode",
         action="store_true",
         help="compile the engine's decode step with torch.compile (EmbeddedEngineConfig.compile_decode)",
+    )
+    parser.add_argument(
+        "--few-rows-linear",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="EmbeddedEngineConfig.few_rows_linear (auto: None, on for CUDA); both: the engine with "
+        "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
     parser.add_argument(
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
@@ -310,6 +338,15 @@ def main() -> None:
                 f"{point.prefill_seconds:>10.2f}  {','.join(map(str, point.graph_buckets)) or 'off'}",
                 flush=True,
             )
+            if point.cublas_tokens_per_s is not None and point.cublas_decode_seconds is not None:
+                print(
+                    f"{'':<12}{'':>6}  without few_rows_linear (cuBLAS): "
+                    f"{point.cublas_tokens_per_s:.1f} tok/s, "
+                    f"{point.cublas_decode_seconds / steps * 1e3:.2f} ms/step; with it "
+                    f"{point.engine_tokens_per_s / point.cublas_tokens_per_s:.2f}x tok/s, "
+                    f"{point.cublas_decode_seconds / point.decode_seconds:.2f}x per decode step",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Every op dispatches automatically (Triton for CUDA tensors, PyTorch elsewhere) a
 """
 
 from d9d.kernels._backend import KernelBackend
+from d9d.kernels._few_rows_linear import FewRowsLinearMode, few_rows_linear
 from d9d.kernels._grouped_mm import grouped_mm
 from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
@@ -22,6 +23,7 @@ from d9d.kernels._swiglu import swiglu
 
 __all__ = [
     "CrossEntropyReduction",
+    "FewRowsLinearMode",
     "HostStateOffload",
     "KernelBackend",
     "RopeLayout",
@@ -31,6 +33,7 @@ __all__ = [
     "apply_rope",
     "available_host_memory",
     "copy_stochastic_",
+    "few_rows_linear",
     "grouped_mm",
     "linear_cross_entropy",
     "moe_permute",

@@ -81,6 +81,7 @@ class DecodeRuntime:
         pad_token_id: Input token of idle rows and padding.
         cuda_graphs: Capture and replay the decode step (CUDA only).
         compiled: The engine's compiled ``decode_rows`` (``compile_decode``), or None: eager.
+        few_rows_linear: Decode under d9d-kernels' ``FewRowsLinearMode``.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class DecodeRuntime:
         pad_token_id: int,
         cuda_graphs: bool,
         compiled: DecodeFunction | None = None,
+        few_rows_linear: bool = False,
     ) -> None:
         device = next(model.parameters()).device
         self._model = model
@@ -105,6 +107,7 @@ class DecodeRuntime:
             max_rows=config.max_rows,
             max_blocks=config.blocks_for(config.max_context),
             compiled=compiled,
+            few_rows_linear=few_rows_linear,
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,7 +27,7 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 )
 
 from d9d.hf import DecoderCausalLM
-from d9d.kernels import paged_decode_attention
+from d9d.kernels import FewRowsLinearMode, paged_decode_attention
 from d9d.rl._kv_cache import PagedKVCache
 
 
@@ -64,6 +65,7 @@ class StaticDecodeStep:
         max_blocks: Block-table columns per row (blocks of the longest row).
         compiled: ``compile_decode_rows``'s function, shared by the steps of one engine (its
             graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
+        few_rows_linear: Run the model part under d9d-kernels' ``FewRowsLinearMode``.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class StaticDecodeStep:
         max_rows: int,
         max_blocks: int,
         compiled: DecodeFunction | None = None,
+        few_rows_linear: bool = False,
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -89,6 +92,7 @@ class StaticDecodeStep:
         self._host = torch.empty(0, dtype=torch.int32)
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
         self._compiled = compiled
+        self._few_rows_linear = few_rows_linear
         if compiled is not None:
             for tensor in (*cache.keys, *cache.values):
                 # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
@@ -158,12 +162,16 @@ class StaticDecodeStep:
             self.write_slots[:rows],
         )
         if self._compiled is None:
-            return decode_rows(self._model, cache.keys, cache.values, cache.page_size, *state)
+            return decode_rows(
+                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear, *state
+            )
         for tensor in state:
             # one graph serves every row count above one (a size of 1 is always specialized)
             maybe_mark_dynamic(tensor, 0)
         try:
-            return self._compiled(self._model, cache.keys, cache.values, cache.page_size, *state)
+            return self._compiled(
+                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear, *state
+            )
         except (TorchDynamoException, FailOnRecompileLimitHit) as error:
             raise RuntimeError(
                 f"compiling the engine's decode step ({rows} rows) with torch.compile failed: {error}. "
@@ -177,6 +185,7 @@ DecodeFunction = Callable[
         list[torch.Tensor],
         list[torch.Tensor],
         int,
+        bool,
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
@@ -193,6 +202,7 @@ def decode_rows(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     page_size: int,
+    few_rows_linear: bool,
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
@@ -206,6 +216,8 @@ def decode_rows(
         keys: Each layer's key pool ``(num_slots, kv_heads, head_dim)``; its last block is scratch.
         values: Each layer's value pool.
         page_size: Slots per block.
+        few_rows_linear: Run the layers and the head under ``FewRowsLinearMode`` (their products of
+            at most 16 rows through d9d-kernels' ``few_rows_linear``).
         input_ids: ``(rows,)`` int64, each row's new token.
         lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
         table: ``(rows, columns)`` int32 block table.
@@ -226,17 +238,21 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
-    for index, (layer, position_embeddings) in enumerate(zip(backbone.decoder_layers(), tables, strict=True)):
-        view = DecodeLayerView(
-            keys=keys[index],
-            values=values[index],
-            page_size=page_size,
-            write_slots=write_slots_out,
-            block_table=table,
-            lengths=lengths,
-        )
-        hidden = layer(hidden, position_embeddings, None, kv_cache=view)
-    return lm_head.compute_logits(norm(hidden))[:, 0].float()
+    linears: AbstractContextManager[object] = FewRowsLinearMode() if few_rows_linear else nullcontext()
+    with linears:
+        for index, (layer, position_embeddings) in enumerate(
+            zip(backbone.decoder_layers(), tables, strict=True)
+        ):
+            view = DecodeLayerView(
+                keys=keys[index],
+                values=values[index],
+                page_size=page_size,
+                write_slots=write_slots_out,
+                block_table=table,
+                lengths=lengths,
+            )
+            hidden = layer(hidden, position_embeddings, None, kv_cache=view)
+        return lm_head.compute_logits(norm(hidden))[:, 0].float()
 
 
 def compile_decode_rows(max_rows: int) -> DecodeFunction:

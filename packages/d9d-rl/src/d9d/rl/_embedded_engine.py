@@ -111,6 +111,8 @@ class EmbeddedRolloutEngine:
                 f"{self._device}. Leave cuda_graphs unset (None: on for CUDA only) or set it to False"
             )
         self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
+        few_rows = self._config.few_rows_linear
+        self._few_rows_linear = self._device.type == "cuda" if few_rows is None else few_rows
         # one compiled region per engine: its graphs serve every pool the engine allocates
         self._compiled_decode = (
             compile_decode_rows(self._config.max_rows) if self._config.compile_decode else None
@@ -275,6 +277,7 @@ class EmbeddedRolloutEngine:
                 pad_token_id=self._pad,
                 cuda_graphs=self._cuda_graphs,
                 compiled=self._compiled_decode,
+                few_rows_linear=self._few_rows_linear,
             )
             self._runtime = runtime
         runtime.start_call()

@@ -35,6 +35,11 @@ class EmbeddedEngineConfig(BaseModel):
             first steps pay the compilation. A model that cannot compile in one graph stops the
             first decode step with an error naming the switch (never a silent eager fall-back).
             Experimental: its CUDA equality test has not passed on a GPU yet.
+        few_rows_linear: Run the decode step's linear layers (projections, feed-forward, LM head)
+            through d9d-kernels' ``few_rows_linear`` (``FewRowsLinearMode``): a Triton kernel for
+            inputs of up to 16 rows, where cuBLAS's tiles leave most of the GPU idle; buckets of
+            more rows stay on ``F.linear``. None: on where the engine's device is CUDA (elsewhere
+            the mode would only fall back to ``F.linear``). Prefills never use it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,6 +50,7 @@ class EmbeddedEngineConfig(BaseModel):
     num_blocks: int | None = Field(default=None, gt=0)
     cuda_graphs: bool | None = None
     compile_decode: bool = False
+    few_rows_linear: bool | None = None
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:

@@ -1,0 +1,35 @@
+"""The few-rows linear as a ``torch.library`` custom op (inference only: no autograd)."""
+
+import torch
+import torch.nn.functional as F
+
+FEW_ROWS_MAX = 16
+"""Inputs of more rows than this go to ``F.linear`` (cuBLAS is as fast there)."""
+
+
+@torch.library.custom_op("d9d_kernels::few_rows_linear", mutates_args=())
+def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] > FEW_ROWS_MAX:  # decided when the op runs: a dynamic row count adds no guard
+        return F.linear(x, weight, bias)
+    from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_kernel
+
+    return few_rows_linear_kernel(x, weight, bias)
+
+
+@_few_rows_linear.register_fake
+def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def few_rows_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(m, n)`` product through the Triton kernels; see ``d9d.kernels.few_rows_linear``.
+
+    The custom op under torch.compile (one opaque node in the graph), a direct launch in eager mode.
+    """
+    if torch.compiler.is_compiling():
+        return _few_rows_linear(x, weight, bias)
+    if x.shape[0] > FEW_ROWS_MAX:
+        return F.linear(x, weight, bias)
+    from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_kernel
+
+    return few_rows_linear_kernel(x, weight, bias)
