@@ -112,7 +112,11 @@ class EmbeddedRolloutEngine:
             )
         self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
         few_rows = self._config.few_rows_linear
-        self._few_rows_linear = self._device.type == "cuda" if few_rows is None else few_rows
+        # an eager step without graphs would pay the mode's dispatch on the host at every step
+        replayed_or_compiled = self._cuda_graphs or self._config.compile_decode
+        self._few_rows_linear = (
+            self._device.type == "cuda" and replayed_or_compiled if few_rows is None else few_rows
+        )
         # one compiled region per engine: its graphs serve every pool the engine allocates
         self._compiled_decode = (
             compile_decode_rows(self._config.max_rows) if self._config.compile_decode else None

@@ -38,8 +38,10 @@ class EmbeddedEngineConfig(BaseModel):
         few_rows_linear: Run the decode step's linear layers (projections, feed-forward, LM head)
             through d9d-kernels' ``few_rows_linear`` (``FewRowsLinearMode``): a Triton kernel for
             inputs of up to 16 rows, where cuBLAS's tiles leave most of the GPU idle; buckets of
-            more rows stay on ``F.linear``. None: on where the engine's device is CUDA (elsewhere
-            the mode would only fall back to ``F.linear``). Prefills never use it.
+            more rows stay on ``F.linear``. None: on where the engine's device is CUDA and the step
+            is captured in CUDA graphs or compiled (both leave no cost of the mode on the host at
+            each step; elsewhere the mode would only fall back to ``F.linear``). Prefills never
+            use it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
