@@ -23,6 +23,9 @@ plus every decoding row's keys and values for its current length, from ``engine.
 whole call (prefills, sampling and the host's planning included: ``roofline``) and the device time
 of its decode steps alone (CUDA events around each step, ``EngineStats.decode_seconds``: ``decode
 roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefills' device time.
+``--few-rows-linear both`` adds a second engine without d9d-kernels' few-rows kernel (its linears
+on cuBLAS), alternating with the others; ``--profile TOP`` prints each engine's TOP kernels per
+decode step from one more profiled call.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
 calls: at the 8B width and batch 256 the two caches and weights may not fit one GPU together
@@ -196,6 +199,34 @@ def _transformers_generate(
     return run
 
 
+def _print_kernel_profile(engine: EmbeddedRolloutEngine, run: Callable[[], object], top: int) -> None:
+    """One more engine call under the profiler: its GPU kernels per decode step, summed by name."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        run()
+        torch.cuda.synchronize()
+    stats = engine.last_stats
+    assert stats is not None
+    steps = max(1, stats.decode_steps)
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time
+            counts[event.name] = counts.get(event.name, 0) + 1
+    print(
+        f"  profile: {sum(totals.values()) / steps:.1f} us of kernels and "
+        f"{sum(counts.values()) / steps:.0f} kernels per decode step (prefills and sampling included), "
+        f"over {steps} steps; the top {top}:",
+        flush=True,
+    )
+    for name, total in sorted(totals.items(), key=lambda item: -item[1])[:top]:
+        print(
+            f"  {total / steps:9.1f} us/step {counts[name] / steps:6.1f}/step "
+            f"{total / counts[name]:7.2f} us each  {name[:110]}",
+            flush=True,
+        )
+
+
 def _timed(run: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -255,6 +286,10 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
                 decode_seconds[name].append(stats.decode_seconds)
                 if name == "d9d":
                     prefill_seconds.append(stats.prefill_seconds)
+    if args.profile and device.type == "cuda":
+        for name, profiled in engines.items():
+            print(f"  {width} batch {batch}, engine {name}:", flush=True)
+            _print_kernel_profile(profiled, runs[name], args.profile)
     tokens = sum(workload.lengths)
     stats = engine.last_stats
     assert stats is not None
@@ -300,6 +335,14 @@ def main() -> None:
         default="auto",
         help="EmbeddedEngineConfig.few_rows_linear (auto: None, on for CUDA); both: the engine with "
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="CUDA: after each point's timed calls, one more engine call under the profiler; print its "
+        "TOP kernels by time per decode step (each engine with --few-rows-linear both)",
     )
     parser.add_argument(
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
