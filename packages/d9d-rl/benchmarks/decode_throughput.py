@@ -248,30 +248,26 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     fields = _config(width, args.vocab, args.prompt_length + args.max_completion + 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mode = args.few_rows_linear
-    engine, engine_run = _d9d_engine(
-        fields,
-        workload,
-        device,
-        dtype,
-        graphs=not args.no_cuda_graphs,
-        compile_decode=args.compile_decode,
-        few_rows_linear={"auto": None, "on": True, "off": False, "both": True}[mode],
-    )
-    runs = {
-        "d9d": engine_run,
-        "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
-    }
-    engines = {"d9d": engine}
-    if mode == "both":
-        engines["cublas"], runs["cublas"] = _d9d_engine(
+
+    def engine_with(few_rows_linear: bool | None) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
+        return _d9d_engine(
             fields,
             workload,
             device,
             dtype,
             graphs=not args.no_cuda_graphs,
             compile_decode=args.compile_decode,
-            few_rows_linear=False,
+            few_rows_linear=few_rows_linear,
         )
+
+    engine, engine_run = engine_with({"auto": None, "on": True, "off": False, "both": True}[mode])
+    runs = {
+        "d9d": engine_run,
+        "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
+    }
+    engines = {"d9d": engine}
+    if mode == "both":
+        engines["cublas"], runs["cublas"] = engine_with(False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import interpreted, launch_options
+from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
 
 
 def _one_row_configs() -> list[triton.Config]:
@@ -141,7 +141,7 @@ def few_rows_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         **launch_options(
             HAS_BIAS=bias is not None, UPCAST=interpreted(), PRECISION=precision,
-            BLOCK_M=max(16, triton.next_power_of_2(m)),
+            BLOCK_M=max(16, next_power_of_2(m)),
         ),
     )  # fmt: skip
     return y

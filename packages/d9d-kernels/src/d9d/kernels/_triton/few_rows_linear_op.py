@@ -7,13 +7,17 @@ FEW_ROWS_MAX = 16
 """Inputs of more rows than this go to ``F.linear`` (cuBLAS is as fast there)."""
 
 
-@torch.library.custom_op("d9d_kernels::few_rows_linear", mutates_args=())
-def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.shape[0] > FEW_ROWS_MAX:  # decided when the op runs: a dynamic row count adds no guard
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] > FEW_ROWS_MAX:
         return F.linear(x, weight, bias)
     from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_kernel
 
     return few_rows_linear_kernel(x, weight, bias)
+
+
+@torch.library.custom_op("d9d_kernels::few_rows_linear", mutates_args=())
+def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _launch(x, weight, bias)  # decided when the op runs: a dynamic row count adds no guard
 
 
 @_few_rows_linear.register_fake
@@ -28,8 +32,4 @@ def few_rows_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """
     if torch.compiler.is_compiling():
         return _few_rows_linear(x, weight, bias)
-    if x.shape[0] > FEW_ROWS_MAX:
-        return F.linear(x, weight, bias)
-    from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_kernel
-
-    return few_rows_linear_kernel(x, weight, bias)
+    return _launch(x, weight, bias)
