@@ -24,8 +24,9 @@ whole call (prefills, sampling and the host's planning included: ``roofline``) a
 of its decode steps alone (CUDA events around each step, ``EngineStats.decode_seconds``: ``decode
 roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefills' device time.
 ``--few-rows-linear both`` adds a second engine without d9d-kernels' few-rows kernel (its linears
-on cuBLAS), alternating with the others; ``--profile TOP`` prints each engine's TOP kernels per
-decode step from one more profiled call.
+on cuBLAS), alternating with the others; ``--decode-ahead both`` likewise a second engine whose
+host reads every step's tokens before launching the next (``decode_ahead=False``);
+``--profile TOP`` prints each engine's TOP kernels per decode step from one more profiled call.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
 calls: at the 8B width and batch 256 the two caches and weights may not fit one GPU together
@@ -109,8 +110,15 @@ class Point:
     prefill_seconds: float
     decode_steps: int
     graph_buckets: tuple[int, ...]
-    cublas_tokens_per_s: float | None  # --few-rows-linear both: the engine without the kernel
-    cublas_decode_seconds: float | None
+    variant: Variant | None  # --few-rows-linear both or --decode-ahead both: the second engine
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str  # what the second engine lacks
+    tokens_per_s: float
+    decode_seconds: float
+    speedups: list[float]  # per repeat: the second engine's call time over the first's
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -143,6 +151,7 @@ def _d9d_engine(
     graphs: bool,
     compile_decode: bool,
     few_rows_linear: bool | None,
+    decode_ahead: bool,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
@@ -154,6 +163,7 @@ def _d9d_engine(
         cuda_graphs=graphs and device.type == "cuda",
         compile_decode=compile_decode,
         few_rows_linear=few_rows_linear,
+        decode_ahead=decode_ahead,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
@@ -247,9 +257,12 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     )
     fields = _config(width, args.vocab, args.prompt_length + args.max_completion + 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mode = args.few_rows_linear
+    few_rows = {"auto": None, "on": True, "off": False, "both": True}[args.few_rows_linear]
+    ahead = args.decode_ahead != "off"
 
-    def engine_with(few_rows_linear: bool | None) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
+    def engine_with(
+        few_rows_linear: bool | None, decode_ahead: bool
+    ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
             workload,
@@ -258,16 +271,22 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             graphs=not args.no_cuda_graphs,
             compile_decode=args.compile_decode,
             few_rows_linear=few_rows_linear,
+            decode_ahead=decode_ahead,
         )
 
-    engine, engine_run = engine_with({"auto": None, "on": True, "off": False, "both": True}[mode])
+    engine, engine_run = engine_with(few_rows, ahead)
     runs = {
         "d9d": engine_run,
         "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
     }
     engines = {"d9d": engine}
-    if mode == "both":
-        engines["cublas"], runs["cublas"] = engine_with(False)
+    label = None
+    if args.few_rows_linear == "both":
+        label = "without few_rows_linear (cuBLAS)"
+        engines["variant"], runs["variant"] = engine_with(False, ahead)
+    elif args.decode_ahead == "both":
+        label = "without decode_ahead"
+        engines["variant"], runs["variant"] = engine_with(few_rows, False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -299,8 +318,14 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         prefill_seconds=statistics.median(prefill_seconds),
         decode_steps=stats.decode_steps,
         graph_buckets=stats.graph_buckets,
-        cublas_tokens_per_s=tokens / statistics.median(times["cublas"]) if "cublas" in times else None,
-        cublas_decode_seconds=statistics.median(decode_seconds["cublas"]) if "cublas" in engines else None,
+        variant=None
+        if label is None
+        else Variant(
+            label=label,
+            tokens_per_s=tokens / statistics.median(times["variant"]),
+            decode_seconds=statistics.median(decode_seconds["variant"]),
+            speedups=[v / d for v, d in zip(times["variant"], times["d9d"], strict=True)],
+        ),
     )
 
 
@@ -333,6 +358,13 @@ def main() -> None:
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
     parser.add_argument(
+        "--decode-ahead",
+        choices=["on", "off", "both"],
+        default="on",
+        help="EmbeddedEngineConfig.decode_ahead; both: the engine with it and a second engine without "
+        "it, alternating, each row followed by the second's figures",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -344,6 +376,8 @@ def main() -> None:
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
+    if args.few_rows_linear == "both" and args.decode_ahead == "both":
+        parser.error("--few-rows-linear both and --decode-ahead both each add a second engine: pass one")
     if args.quick:
         args.widths, args.batches, args.prompt_length = ["tiny"], [1, 4], 16
         args.min_completion, args.max_completion, args.vocab = 4, 24, 256
@@ -377,13 +411,14 @@ def main() -> None:
                 f"{point.prefill_seconds:>10.2f}  {','.join(map(str, point.graph_buckets)) or 'off'}",
                 flush=True,
             )
-            if point.cublas_tokens_per_s is not None and point.cublas_decode_seconds is not None:
+            variant = point.variant
+            if variant is not None:
                 print(
-                    f"{'':<12}{'':>6}  without few_rows_linear (cuBLAS): "
-                    f"{point.cublas_tokens_per_s:.1f} tok/s, "
-                    f"{point.cublas_decode_seconds / steps * 1e3:.2f} ms/step; with it "
-                    f"{point.engine_tokens_per_s / point.cublas_tokens_per_s:.2f}x tok/s, "
-                    f"{point.cublas_decode_seconds / point.decode_seconds:.2f}x per decode step",
+                    f"{'':<12}{'':>6}  {variant.label}: {variant.tokens_per_s:.1f} tok/s, "
+                    f"{variant.decode_seconds / steps * 1e3:.2f} ms/step; with it "
+                    f"{point.engine_tokens_per_s / variant.tokens_per_s:.2f}x tok/s "
+                    f"(repeats {min(variant.speedups):.2f}-{max(variant.speedups):.2f}x), "
+                    f"{variant.decode_seconds / point.decode_seconds:.2f}x per decode step",
                     flush=True,
                 )
 

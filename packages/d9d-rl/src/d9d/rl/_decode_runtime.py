@@ -4,7 +4,8 @@ and (on CUDA) its graphs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +16,19 @@ from d9d.rl._decode_step import DecodeFunction, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._scheduler import SequenceState
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceTokens:
+    """A launched step's sampled tokens on the device, feeding the next step before the host reads them.
+
+    Attributes:
+        tokens: ``(n,)`` int64, the step's tokens in its rows' order.
+        places: Each row's (``SequenceState.index``) place in ``tokens``.
+    """
+
+    tokens: torch.Tensor
+    places: Mapping[int, int]
 
 
 class _DeviceTimer:
@@ -139,11 +153,17 @@ class DecodeRuntime:
         """Device time of this call's prefill forwards."""
         return self._prefill_timer.seconds()
 
-    def decode(self, rows: Sequence[SequenceState]) -> torch.Tensor:
-        """``(len(rows), vocab)`` float32 next-token logits of rows with one new token each."""
-        update = self._slots.plan(rows)
+    def decode(self, rows: Sequence[SequenceState], fed: DeviceTokens | None = None) -> torch.Tensor:
+        """``(len(rows), vocab)`` float32 next-token logits of rows with one new token each.
+
+        Args:
+            rows: The decoding rows.
+            fed: The previous step's sampled tokens, still on the device, for the rows whose new
+                token is a placeholder (``PENDING_TOKEN``).
+        """
+        update = self._slots.plan(rows, None if fed is None else fed.places)
         self._decode_timer.start()
-        order = self._step.load(update)
+        order = self._step.load(update, None if fed is None else fed.tokens)
         self.decode_steps += 1
         self.decode_context_tokens += sum(update.lengths)
         if self._graphs is not None:

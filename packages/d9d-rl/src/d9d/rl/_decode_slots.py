@@ -4,15 +4,16 @@ A decoding sequence keeps its row of the device buffers (and so its device block
 to step; only its new token, its length and the blocks it took since the last step are sent. A
 step runs a batch-size bucket (a power of two, or ``max_rows``) of rows; a sequence whose row lies
 past the bucket of the current count moves to a free row inside it (its whole table sent again),
-so the bucket shrinks as rows finish.
+so the bucket shrinks as rows finish. A sequence whose new token is still on the device (the
+previous step's, not yet read on the host) names its place in that step's tokens instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from d9d.rl._decode_step import DecodeUpdate
-from d9d.rl._scheduler import SequenceState
+from d9d.rl._scheduler import PENDING_TOKEN, SequenceState
 
 
 def bucket_for(count: int, max_rows: int) -> int:
@@ -39,13 +40,21 @@ class DecodeSlots:
         self._row_of: dict[int, int] = {}
         self._sent = [0] * max_rows
 
-    def plan(self, sequences: Sequence[SequenceState]) -> DecodeUpdate:
+    def plan(self, sequences: Sequence[SequenceState], fed: Mapping[int, int] | None = None) -> DecodeUpdate:
         """The update that makes the buffers hold ``sequences`` (one new token each) for this step.
 
         Sequences not in ``sequences`` (finished, preempted, being prefilled) give their rows back.
 
+        Args:
+            sequences: The decoding sequences.
+            fed: For a sequence (by ``index``) whose new token is a ``PENDING_TOKEN``, its place in
+                the device tokens the step is fed (``DecodeUpdate.sources``).
+
         Returns:
             The update; its ``order`` is the buffer row of each sequence.
+
+        Raises:
+            RuntimeError: If a sequence's new token is pending and ``fed`` does not name it.
         """
         rows = bucket_for(len(sequences), self.max_rows)
         keep = {sequence.index for sequence in sequences}
@@ -58,16 +67,23 @@ class DecodeSlots:
                 row_of[sequence.index] = row
                 self._sent[row] = 0
         self._row_of = row_of
-        return self._update(sequences, rows)
+        return self._update(sequences, rows, {} if fed is None else fed)
 
-    def _update(self, sequences: Sequence[SequenceState], rows: int) -> DecodeUpdate:
-        input_ids, lengths = [self._pad] * rows, [0] * rows
+    def _update(self, sequences: Sequence[SequenceState], rows: int, fed: Mapping[int, int]) -> DecodeUpdate:
+        input_ids, lengths, sources = [self._pad] * rows, [0] * rows, [-1] * rows
         table_rows: list[int] = []
         table_columns: list[int] = []
         table_blocks: list[int] = []
         for sequence in sequences:
             row = self._row_of[sequence.index]
-            input_ids[row] = sequence.tokens[-1]
+            token = sequence.tokens[-1]
+            if token == PENDING_TOKEN:
+                if sequence.index not in fed:
+                    raise RuntimeError(
+                        f"row {sequence.index}'s new token is on the device and no step feeds it"
+                    )
+                sources[row], token = fed[sequence.index], self._pad
+            input_ids[row] = token
             lengths[row] = len(sequence.tokens)
             sent = self._sent[row]
             new = sequence.blocks[sent:]
@@ -80,6 +96,7 @@ class DecodeSlots:
             order=[self._row_of[sequence.index] for sequence in sequences],
             input_ids=input_ids,
             lengths=lengths,
+            sources=sources if fed else None,
             table_rows=table_rows,
             table_columns=table_columns,
             table_blocks=table_blocks,

@@ -2,7 +2,8 @@
 
 The state (each row's input token, length, position, write slot and block table) lives in
 persistent device buffers for ``max_rows`` rows; the host changes it through one packed int32
-copy per step (``load``). ``forward(rows)`` then runs the model on the first ``rows`` rows and
+copy per step (``load``), and a row's input token may instead come from the previous step's
+sampled tokens, still on the device. ``forward(rows)`` then runs the model on the first ``rows`` rows and
 reads nothing else from the host, so the same call can be captured in a CUDA graph and replayed
 (``GraphedDecodeStep``). Attention reads the paged pool in place (d9d-kernels'
 ``paged_decode_attention``); a row of length 0 is idle: its key and value go to the pool's
@@ -41,6 +42,8 @@ class DecodeUpdate:
         order: The buffer row of each decoding sequence, in the caller's order.
         input_ids: Per row, its new token (anything for an idle row).
         lengths: Per row, its tokens including the new one; 0 for an idle row.
+        sources: Per row, the index of its new token in the device tokens ``load`` is fed, or -1:
+            ``input_ids``. None: every row's token is in ``input_ids``.
         table_rows: Row of each new block-table entry.
         table_columns: Column of each new entry (the row's block index).
         table_blocks: Block id of each new entry.
@@ -50,6 +53,7 @@ class DecodeUpdate:
     order: list[int]
     input_ids: list[int]
     lengths: list[int]
+    sources: list[int] | None
     table_rows: list[int]
     table_columns: list[int]
     table_blocks: list[int]
@@ -89,7 +93,6 @@ class StaticDecodeStep:
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.write_slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self._host = torch.empty(0, dtype=torch.int32)
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
         self._compiled = compiled
         self._few_rows_linear = few_rows_linear
@@ -103,42 +106,56 @@ class StaticDecodeStep:
         """Whether the model part runs compiled."""
         return self._compiled is not None
 
-    def load(self, update: DecodeUpdate) -> torch.Tensor:
+    def load(self, update: DecodeUpdate, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Sends ``update`` in one host-to-device copy (pinned, asynchronous on CUDA) and applies it.
 
-        The caller reads a result of the previous step on the host before the next ``load`` (the
-        sampled tokens), so the pinned buffer is free to overwrite.
+        The host never waits for the device here: the pinned copy's memory is not reused before
+        the copy has run (PyTorch's pinned-memory cache), and ``fed`` is read on the device.
+
+        Args:
+            update: The step's changes.
+            fed: The device tokens ``update.sources`` index (the previous step's sampled tokens).
 
         Returns:
             ``update.order`` on the device, int32 (valid until the next ``load``).
+
+        Raises:
+            ValueError: If ``update.sources`` and ``fed`` are not both given or both None.
         """
+        if (update.sources is None) != (fed is None):
+            raise ValueError(
+                "a decode update with device-fed rows needs the tokens that feed them, and only then"
+            )
         rows, updates, count = update.rows, len(update.table_blocks), len(update.order)
         packed = [
             *update.input_ids,
             *update.lengths,
+            *(update.sources or ()),
             *update.order,
             *update.table_rows,
             *update.table_columns,
             *update.table_blocks,
         ]
-        self._reserve(len(packed))
-        self._host[: len(packed)] = torch.tensor(packed, dtype=torch.int32)
+        device = self.input_ids.device
+        host = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda")
+        if self._staging.numel() < len(packed):
+            self._staging = torch.empty(
+                max(len(packed), 2 * self._staging.numel()), dtype=torch.int32, device=device
+            )
         staging = self._staging[: len(packed)]
-        staging.copy_(self._host[: len(packed)], non_blocking=True)
-        self.input_ids[:rows].copy_(staging[:rows])
+        staging.copy_(host, non_blocking=True)
         self.lengths[:rows].copy_(staging[rows : 2 * rows])
+        offset = 2 * rows
+        if fed is None:
+            self.input_ids[:rows].copy_(staging[:rows])
+        else:
+            sources = staging[offset : offset + rows].long()
+            offset += rows
+            self.input_ids[:rows].copy_(torch.where(sources >= 0, fed[sources.clamp_min(0)], staging[:rows]))
         if updates:
-            table = staging[2 * rows + count :].view(3, updates)
+            table = staging[offset + count :].view(3, updates)
             self.block_table[table[0].long(), table[1].long()] = table[2]
-        return staging[2 * rows : 2 * rows + count]
-
-    def _reserve(self, size: int) -> None:
-        if self._host.numel() >= size:
-            return
-        capacity = max(size, 2 * self._host.numel(), 4 * self.max_rows)
-        device = self._staging.device
-        self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._staging = torch.empty(capacity, dtype=torch.int32, device=device)
+        return staging[offset : offset + count]
 
     def forward(self, rows: int, blocks: int | None = None) -> torch.Tensor:
         """Next-token logits ``(rows, vocab)`` float32 of the first ``rows`` rows, their keys and

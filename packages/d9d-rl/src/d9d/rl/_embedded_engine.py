@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
 from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
 from d9d.rl._block_pool import BlockPool
-from d9d.rl._decode_runtime import DecodeRuntime
+from d9d.rl._decode_runtime import DecodeRuntime, DeviceTokens
 from d9d.rl._decode_step import compile_decode_rows
 from d9d.rl._engine_config import EmbeddedEngineConfig
+from d9d.rl._launched_step import LaunchedStep, to_device
 from d9d.rl._rollout_engine import Completion, SamplingParams
 from d9d.rl._sampling import sample_keyed
 from d9d.rl._scheduler import ContinuousScheduler, SequenceState
@@ -32,6 +32,8 @@ class EngineStats:
         peak_blocks: Most blocks held at once.
         free_blocks_after: Free blocks when the call ended (all of them: no row keeps any).
         decode_steps: Forwards of the static decode step (rows with one new token).
+        decode_ahead_steps: Of those, steps launched before the host had read the previous step's
+            tokens (``EmbeddedEngineConfig.decode_ahead``).
         decode_context_tokens: Over those steps, the sum of each decoding row's length: the
             cached tokens whose keys and values they read.
         graph_buckets: Batch-size buckets with a captured CUDA graph after the call (none
@@ -50,6 +52,7 @@ class EngineStats:
     peak_blocks: int
     free_blocks_after: int
     decode_steps: int
+    decode_ahead_steps: int
     decode_context_tokens: int
     graph_buckets: tuple[int, ...]
     decode_seconds: float
@@ -69,6 +72,9 @@ class EmbeddedRolloutEngine:
     step updates, its attention reads the pool in place (d9d-kernels' ``paged_decode_attention``),
     and on CUDA it is captured once per batch-size bucket in a CUDA graph and replayed
     (``config.cuda_graphs``), compiled first with ``config.compile_decode``; prefills run eagerly.
+    While the running rows only decode, the host schedules and launches the next step before it
+    reads the current step's tokens (``config.decode_ahead``): the next step takes them on the
+    device, so the device does not wait for the host between steps.
     Log-probabilities are those of the model's own distribution (temperature 1, no filtering),
     equal to the trainer's forward on the same tokens. Sampling draws each token with noise keyed
     by (seed, row, token index), so a seeded call gives the same completions whatever the
@@ -216,13 +222,22 @@ class EmbeddedRolloutEngine:
             max_tokens=caps,
             stop_token_ids=sampling.stop_token_ids,
         )
-        forwards = 0
-        while not scheduler.done:
+        forwards = ahead = 0
+        launched: LaunchedStep | None = None  # its tokens are not read on the host yet
+        while True:
+            if launched is not None and not (self._config.decode_ahead and scheduler.can_decode_ahead()):
+                scheduler.resolve(launched.rows, launched.positions, *launched.read())
+                launched = None
+            if scheduler.done:
+                break
             running = scheduler.schedule()
-            logits, runs = self._forward(runtime, running)
+            logits, runs = self._forward(runtime, running, None if launched is None else launched.feed())
             forwards += runs
-            tokens, log_probs = self._sample(logits, running, sampling, seed)
-            scheduler.record(running, tokens, log_probs)
+            step = self._sample(logits, running, sampling, seed, scheduler)
+            if launched is not None:  # the device runs `step` while the host reads and records this one
+                ahead += 1
+                scheduler.resolve(launched.rows, launched.positions, *launched.read())
+            launched = step
         self._last_stats = EngineStats(
             rows=len(rows),
             forwards=forwards,
@@ -232,6 +247,7 @@ class EmbeddedRolloutEngine:
             peak_blocks=pool.peak_taken,
             free_blocks_after=pool.free_count,
             decode_steps=runtime.decode_steps,
+            decode_ahead_steps=ahead,
             decode_context_tokens=runtime.decode_context_tokens,
             graph_buckets=runtime.graph_buckets,
             decode_seconds=runtime.decode_seconds,
@@ -287,13 +303,17 @@ class EmbeddedRolloutEngine:
         runtime.start_call()
         return runtime
 
-    def _forward(self, runtime: DecodeRuntime, running: list[SequenceState]) -> tuple[torch.Tensor, int]:
+    def _forward(
+        self, runtime: DecodeRuntime, running: list[SequenceState], fed: DeviceTokens | None
+    ) -> tuple[torch.Tensor, int]:
         """Next-token logits of every running row: the static decode step for the decoding rows
-        (one new token each) and an eager forward for the rows being prefilled, so a long prompt
-        does not pad the decodes."""
+        (one new token each, from ``fed`` where it is still on the device) and an eager forward for
+        the rows being prefilled, so a long prompt does not pad the decodes."""
         decoding = [i for i, row in enumerate(running) if len(row.tokens) - row.cached == 1]
         if len(decoding) == len(running):
-            return runtime.decode(running), 1
+            return runtime.decode(running, fed), 1
+        if fed is not None:
+            raise RuntimeError("a step that prefills cannot take tokens the host has not read")
         prefilling = [i for i, row in enumerate(running) if len(row.tokens) - row.cached > 1]
         parts: list[torch.Tensor] = []
         if decoding:
@@ -302,13 +322,19 @@ class EmbeddedRolloutEngine:
         order = decoding + prefilling
         logits = torch.cat(parts)
         if order != sorted(order):
-            logits = logits[torch.tensor(order, device=logits.device).argsort()]
+            logits = logits[to_device(order, logits.device).argsort()]
         return logits, len(parts)
 
     def _sample(
-        self, logits: torch.Tensor, running: list[SequenceState], sampling: SamplingParams, seed: int
-    ) -> tuple[list[int], list[float]]:
-        """Each row's next token and its log-probability, brought to the host in one copy."""
+        self,
+        logits: torch.Tensor,
+        running: list[SequenceState],
+        sampling: SamplingParams,
+        seed: int,
+        scheduler: ContinuousScheduler,
+    ) -> LaunchedStep:
+        """Each row's next token and its log-probability, sampled on the device and queued for the
+        host in one copy; the rows get placeholders until the engine reads it."""
         if sampling.temperature == 0.0:
             tokens = logits.argmax(dim=-1)
         else:
@@ -316,12 +342,12 @@ class EmbeddedRolloutEngine:
                 logits,
                 sampling,
                 seed=seed,
-                rows=torch.tensor([row.index for row in running], device=self._device),
-                steps=torch.tensor([row.completion_length for row in running], device=self._device),
+                rows=to_device([row.index for row in running], self._device),
+                steps=to_device([row.completion_length for row in running], self._device),
             )
         log_probs = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
-        host = torch.stack([tokens.double(), log_probs.double()]).cpu()
-        return cast(list[int], host[0].long().tolist()), cast(list[float], host[1].tolist())
+        positions = scheduler.record_launched(running)
+        return LaunchedStep.start(running, positions, tokens, log_probs)
 
     def _completions(self, finished: list[SequenceState], group: int) -> list[Completion]:
         out: list[Completion] = []

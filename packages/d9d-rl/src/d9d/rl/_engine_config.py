@@ -42,6 +42,13 @@ class EmbeddedEngineConfig(BaseModel):
             is captured in CUDA graphs or compiled (both leave no cost of the mode on the host at
             each step; elsewhere the mode would only fall back to ``F.linear``). Prefills never
             use it.
+        decode_ahead: While every running row decodes and none can be admitted or needs a
+            block that is not free, launch the next decode step before reading the current step's
+            tokens on the host: the next step takes them on the device, and the host's reading,
+            scheduling and launching overlap the device's work instead of leaving it idle between
+            steps. A row that sampled a stop token has the later step's token discarded (its
+            completion is unchanged). Off: the host reads every step's tokens before it plans the
+            next one.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -53,6 +60,7 @@ class EmbeddedEngineConfig(BaseModel):
     cuda_graphs: bool | None = None
     compile_decode: bool = False
     few_rows_linear: bool | None = None
+    decode_ahead: bool = True
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:

@@ -5,6 +5,11 @@ blocks back at once, and the next waiting row is admitted (its whole prompt is p
 next forward, while the others decode one token). A running row takes a block when its tokens
 reach it; when the pool is empty the most recently admitted row is preempted: its blocks are freed
 and it waits again at the front, to be recomputed from its prompt and the tokens sampled so far.
+
+A step's tokens may be recorded in two halves, so the engine can launch the next decode step
+before it reads this one's tokens on the host: ``record_launched`` appends a placeholder per row
+(the row's length, blocks and length limits are known without the token), ``resolve`` fills them in
+later and finishes the rows that sampled a stop token, dropping what a later step computed for them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from dataclasses import dataclass, field
 from d9d.rl._block_pool import BlockPool
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._rollout_engine import FinishReason
+
+PENDING_TOKEN = -1
+"""A launched step's token not yet read on the host (``record_launched``; ``resolve`` fills it in)."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -97,16 +105,55 @@ class ContinuousScheduler:
             raise RuntimeError("no row could be scheduled: the block pool cannot hold the next prompt")
         return list(self._running)
 
+    def can_decode_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the placeholders are resolved: rows run,
+        none can be admitted, and every running row's next block is free (no preemption)."""
+        if not self._running:
+            return False
+        if self._waiting and len(self._running) < self._config.max_rows:
+            return False
+        need = sum(self._config.blocks_for(len(row.tokens)) - len(row.blocks) for row in self._running)
+        return need <= self._pool.free_count
+
     def record(self, rows: list[SequenceState], tokens: list[int], log_probs: list[float]) -> None:
         """Appends each row's sampled token; finishes rows on a stop token, ``max_tokens`` or the context."""
-        for row, token, log_prob in zip(rows, tokens, log_probs, strict=True):
+        self.resolve(rows, self.record_launched(rows), tokens, log_probs)
+
+    def record_launched(self, rows: list[SequenceState]) -> list[int]:
+        """Appends a ``PENDING_TOKEN`` to each row (its token is on the device); finishes rows that
+        reach ``max_tokens`` or the context.
+
+        Returns:
+            Each row's index of the placeholder in its ``tokens``, for ``resolve``.
+        """
+        positions: list[int] = []
+        for row in rows:
+            positions.append(len(row.tokens))
             row.cached = len(row.tokens)
-            row.tokens.append(token)
-            row.log_probs.append(log_prob)
-            if token in self._stop:
-                self._finish(row, "stop")
-            elif row.completion_length >= row.max_tokens or len(row.tokens) >= self._config.max_context:
+            row.tokens.append(PENDING_TOKEN)
+            row.log_probs.append(float("nan"))
+            if row.completion_length >= row.max_tokens or len(row.tokens) >= self._config.max_context:
                 self._finish(row, "length")
+        return positions
+
+    def resolve(
+        self, rows: list[SequenceState], positions: list[int], tokens: list[int], log_probs: list[float]
+    ) -> None:
+        """Fills in the placeholders ``record_launched`` returned; a row that sampled a stop token
+        finishes there, and any later placeholders of it are dropped (their step's results too)."""
+        for row, position, token, log_prob in zip(rows, positions, tokens, log_probs, strict=True):
+            if position >= len(row.tokens):
+                continue  # an earlier token of the row was a stop token
+            row.tokens[position] = token
+            row.log_probs[position - row.prompt_length] = log_prob
+            if token not in self._stop:
+                continue
+            del row.tokens[position + 1 :]
+            del row.log_probs[position + 1 - row.prompt_length :]
+            if row.finish_reason is None:
+                self._finish(row, "stop")
+            else:  # finished by length at this token or a later one, before the stop was known
+                row.finish_reason = "stop"
 
     def _grow_running(self) -> None:
         for row in list(self._running):
