@@ -82,6 +82,7 @@ class _StepIndices:
     input_ids: torch.Tensor
     positions: torch.Tensor
     new_valid: torch.Tensor
+    new_flat: torch.Tensor  # the real new tokens' indices in the flattened (rows, new) positions
     write: torch.Tensor
     read: torch.Tensor
     last: torch.Tensor
@@ -104,9 +105,17 @@ class _StepIndices:
 
 
 def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: torch.device) -> _StepIndices:
-    """Builds the step's small tables on the host, moves them once, and derives the rest on ``device``."""
+    """Builds the step's small tables on the host, moves them once, and derives the rest on ``device``.
+
+    Nothing here or in the layers' views reads the device back: the real new tokens are picked by
+    indices built on the host (``new_flat``), not by a boolean mask (whose indexing would wait for
+    the device at every layer, leaving it idle while the host launches the next kernels).
+    """
     lengths = [len(row) for row in batch.tokens]
     width = max(lengths)
+    new_flat = torch.tensor(
+        [row * width + column for row, length in enumerate(lengths) for column in range(length)]
+    ).to(device)
     total = max(start + length for start, length in zip(batch.starts, lengths, strict=True))
     input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.int64)
     for index, row in enumerate(batch.tokens):
@@ -129,7 +138,8 @@ def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: 
         input_ids=input_ids.to(device),
         positions=positions,
         new_valid=new_valid,
-        write=flat(positions.where(new_valid, 0))[new_valid],
+        new_flat=new_flat,
+        write=flat(positions.where(new_valid, 0)).flatten()[new_flat],
         read=flat(slots.where(slots < starts + counts, 0)),
         last=counts[:, 0] - 1,
         visible=distance >= 0,
@@ -149,8 +159,9 @@ class _PagedLayerView:
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatters the real new tokens into their blocks; gathers every row's slots so far."""
         keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        keys.index_copy_(0, self.step.write, key[self.step.new_valid].to(keys.dtype))
-        values.index_copy_(0, self.step.write, value[self.step.new_valid].to(values.dtype))
+        new = self.step.new_flat
+        keys.index_copy_(0, self.step.write, key.flatten(0, 1)[new].to(keys.dtype))
+        values.index_copy_(0, self.step.write, value.flatten(0, 1)[new].to(values.dtype))
         return keys[self.step.read], values[self.step.read]
 
     def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
