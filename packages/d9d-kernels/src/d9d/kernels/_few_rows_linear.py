@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from d9d.kernels._backend import KernelBackend, use_triton
+from d9d.kernels._shared_input_linear import shared_input_linear
 
 _OP = "few_rows_linear"
+_ROWS_MAX = 16  # the kernels' limit (few_rows_linear_op.FEW_ROWS_MAX, imported only with Triton)
+_GROUP_MAX = 3  # weights per launch (few_rows_linear_kernels.GROUP_MAX)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -69,6 +73,27 @@ def few_rows_linear(
     return out.view(*input.shape[:-1], weight.shape[0])
 
 
+def _group_fits(
+    input: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    backend: KernelBackend,
+) -> bool:
+    """Whether one launch can take the group (else each product goes through ``few_rows_linear``)."""
+    present = [bias for bias in biases if bias is not None]
+    tensors = (input, *weights, *present)
+    return (
+        1 <= len(weights) <= _GROUP_MAX
+        and input.dim() > 0
+        and len(present) in (0, len(weights))
+        and all(w.dim() == 2 and w.shape[1] == input.shape[-1] for w in weights)
+        and all(b is None or tuple(b.shape) == (w.shape[0],) for w, b in zip(weights, biases, strict=True))
+        and input.numel() <= _ROWS_MAX * input.shape[-1]
+        and _kernel_can_take(tensors)
+        and use_triton(backend, _OP, *tensors)
+    )
+
+
 def _kernel_can_take(tensors: Sequence[torch.Tensor]) -> bool:
     if any(type(t) not in _PLAIN for t in tensors):
         return False
@@ -78,13 +103,61 @@ def _kernel_can_take(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.dtype == dtype for t in tensors)
 
 
+def few_rows_linear_group(
+    input: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> tuple[torch.Tensor, ...]:
+    """``F.linear(input, weights[i], biases[i])`` for each weight, in one Triton launch when it can.
+
+    One input's projections (q/k/v, gate/up) read their weights in one launch instead of one
+    each: the programs split over every weight's columns. The launch takes at most 16 rows, up to
+    three weights of the same inner dim and dtype, and biases for all of them or none; otherwise
+    each product goes through ``few_rows_linear`` alone (the same fall-backs). Inference only.
+
+    Args:
+        input: ``(..., k)``.
+        weights: Each ``(n_i, k)``.
+        biases: Each ``(n_i,)`` or None; None: no biases.
+        backend: As for ``few_rows_linear``.
+
+    Returns:
+        Each ``(..., n_i)`` product, in order.
+
+    Raises:
+        ValueError: A weight or bias does not fit, as for ``few_rows_linear``, or ``biases`` has
+            another length than ``weights``.
+    """
+    bias_list = [None] * len(weights) if biases is None else list(biases)
+    if len(bias_list) != len(weights):
+        raise ValueError(f"{_OP}: {len(bias_list)} biases for {len(weights)} weights")
+    if not _group_fits(input, weights, bias_list, backend):
+        return tuple(
+            few_rows_linear(input, w, b, backend=backend) for w, b in zip(weights, bias_list, strict=True)
+        )
+    present = [bias for bias in bias_list if bias is not None]
+    from d9d.kernels._triton.few_rows_linear_op import few_rows_linear_group_triton
+
+    rows = input.reshape(-1, input.shape[-1])
+    outs = few_rows_linear_group_triton(
+        rows if rows.stride(-1) == 1 else rows.contiguous(),
+        [w if w.stride(-1) == 1 else w.contiguous() for w in weights],
+        [b if b.stride(0) == 1 else b.contiguous() for b in present] if present else None,
+    )
+    return tuple(out.view(*input.shape[:-1], out.shape[-1]) for out in outs)
+
+
 class FewRowsLinearMode(TorchFunctionMode):
-    """While active, every ``F.linear`` call (``nn.Linear`` included) goes through ``few_rows_linear``.
+    """While active, every ``F.linear`` call (``nn.Linear`` included) goes through ``few_rows_linear``,
+    and every ``shared_input_linear`` of plain ``nn.Linear`` modules through ``few_rows_linear_group``.
 
     For a decode step's forward: the model's own modules run unchanged, and the products of a few
-    rows take the kernel (the rest fall back to ``F.linear`` inside ``few_rows_linear``). Every
-    other torch function passes through untouched. Enter it around the step's model call; under a
-    CUDA graph capture the graph records the kernels, under ``torch.compile`` the custom op.
+    rows take the kernel (the rest fall back to ``F.linear`` inside ``few_rows_linear``); one
+    input's projections take one launch. Every other torch function passes through untouched.
+    Enter it around the step's model call; under a CUDA graph capture the graph records the
+    kernels, under ``torch.compile`` the custom ops.
 
     Args:
         backend: Passed to ``few_rows_linear`` (tests force TRITON on CPU in Triton's interpreter).
@@ -104,4 +177,18 @@ class FewRowsLinearMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return few_rows_linear(*args, backend=self._backend, **kwargs)
+        if func is shared_input_linear:
+            input, linears = args
+            # modules with hooks (tensor parallelism's) or of another type (LoRA, FP8) run themselves
+            if all(type(linear) is nn.Linear and not _has_hooks(linear) for linear in linears):
+                plain = cast(Sequence[nn.Linear], linears)
+                weights = [linear.weight for linear in plain]
+                biases = [linear.bias for linear in plain]
+                if _group_fits(input, weights, biases, self._backend):
+                    return few_rows_linear_group(input, weights, biases, backend=self._backend)
         return func(*args, **kwargs)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    hooks: int = len(module._forward_hooks) + len(module._forward_pre_hooks)  # pyright: ignore
+    return hooks > 0

@@ -33,3 +33,39 @@ def few_rows_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if torch.compiler.is_compiling():
         return _few_rows_linear(x, weight, bias)
     return _launch(x, weight, bias)
+
+
+def _launch_group(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    if x.shape[0] > FEW_ROWS_MAX:
+        if biases is None:
+            return [F.linear(x, weight) for weight in weights]
+        return [F.linear(x, weight, bias) for weight, bias in zip(weights, biases, strict=True)]
+    from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_group_kernel
+
+    return few_rows_linear_group_kernel(x, weights, biases)
+
+
+@torch.library.custom_op("d9d_kernels::few_rows_linear_group", mutates_args=())
+def _few_rows_linear_group(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    return _launch_group(x, weights, biases)
+
+
+@_few_rows_linear_group.register_fake
+def _few_rows_linear_group_fake(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
+def few_rows_linear_group_triton(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """Each ``(m, n_i)`` product of ``x`` with ``weights[i]`` in one launch; see
+    ``d9d.kernels.shared_input_linear``. The custom op under torch.compile, a direct launch in eager mode."""
+    if torch.compiler.is_compiling():
+        return _few_rows_linear_group(x, weights, biases)
+    return _launch_group(x, weights, biases)

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from d9d.kernels import RopeLayout
+from d9d.kernels import RopeLayout, shared_input_linear
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
 from d9d.kernels.layers._attention_sinks import SinkAttentionBackend
@@ -152,14 +152,13 @@ class GroupedQueryAttention(nn.Module):
         """
         batch, seq, _ = hidden_states.shape
         head_shape = (batch, seq, -1, self.head_dim)
-        query = self.q_proj(hidden_states)
-        key = self.k_proj(hidden_states)
+        query, key, value = shared_input_linear(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None and self.k_norm is not None:
             if self.qk_norm_scope == "head":
                 query, key = query.view(head_shape), key.view(head_shape)
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.view(head_shape), key.view(head_shape)
-        value = self.v_proj(hidden_states).view(head_shape)
+        value = value.view(head_shape)
         cos, sin = position_embeddings
         query = self.rotary(query, cos, sin)
         key = self.rotary(key, cos, sin)

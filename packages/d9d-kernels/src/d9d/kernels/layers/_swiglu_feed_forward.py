@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.kernels import swiglu
+from d9d.kernels import shared_input_linear, swiglu
 from d9d.kernels.layers._init import init_linear_
 from d9d.kernels.layers._recomputed_activation import recompute_when_saved
 
@@ -56,7 +56,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = shared_input_linear(x, (self.gate_proj, self.up_proj))
         activation = self._gated(gate, up)
         with recompute_when_saved(activation, lambda: self._gated(gate.detach(), up.detach())):
             return self.down_proj(activation)

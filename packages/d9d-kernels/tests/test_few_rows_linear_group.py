@@ -1,0 +1,162 @@
+"""few_rows_linear_group and shared_input_linear: one launch for one input's projections."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from d9d.kernels import FewRowsLinearMode, KernelBackend, few_rows_linear_group, shared_input_linear
+
+_INTERPRETER = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+_TRITON = KernelBackend.TRITON
+
+
+def _group(rows: int, widths: list[int], k: int, dtype: torch.dtype, device: str = "cpu", *, bias: bool):
+    generator = torch.Generator().manual_seed(rows * 1000 + sum(widths) + k)
+    x = torch.randn(rows, k, generator=generator).to(device, dtype)
+    weights = [(torch.randn(n, k, generator=generator) / k**0.5).to(device, dtype) for n in widths]
+    biases = [torch.randn(n, generator=generator).to(device, dtype) for n in widths] if bias else None
+    return x, weights, biases
+
+
+def _assert_rounded_products(outs, x, weights, biases) -> None:
+    """Each output is its float64 product rounded once (plus the fp32 summation's error)."""
+    assert len(outs) == len(weights)
+    for index, (out, weight) in enumerate(zip(outs, weights, strict=True)):
+        bias = None if biases is None else biases[index]
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        assert out.dtype == x.dtype and out.shape == exact.shape and out.is_contiguous()
+        tolerance = torch.finfo(x.dtype).eps * exact.abs() + 1e-5 * (
+            x.double().abs() @ weight.double().abs().T + 1
+        )
+        excess = (out.double() - exact).abs() - tolerance
+        assert excess.max().item() <= 0, (
+            f"product {index} off by {(out.double() - exact).abs().max().item():.3g}"
+        )
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("widths", [[37, 19, 19], [24, 24]], ids=["qkv", "gate-up"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_one_launch_rounds_each_exact_product_once(
+    rows: int, widths: list[int], dtype: torch.dtype, bias: bool
+) -> None:
+    # widths not multiples of the interpreter's tiles: a program's columns straddle no two weights
+    x, weights, biases = _group(rows, widths, 70, dtype, bias=bias)
+    _assert_rounded_products(few_rows_linear_group(x, weights, biases, backend=_TRITON), x, weights, biases)
+
+
+@_INTERPRETER
+def test_groups_the_launch_cannot_take_go_product_by_product() -> None:
+    x, weights, biases = _group(17, [8, 8], 16, torch.float32, bias=True)  # more rows than the kernel takes
+    outs = few_rows_linear_group(x.view(17, 1, 16), weights, biases, backend=_TRITON)
+    for out, weight, bias in zip(outs, weights, biases or [], strict=True):
+        assert torch.equal(out, F.linear(x.view(17, 1, 16), weight, bias))
+    x, weights, _ = _group(2, [8, 8], 16, torch.float32, bias=False)
+    mixed = [torch.ones(8), None]  # a bias for one weight only: two launches, the same products
+    outs = few_rows_linear_group(x, weights, mixed, backend=_TRITON)
+    torch.testing.assert_close(outs[0], F.linear(x, weights[0], mixed[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], F.linear(x, weights[1]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="1 biases for 2 weights"):
+        few_rows_linear_group(x, weights, [None])
+
+
+def test_without_a_mode_the_modules_run_themselves() -> None:
+    torch.manual_seed(0)
+    calls: list[str] = []
+    first, second = nn.Linear(16, 8), nn.Linear(16, 4)
+    second.register_forward_hook(lambda *_: calls.append("hook"))
+    x = torch.randn(3, 16)
+    out = shared_input_linear(x, (first, second))
+    assert calls == ["hook"]
+    assert torch.equal(out[0], first(x)) and torch.equal(out[1], second(x))
+
+
+class _Scaled(nn.Module):
+    """A replacement of an ``nn.Linear`` (as LoRA's or FP8's are): the mode must call it."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.linear(x)
+
+
+@_INTERPRETER
+def test_mode_groups_plain_linears_and_calls_the_others() -> None:
+    torch.manual_seed(0)
+    q, k, v = nn.Linear(40, 24), nn.Linear(40, 8), nn.Linear(40, 8)
+    x = torch.randn(2, 1, 40)
+    calls: list[str] = []
+    with torch.no_grad():
+        expected = tuple(linear(x) for linear in (q, k, v))
+        with FewRowsLinearMode(backend=_TRITON):
+            grouped = shared_input_linear(x, (q, k, v))
+            replaced = shared_input_linear(x, (q, _Scaled(k)))
+            k.register_forward_pre_hook(lambda *_: calls.append("pre-hook"))
+            hooked = shared_input_linear(x, (q, k, v))
+    for out, reference in zip(grouped, expected, strict=True):
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(replaced[1], 2 * expected[1], rtol=1e-5, atol=1e-5)
+    assert calls == ["pre-hook"]
+    torch.testing.assert_close(hooked[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+@_INTERPRETER
+def test_mode_compiles_a_group_to_one_custom_op() -> None:
+    torch.manual_seed(0)
+    gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
+    graphs: list[str] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        graphs.append(str(graph.graph))
+        return graph
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with FewRowsLinearMode(backend=_TRITON):
+            a, b = shared_input_linear(torch.relu(x), (gate, up))
+            return a * b
+
+    x = torch.randn(2, 40)
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend=backend)(x)
+        torch.testing.assert_close(compiled, step(x))
+    assert graphs[0].count("d9d_kernels.few_rows_linear_group") == 1
+    assert "d9d_kernels.few_rows_linear.default" not in graphs[0]
+
+
+_DECODE_GROUPS = [[2048, 1024, 1024], [4096, 1024, 1024], [3072, 3072], [12288, 12288]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("widths", _DECODE_GROUPS, ids=str)
+def test_groups_at_decode_shapes_on_gpu(rows: int, widths: list[int]) -> None:
+    k = 4096 if widths[0] in (4096, 12288) else 1024
+    x, weights, biases = _group(rows, widths, k, torch.bfloat16, "cuda", bias=widths[1] == 1024)
+    _assert_rounded_products(few_rows_linear_group(x, weights, biases), x, weights, biases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_group_replays_in_a_cuda_graph() -> None:
+    x, weights, biases = _group(1, [2048, 1024, 1024], 1024, torch.bfloat16, "cuda", bias=True)
+    eager = few_rows_linear_group(x, weights, biases)  # autotunes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = few_rows_linear_group(x, weights, biases)
+    x.copy_(-x)
+    graph.replay()
+    for out, again, before in zip(captured, few_rows_linear_group(x, weights, biases), eager, strict=True):
+        torch.testing.assert_close(out, again, rtol=0, atol=0)
+        assert not torch.equal(out, before)
