@@ -47,25 +47,54 @@ def _launch_group(
     return few_rows_linear_group_kernel(x, weights, biases)
 
 
+# A fixed arity of three (a smaller group fills the rest with empty weights of no rows), and no
+# list arguments: the schema types every supported torch version infers.
 @torch.library.custom_op("d9d_kernels::few_rows_linear_group", mutates_args=())
 def _few_rows_linear_group(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
-) -> list[torch.Tensor]:
-    return _launch_group(x, weights, biases)
+    x: torch.Tensor,
+    w0: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b0: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    biases = None if b0 is None or b1 is None or b2 is None else [b0, b1, b2]
+    y0, y1, y2 = _launch_group(x, [w0, w1, w2], biases)
+    return y0, y1, y2
 
 
 @_few_rows_linear_group.register_fake
 def _few_rows_linear_group_fake(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
-) -> list[torch.Tensor]:
-    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+    x: torch.Tensor,
+    w0: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b0: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
+    return (
+        x.new_empty((rows, w0.shape[0])),
+        x.new_empty((rows, w1.shape[0])),
+        x.new_empty((rows, w2.shape[0])),
+    )
 
 
 def few_rows_linear_group_triton(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None
 ) -> list[torch.Tensor]:
-    """Each ``(m, n_i)`` product of ``x`` with ``weights[i]`` in one launch; see
-    ``d9d.kernels.shared_input_linear``. The custom op under torch.compile, a direct launch in eager mode."""
-    if torch.compiler.is_compiling():
-        return _few_rows_linear_group(x, weights, biases)
-    return _launch_group(x, weights, biases)
+    """Each ``(m, n_i)`` product of ``x`` with ``weights[i]`` (one to three) in one launch; see
+    ``d9d.kernels.few_rows_linear_group``. The custom op under torch.compile, a direct launch in
+    eager mode."""
+    if not torch.compiler.is_compiling():
+        return _launch_group(x, weights, biases)
+    count = len(weights)
+    empty = weights[0][:0]
+    padded = [*weights, *[empty] * (3 - count)]
+    padded_biases: list[torch.Tensor | None] = (
+        [None] * 3 if biases is None else [*biases, *[biases[0][:0]] * (3 - count)]
+    )
+    outs = _few_rows_linear_group(x, *padded, *padded_biases)
+    return list(outs[:count])
