@@ -99,7 +99,7 @@ def test_mode_groups_plain_linears_and_calls_the_others() -> None:
     calls: list[str] = []
     with torch.no_grad():
         expected = tuple(linear(x) for linear in (q, k, v))
-        with FewRowsLinearMode(backend=_TRITON):
+        with FewRowsLinearMode(backend=_TRITON, group_projections=True):
             grouped = shared_input_linear(x, (q, k, v))
             replaced = shared_input_linear(x, (q, _Scaled(k)))
             k.register_forward_pre_hook(lambda *_: calls.append("pre-hook"))
@@ -122,7 +122,7 @@ def test_mode_compiles_a_group_to_one_custom_op() -> None:
         return graph
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        with FewRowsLinearMode(backend=_TRITON):
+        with FewRowsLinearMode(backend=_TRITON, group_projections=True):
             a, b = shared_input_linear(torch.relu(x), (gate, up))
             return a * b
 

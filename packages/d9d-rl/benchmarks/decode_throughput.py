@@ -25,7 +25,9 @@ of its decode steps alone (CUDA events around each step, ``EngineStats.decode_se
 roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefills' device time.
 ``--few-rows-linear both`` adds a second engine without d9d-kernels' few-rows kernel (its linears
 on cuBLAS), alternating with the others; ``--decode-ahead both`` likewise a second engine whose
-host reads every step's tokens before launching the next (``decode_ahead=False``);
+host reads every step's tokens before launching the next (``decode_ahead=False``), and
+``--few-rows-linear-group both`` one with a launch per linear against one launch for q/k/v and
+for gate/up;
 ``--profile TOP`` prints each engine's TOP kernels per decode step from one more profiled call.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
@@ -151,6 +153,7 @@ def _d9d_engine(
     graphs: bool,
     compile_decode: bool,
     few_rows_linear: bool | None,
+    few_rows_linear_group: bool,
     decode_ahead: bool,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -163,6 +166,7 @@ def _d9d_engine(
         cuda_graphs=graphs and device.type == "cuda",
         compile_decode=compile_decode,
         few_rows_linear=few_rows_linear,
+        few_rows_linear_group=few_rows_linear_group,
         decode_ahead=decode_ahead,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
@@ -259,9 +263,10 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     few_rows = {"auto": None, "on": True, "off": False, "both": True}[args.few_rows_linear]
     ahead = args.decode_ahead != "off"
+    group = args.few_rows_linear_group != "off"
 
     def engine_with(
-        few_rows_linear: bool | None, decode_ahead: bool
+        few_rows_linear: bool | None, decode_ahead: bool, few_rows_linear_group: bool = group
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -271,6 +276,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             graphs=not args.no_cuda_graphs,
             compile_decode=args.compile_decode,
             few_rows_linear=few_rows_linear,
+            few_rows_linear_group=few_rows_linear_group,
             decode_ahead=decode_ahead,
         )
 
@@ -287,6 +293,9 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     elif args.decode_ahead == "both":
         label = "without decode_ahead"
         engines["variant"], runs["variant"] = engine_with(few_rows, False)
+    elif args.few_rows_linear_group == "both":
+        label = "without few_rows_linear_group (a launch per linear)"
+        engines["variant"], runs["variant"] = engine_with(few_rows, ahead, False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -358,6 +367,13 @@ def main() -> None:
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
     parser.add_argument(
+        "--few-rows-linear-group",
+        choices=["on", "off", "both"],
+        default="off",
+        help="EmbeddedEngineConfig.few_rows_linear_group; both: the engine with it and a second engine "
+        "without it, alternating, each row followed by the second's figures",
+    )
+    parser.add_argument(
         "--decode-ahead",
         choices=["on", "off", "both"],
         default="on",
@@ -376,8 +392,11 @@ def main() -> None:
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
-    if args.few_rows_linear == "both" and args.decode_ahead == "both":
-        parser.error("--few-rows-linear both and --decode-ahead both each add a second engine: pass one")
+    if [args.few_rows_linear, args.decode_ahead, args.few_rows_linear_group].count("both") > 1:
+        parser.error(
+            "--few-rows-linear, --decode-ahead and --few-rows-linear-group: 'both' adds a second engine, "
+            "pass it to one of them"
+        )
     if args.quick:
         args.widths, args.batches, args.prompt_length = ["tiny"], [1, 4], 16
         args.min_completion, args.max_completion, args.vocab = 4, 24, 256

@@ -40,23 +40,29 @@ def test_the_switch_defaults_to_cuda_only() -> None:
     engine.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0))  # CPU: the mode stays off
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["each", "grouped"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool) -> None:
+def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool, grouped: bool) -> None:
     """On CPU the mode falls back to F.linear: the same tokens, and the compiled step traces the
     mode in its one graph (a failure to trace would raise, naming compile_decode)."""
     common = {"max_rows": 4, "page_size": 2, "max_context": 32, "compile_decode": compiled}
-    with_mode = _generate(tiny_model(), **common, few_rows_linear=True)
+    with_mode = _generate(tiny_model(), **common, few_rows_linear=True, few_rows_linear_group=grouped)
     without = _generate(tiny_model(), **common, few_rows_linear=False)
     _assert_same(with_mode, without, tolerance=0.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grouped", [False, True], ids=["each", "grouped"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_kernels_in_captured_steps_decode_as_cublas(compiled: bool, dtype: torch.dtype) -> None:
+def test_the_kernels_in_captured_steps_decode_as_cublas(
+    compiled: bool, dtype: torch.dtype, grouped: bool
+) -> None:
     """Buckets of 1 to 8 rows captured with the few-rows kernels against the same steps on cuBLAS."""
     common = {"max_rows": 8, "page_size": 4, "max_context": 64, "compile_decode": compiled}
-    with_kernels = _generate(tiny_model().to("cuda", dtype), **common, few_rows_linear=True)
+    with_kernels = _generate(
+        tiny_model().to("cuda", dtype), **common, few_rows_linear=True, few_rows_linear_group=grouped
+    )
     cublas = _generate(tiny_model().to("cuda", dtype), **common, few_rows_linear=False)
     _assert_same(with_kernels, cublas, tolerance=1e-4 if dtype == torch.float32 else 3e-2)

@@ -150,22 +150,29 @@ def few_rows_linear_group(
 
 
 class FewRowsLinearMode(TorchFunctionMode):
-    """While active, every ``F.linear`` call (``nn.Linear`` included) goes through ``few_rows_linear``,
-    and every ``shared_input_linear`` of plain ``nn.Linear`` modules through ``few_rows_linear_group``.
+    """While active, every ``F.linear`` call (``nn.Linear`` included) goes through ``few_rows_linear``;
+    with ``group_projections``, every ``shared_input_linear`` of plain ``nn.Linear`` modules goes
+    through ``few_rows_linear_group``.
 
     For a decode step's forward: the model's own modules run unchanged, and the products of a few
-    rows take the kernel (the rest fall back to ``F.linear`` inside ``few_rows_linear``); one
-    input's projections take one launch. Every other torch function passes through untouched.
+    rows take the kernel (the rest fall back to ``F.linear`` inside ``few_rows_linear``); grouped,
+    one input's projections (q/k/v, gate/up) take one launch. Every other torch function passes
+    through untouched.
     Enter it around the step's model call; under a CUDA graph capture the graph records the
     kernels, under ``torch.compile`` the custom ops.
 
     Args:
         backend: Passed to ``few_rows_linear`` (tests force TRITON on CPU in Triton's interpreter).
+        group_projections: Route ``shared_input_linear`` to ``few_rows_linear_group``. Off by
+            default: the group kernel has passed its interpreter tests, not yet a GPU run.
     """
 
-    def __init__(self, *, backend: KernelBackend = KernelBackend.AUTO) -> None:
+    def __init__(
+        self, *, backend: KernelBackend = KernelBackend.AUTO, group_projections: bool = False
+    ) -> None:
         super().__init__()
         self._backend = backend
+        self._group = group_projections
 
     def __torch_function__(
         self,
@@ -177,7 +184,7 @@ class FewRowsLinearMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return few_rows_linear(*args, backend=self._backend, **kwargs)
-        if func is shared_input_linear:
+        if func is shared_input_linear and self._group:
             input, linears = args
             # modules with hooks (tensor parallelism's) or of another type (LoRA, FP8) run themselves
             if all(type(linear) is nn.Linear and not _has_hooks(linear) for linear in linears):

@@ -12,7 +12,7 @@ import torch
 from d9d.hf import DecoderCausalLM
 from d9d.rl._decode_graphs import GraphedDecodeStep
 from d9d.rl._decode_slots import DecodeSlots
-from d9d.rl._decode_step import DecodeFunction, StaticDecodeStep
+from d9d.rl._decode_step import DecodeFunction, FewRowsLinears, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._scheduler import SequenceState
@@ -95,7 +95,7 @@ class DecodeRuntime:
         pad_token_id: Input token of idle rows and padding.
         cuda_graphs: Capture and replay the decode step (CUDA only).
         compiled: The engine's compiled ``decode_rows`` (``compile_decode``), or None: eager.
-        few_rows_linear: Decode under d9d-kernels' ``FewRowsLinearMode``.
+        few_rows_linear: How the decode step's linears run.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class DecodeRuntime:
         pad_token_id: int,
         cuda_graphs: bool,
         compiled: DecodeFunction | None = None,
-        few_rows_linear: bool = False,
+        few_rows_linear: FewRowsLinears = "off",
     ) -> None:
         device = next(model.parameters()).device
         self._model = model

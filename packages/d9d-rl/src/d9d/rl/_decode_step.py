@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from torch._dynamo import maybe_mark_dynamic  # pyright: ignore[reportPrivateUsage]
@@ -30,6 +30,11 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 from d9d.hf import DecoderCausalLM
 from d9d.kernels import FewRowsLinearMode, paged_decode_attention
 from d9d.rl._kv_cache import PagedKVCache
+
+FewRowsLinears = Literal["off", "each", "grouped"]
+"""How the decode step's linears run: ``F.linear`` (cuBLAS), d9d-kernels' ``FewRowsLinearMode``
+(each linear through the few-rows kernel), or the mode with ``group_projections`` (q/k/v and
+gate/up also in one launch each)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,7 +74,7 @@ class StaticDecodeStep:
         max_blocks: Block-table columns per row (blocks of the longest row).
         compiled: ``compile_decode_rows``'s function, shared by the steps of one engine (its
             graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
-        few_rows_linear: Run the model part under d9d-kernels' ``FewRowsLinearMode``.
+        few_rows_linear: How the model part's linears run.
     """
 
     def __init__(
@@ -80,7 +85,7 @@ class StaticDecodeStep:
         max_rows: int,
         max_blocks: int,
         compiled: DecodeFunction | None = None,
-        few_rows_linear: bool = False,
+        few_rows_linear: FewRowsLinears = "off",
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -95,7 +100,7 @@ class StaticDecodeStep:
         self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
         self._compiled = compiled
-        self._few_rows_linear = few_rows_linear
+        self._few_rows_linear: FewRowsLinears = few_rows_linear
         if compiled is not None:
             for tensor in (*cache.keys, *cache.values):
                 # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
@@ -202,7 +207,7 @@ DecodeFunction = Callable[
         list[torch.Tensor],
         list[torch.Tensor],
         int,
-        bool,
+        FewRowsLinears,
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
@@ -219,7 +224,7 @@ def decode_rows(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     page_size: int,
-    few_rows_linear: bool,
+    few_rows_linear: FewRowsLinears,
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
@@ -233,8 +238,9 @@ def decode_rows(
         keys: Each layer's key pool ``(num_slots, kv_heads, head_dim)``; its last block is scratch.
         values: Each layer's value pool.
         page_size: Slots per block.
-        few_rows_linear: Run the layers and the head under ``FewRowsLinearMode`` (their products of
-            at most 16 rows through d9d-kernels' ``few_rows_linear``).
+        few_rows_linear: ``"each"``: run the layers and the head under ``FewRowsLinearMode`` (their
+            products of at most 16 rows through d9d-kernels' ``few_rows_linear``); ``"grouped"``:
+            q/k/v and gate/up in one launch each too; ``"off"``: ``F.linear``.
         input_ids: ``(rows,)`` int64, each row's new token.
         lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
         table: ``(rows, columns)`` int32 block table.
@@ -255,7 +261,14 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
-    linears: AbstractContextManager[object] = FewRowsLinearMode() if few_rows_linear else nullcontext()
+    linears: AbstractContextManager[object]
+    match few_rows_linear:
+        case "off":
+            linears = nullcontext()
+        case "each":
+            linears = FewRowsLinearMode()
+        case "grouped":
+            linears = FewRowsLinearMode(group_projections=True)
     with linears:
         for index, (layer, position_embeddings) in enumerate(
             zip(backbone.decoder_layers(), tables, strict=True)

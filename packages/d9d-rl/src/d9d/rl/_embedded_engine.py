@@ -11,7 +11,7 @@ from d9d.hf import DecoderCausalLM
 from d9d.loop import TensorOffloader
 from d9d.rl._block_pool import BlockPool
 from d9d.rl._decode_runtime import DecodeRuntime, DeviceTokens
-from d9d.rl._decode_step import compile_decode_rows
+from d9d.rl._decode_step import FewRowsLinears, compile_decode_rows
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._launched_step import LaunchedStep, to_device
 from d9d.rl._rollout_engine import Completion, SamplingParams
@@ -120,8 +120,9 @@ class EmbeddedRolloutEngine:
         few_rows = self._config.few_rows_linear
         # an eager step without graphs would pay the mode's dispatch on the host at every step
         replayed_or_compiled = self._cuda_graphs or self._config.compile_decode
-        self._few_rows_linear = (
-            self._device.type == "cuda" and replayed_or_compiled if few_rows is None else few_rows
+        use_kernel = self._device.type == "cuda" and replayed_or_compiled if few_rows is None else few_rows
+        self._few_rows_linear: FewRowsLinears = (
+            "off" if not use_kernel else "grouped" if self._config.few_rows_linear_group else "each"
         )
         # one compiled region per engine: its graphs serve every pool the engine allocates
         self._compiled_decode = (

@@ -42,6 +42,10 @@ class EmbeddedEngineConfig(BaseModel):
             is captured in CUDA graphs or compiled (both leave no cost of the mode on the host at
             each step; elsewhere the mode would only fall back to ``F.linear``). Prefills never
             use it.
+        few_rows_linear_group: With ``few_rows_linear`` on, also run each layer's q/k/v projections
+            and its gate/up projections in one launch each (d9d-kernels' ``few_rows_linear_group``
+            through ``shared_input_linear``). Experimental, off by default: the group kernel has
+            passed its interpreter tests, not yet a GPU run.
         decode_ahead: While every running row decodes and none can be admitted or needs a
             block that is not free, launch the next decode step before reading the current step's
             tokens on the host: the next step takes them on the device, and the host's reading,
@@ -60,6 +64,7 @@ class EmbeddedEngineConfig(BaseModel):
     cuda_graphs: bool | None = None
     compile_decode: bool = False
     few_rows_linear: bool | None = None
+    few_rows_linear_group: bool = False
     decode_ahead: bool = True
 
     @model_validator(mode="after")
