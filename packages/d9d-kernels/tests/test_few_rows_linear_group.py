@@ -160,3 +160,30 @@ def test_a_group_replays_in_a_cuda_graph() -> None:
     for out, again, before in zip(captured, few_rows_linear_group(x, weights, biases), eager, strict=True):
         torch.testing.assert_close(out, again, rtol=0, atol=0)
         assert not torch.equal(out, before)
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("group_projections", [False, True], ids=["per-linear", "grouped"])
+def test_linears_the_mode_does_not_group_still_take_the_kernel(group_projections: bool) -> None:
+    """A mode is off while it handles a call: the modules it hands back must run with it on again."""
+    torch.manual_seed(0)
+    gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
+    linears = (gate, up) if not group_projections else (gate, _Scaled(up))  # grouped: a replaced module
+    graphs: list[str] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        graphs.append(str(graph.graph))
+        return graph
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with FewRowsLinearMode(backend=_TRITON, group_projections=group_projections):
+            a, b = shared_input_linear(torch.relu(x), linears)
+            return a * b
+
+    x = torch.randn(2, 40)
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend=backend)(x)
+        torch.testing.assert_close(compiled, step(x))
+        torch.testing.assert_close(compiled, gate(x.relu()) * linears[1](x.relu()), rtol=1e-5, atol=1e-5)
+    assert graphs[0].count("d9d_kernels.few_rows_linear.default") == 2
+    assert "few_rows_linear_group" not in graphs[0] and "_nn.linear" not in graphs[0]

@@ -184,15 +184,19 @@ class FewRowsLinearMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return few_rows_linear(*args, backend=self._backend, **kwargs)
-        if func is shared_input_linear and self._group:
+        if func is shared_input_linear:
             input, linears = args
             # modules with hooks (tensor parallelism's) or of another type (LoRA, FP8) run themselves
-            if all(type(linear) is nn.Linear and not _has_hooks(linear) for linear in linears):
+            if self._group and all(
+                type(linear) is nn.Linear and not _has_hooks(linear) for linear in linears
+            ):
                 plain = cast(Sequence[nn.Linear], linears)
                 weights = [linear.weight for linear in plain]
                 biases = [linear.bias for linear in plain]
                 if _group_fits(input, weights, biases, self._backend):
                     return few_rows_linear_group(input, weights, biases, backend=self._backend)
+            with self:  # a mode is off while it handles a call: on again, each module's linears come here
+                return tuple(linear(input) for linear in linears)
         return func(*args, **kwargs)
 
 
