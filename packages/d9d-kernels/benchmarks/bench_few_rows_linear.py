@@ -1,6 +1,9 @@
-"""``few_rows_linear`` against ``F.linear`` (cuBLAS) at decode shapes, 1 to 64 rows.
+"""``few_rows_linear`` against ``F.linear`` (cuBLAS) at decode shapes, 1 to 64 rows; then one
+input's projections (q/k/v, gate/up) three ways: cuBLAS, ``few_rows_linear`` per weight, and
+``few_rows_linear_group`` (one launch).
 
 Run:  python packages/d9d-kernels/benchmarks/bench_few_rows_linear.py   (--smoke on CPU)
+      ... --groups-only   (only the group table)
 
 Each shape is a Qwen3-0.6B or Qwen3-8B projection (q, k/v, o, gate/up, down, the 0.6B LM head).
 Both sides run captured in one CUDA graph per side that multiplies by enough distinct copies of the
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from d9d.kernels import KernelBackend, few_rows_linear
+from d9d.kernels import KernelBackend, few_rows_linear, few_rows_linear_group
 
 SHAPES = {  # name: (in features k, out features n)
     "0.6B q": (1024, 2048),
@@ -34,18 +37,85 @@ SHAPES = {  # name: (in features k, out features n)
     "8B down": (12288, 4096),
 }
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GROUPS = {  # name: (in features k, each weight's out features)
+    "0.6B q/k/v": (1024, (2048, 1024, 1024)),
+    "0.6B gate+up": (1024, (3072, 3072)),
+    "8B q/k/v": (4096, (4096, 1024, 1024)),
+    "8B gate+up": (4096, (12288, 12288)),
+}
+
+Linear = Callable[[torch.Tensor, torch.Tensor], object]
+GroupLinear = Callable[[torch.Tensor, list[torch.Tensor]], object]
 
 
-def _graph(linear: Linear, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
-    for x, w in zip(inputs, weights, strict=True):
-        linear(x, w)  # autotuning and compilation before the capture
+def _graph(run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    run()  # autotuning and compilation before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def _products(linear: Linear, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
         for x, w in zip(inputs, weights, strict=True):
             linear(x, w)
-    return graph
+
+    return run
+
+
+def _groups(
+    linear: GroupLinear, inputs: list[torch.Tensor], weights: list[list[torch.Tensor]]
+) -> Callable[[], None]:
+    def run() -> None:
+        for x, group in zip(inputs, weights, strict=True):
+            linear(x, group)
+
+    return run
+
+
+def _median_cell(times: list[float]) -> str:
+    return f"{statistics.median(times):8.2f} ({min(times):.2f}-{max(times):.2f})"
+
+
+def _bench_groups(args: argparse.Namespace) -> None:
+    sides: dict[str, GroupLinear] = {
+        "cuBLAS": lambda x, ws: [F.linear(x, w) for w in ws],
+        "per weight": lambda x, ws: [few_rows_linear(x, w) for w in ws],
+        "one launch": few_rows_linear_group,
+    }
+    print(
+        f"{'group':<14}{'k':>7}{'rows':>6}{'cuBLAS us':>22}{'per-weight us':>22}{'one-launch us':>22}"
+        f"{'vs cuBLAS':>10}{'vs per-weight':>14}{'BW':>8}"
+    )
+    for name in args.groups:
+        k, widths = GROUPS[name]
+        copies = max(2, math.ceil(256e6 / (sum(widths) * k * 2)))
+        weights = [
+            [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for n in widths]
+            for _ in range(copies)
+        ]
+        for rows in args.rows:
+            if rows > 16:
+                continue  # the group launch takes at most 16 rows
+            inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            graphs = {side: _graph(_groups(linear, inputs, weights)) for side, linear in sides.items()}
+            times: dict[str, list[float]] = {side: [] for side in sides}
+            for _ in range(args.repeats):
+                for side, graph in graphs.items():
+                    times[side].append(_replay_us(graph, copies))
+            medians = {side: statistics.median(t) for side, t in times.items()}
+            share = sum(widths) * k * 2 / (medians["one launch"] * 1e-6) / args.bandwidth
+            print(
+                f"{name:<14}{k:>7}{rows:>6}{''.join(f'{_median_cell(t):>22}' for t in times.values())}"
+                f"{medians['cuBLAS'] / medians['one launch']:>9.2f}x"
+                f"{medians['per weight'] / medians['one launch']:>13.2f}x{share:>8.1%}",
+                flush=True,
+            )
+            del graphs, inputs
+        del weights
+        torch.cuda.empty_cache()
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph, products: int) -> float:
@@ -65,14 +135,27 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200: 4.8e12)")
-    parser.add_argument("--smoke", action="store_true", help="CPU: check the two sides agree, no timing")
+    parser.add_argument("--groups", nargs="+", choices=sorted(GROUPS), default=list(GROUPS))
+    parser.add_argument("--groups-only", action="store_true", help="skip the single-product table")
+    parser.add_argument("--smoke", action="store_true", help="CPU: check the sides agree, no timing")
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():
         x, w = torch.randn(3, 64), torch.randn(40, 64)
         kernel = few_rows_linear(x, w, backend=KernelBackend.TRITON)
         torch.testing.assert_close(kernel, F.linear(x, w), rtol=1e-5, atol=1e-5)
-        print("smoke: few_rows_linear equals F.linear at (3, 64) x (40, 64)")
+        group = [torch.randn(40, 64), torch.randn(24, 64)]
+        for out, weight in zip(
+            few_rows_linear_group(x, group, backend=KernelBackend.TRITON), group, strict=True
+        ):
+            torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        print("smoke: few_rows_linear and few_rows_linear_group equal F.linear at 3 rows of 64")
         return
+    if not args.groups_only:
+        _bench_singles(args)
+    _bench_groups(args)
+
+
+def _bench_singles(args: argparse.Namespace) -> None:
     sides: dict[str, Linear] = {"cuBLAS": F.linear, "few_rows_linear": few_rows_linear}
     print(
         f"{'shape':<14}{'k':>7}{'n':>8}{'rows':>6}{'cuBLAS us':>22}{'kernel us':>22}"
@@ -84,16 +167,12 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         for rows in args.rows:
             inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-            graphs = {side: _graph(linear, inputs, weights) for side, linear in sides.items()}
+            graphs = {side: _graph(_products(linear, inputs, weights)) for side, linear in sides.items()}
             times: dict[str, list[float]] = {side: [] for side in sides}
             for _ in range(args.repeats):
                 for side, graph in graphs.items():
                     times[side].append(_replay_us(graph, copies))
-            cells = []
-            for side in sides:
-                cells.append(
-                    f"{statistics.median(times[side]):8.2f} ({min(times[side]):.2f}-{max(times[side]):.2f})"
-                )
+            cells = [_median_cell(times[side]) for side in sides]
             kernel = statistics.median(times["few_rows_linear"])
             speedup = statistics.median(times["cuBLAS"]) / kernel
             share = n * k * 2 / (kernel * 1e-6) / args.bandwidth
