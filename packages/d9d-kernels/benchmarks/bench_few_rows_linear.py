@@ -101,10 +101,7 @@ def _bench_groups(args: argparse.Namespace) -> None:
                 continue  # the group launch takes at most 16 rows
             inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             graphs = {side: _graph(_groups(linear, inputs, weights)) for side, linear in sides.items()}
-            times: dict[str, list[float]] = {side: [] for side in sides}
-            for _ in range(args.repeats):
-                for side, graph in graphs.items():
-                    times[side].append(_replay_us(graph, copies))
+            times = _alternate(graphs, args.repeats, copies)
             medians = {side: statistics.median(t) for side, t in times.items()}
             share = sum(widths) * k * 2 / (medians["one launch"] * 1e-6) / args.bandwidth
             print(
@@ -116,6 +113,17 @@ def _bench_groups(args: argparse.Namespace) -> None:
             del graphs, inputs
         del weights
         torch.cuda.empty_cache()
+
+
+def _alternate(
+    graphs: dict[str, torch.cuda.CUDAGraph], repeats: int, products: int
+) -> dict[str, list[float]]:
+    """Each side's microseconds per product over ``repeats`` rounds, the sides alternating."""
+    times: dict[str, list[float]] = {side: [] for side in graphs}
+    for _ in range(repeats):
+        for side, graph in graphs.items():
+            times[side].append(_replay_us(graph, products))
+    return times
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph, products: int) -> float:
@@ -168,10 +176,7 @@ def _bench_singles(args: argparse.Namespace) -> None:
         for rows in args.rows:
             inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             graphs = {side: _graph(_products(linear, inputs, weights)) for side, linear in sides.items()}
-            times: dict[str, list[float]] = {side: [] for side in sides}
-            for _ in range(args.repeats):
-                for side, graph in graphs.items():
-                    times[side].append(_replay_us(graph, copies))
+            times = _alternate(graphs, args.repeats, copies)
             cells = [_median_cell(times[side]) for side in sides]
             kernel = statistics.median(times["few_rows_linear"])
             speedup = statistics.median(times["cuBLAS"]) / kernel

@@ -111,10 +111,8 @@ def test_mode_groups_plain_linears_and_calls_the_others() -> None:
     torch.testing.assert_close(hooked[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
-@_INTERPRETER
-def test_mode_compiles_a_group_to_one_custom_op() -> None:
-    torch.manual_seed(0)
-    gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
+def _compile_gate_up(linears: tuple[nn.Module, nn.Module], *, group_projections: bool):
+    """``gate * up`` of one input under the mode, compiled in one graph: (compiled, eager, graph text)."""
     graphs: list[str] = []
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
@@ -122,16 +120,24 @@ def test_mode_compiles_a_group_to_one_custom_op() -> None:
         return graph
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        with FewRowsLinearMode(backend=_TRITON, group_projections=True):
-            a, b = shared_input_linear(torch.relu(x), (gate, up))
+        with FewRowsLinearMode(backend=_TRITON, group_projections=group_projections):
+            a, b = shared_input_linear(torch.relu(x), linears)
             return a * b
 
     x = torch.randn(2, 40)
     with torch.no_grad():
         compiled = torch.compile(step, fullgraph=True, backend=backend)(x)
-        torch.testing.assert_close(compiled, step(x))
-    assert graphs[0].count("d9d_kernels.few_rows_linear_group") == 1
-    assert "d9d_kernels.few_rows_linear.default" not in graphs[0]
+        return compiled, step(x), graphs[0], x
+
+
+@_INTERPRETER
+def test_mode_compiles_a_group_to_one_custom_op() -> None:
+    torch.manual_seed(0)
+    gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
+    compiled, eager, graph, _ = _compile_gate_up((gate, up), group_projections=True)
+    torch.testing.assert_close(compiled, eager)
+    assert graph.count("d9d_kernels.few_rows_linear_group") == 1
+    assert "d9d_kernels.few_rows_linear.default" not in graph
 
 
 _DECODE_GROUPS = [[2048, 1024, 1024], [4096, 1024, 1024], [3072, 3072], [12288, 12288]]
@@ -169,21 +175,9 @@ def test_linears_the_mode_does_not_group_still_take_the_kernel(group_projections
     torch.manual_seed(0)
     gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
     linears = (gate, up) if not group_projections else (gate, _Scaled(up))  # grouped: a replaced module
-    graphs: list[str] = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
-        graphs.append(str(graph.graph))
-        return graph
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        with FewRowsLinearMode(backend=_TRITON, group_projections=group_projections):
-            a, b = shared_input_linear(torch.relu(x), linears)
-            return a * b
-
-    x = torch.randn(2, 40)
+    compiled, eager, graph, x = _compile_gate_up(linears, group_projections=group_projections)
+    torch.testing.assert_close(compiled, eager)
     with torch.no_grad():
-        compiled = torch.compile(step, fullgraph=True, backend=backend)(x)
-        torch.testing.assert_close(compiled, step(x))
         torch.testing.assert_close(compiled, gate(x.relu()) * linears[1](x.relu()), rtol=1e-5, atol=1e-5)
-    assert graphs[0].count("d9d_kernels.few_rows_linear.default") == 2
-    assert "few_rows_linear_group" not in graphs[0] and "_nn.linear" not in graphs[0]
+    assert graph.count("d9d_kernels.few_rows_linear.default") == 2
+    assert "few_rows_linear_group" not in graph and "_nn.linear" not in graph

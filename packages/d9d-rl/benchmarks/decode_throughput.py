@@ -366,20 +366,15 @@ def main() -> None:
         help="EmbeddedEngineConfig.few_rows_linear (auto: None, on for CUDA); both: the engine with "
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
-    parser.add_argument(
-        "--few-rows-linear-group",
-        choices=["on", "off", "both"],
-        default="off",
-        help="EmbeddedEngineConfig.few_rows_linear_group; both: the engine with it and a second engine "
-        "without it, alternating, each row followed by the second's figures",
-    )
-    parser.add_argument(
-        "--decode-ahead",
-        choices=["on", "off", "both"],
-        default="on",
-        help="EmbeddedEngineConfig.decode_ahead; both: the engine with it and a second engine without "
-        "it, alternating, each row followed by the second's figures",
-    )
+    for switch, default in (("few-rows-linear-group", "off"), ("decode-ahead", "on")):
+        field = switch.replace("-", "_")
+        parser.add_argument(
+            f"--{switch}",
+            choices=["on", "off", "both"],
+            default=default,
+            help=f"EmbeddedEngineConfig.{field}; both: the engine with it and a second engine without it, "
+            "alternating, each row followed by the second's figures",
+        )
     parser.add_argument(
         "--profile",
         type=int,
