@@ -27,7 +27,7 @@ roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefill
 on cuBLAS), alternating with the others; ``--decode-ahead both`` likewise a second engine whose
 host reads every step's tokens before launching the next (``decode_ahead=False``), and
 ``--few-rows-linear-group both`` one with a launch per linear against one launch for q/k/v and
-for gate/up;
+for gate/up, and ``--compile-prefill both`` one with eager prefills;
 ``--profile TOP`` prints each engine's TOP kernels per decode step from one more profiled call.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
@@ -155,6 +155,7 @@ def _d9d_engine(
     few_rows_linear: bool | None,
     few_rows_linear_group: bool,
     decode_ahead: bool,
+    compile_prefill: bool | None,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
@@ -168,6 +169,7 @@ def _d9d_engine(
         few_rows_linear=few_rows_linear,
         few_rows_linear_group=few_rows_linear_group,
         decode_ahead=decode_ahead,
+        compile_prefill=compile_prefill,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
@@ -264,9 +266,13 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     few_rows = {"auto": None, "on": True, "off": False, "both": True}[args.few_rows_linear]
     ahead = args.decode_ahead != "off"
     group = args.few_rows_linear_group != "off"
+    prefill = {"auto": None, "on": True, "off": False, "both": True}[args.compile_prefill]
 
     def engine_with(
-        few_rows_linear: bool | None, decode_ahead: bool, few_rows_linear_group: bool = group
+        few_rows_linear: bool | None,
+        decode_ahead: bool,
+        few_rows_linear_group: bool = group,
+        compile_prefill: bool | None = prefill,
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -278,6 +284,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             few_rows_linear=few_rows_linear,
             few_rows_linear_group=few_rows_linear_group,
             decode_ahead=decode_ahead,
+            compile_prefill=compile_prefill,
         )
 
     engine, engine_run = engine_with(few_rows, ahead)
@@ -296,6 +303,9 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     elif args.few_rows_linear_group == "both":
         label = "without few_rows_linear_group (a launch per linear)"
         engines["variant"], runs["variant"] = engine_with(few_rows, ahead, False)
+    elif args.compile_prefill == "both":
+        label = "without compile_prefill (eager prefills)"
+        engines["variant"], runs["variant"] = engine_with(few_rows, ahead, group, False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -376,6 +386,13 @@ def main() -> None:
             "alternating, each row followed by the second's figures",
         )
     parser.add_argument(
+        "--compile-prefill",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="EmbeddedEngineConfig.compile_prefill (auto: None, as --compile-decode); both: the engine "
+        "with it and a second engine with eager prefills, alternating",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -387,10 +404,11 @@ def main() -> None:
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
-    if [args.few_rows_linear, args.decode_ahead, args.few_rows_linear_group].count("both") > 1:
+    switches = [args.few_rows_linear, args.decode_ahead, args.few_rows_linear_group, args.compile_prefill]
+    if switches.count("both") > 1:
         parser.error(
-            "--few-rows-linear, --decode-ahead and --few-rows-linear-group: 'both' adds a second engine, "
-            "pass it to one of them"
+            "--few-rows-linear, --decode-ahead, --few-rows-linear-group and --compile-prefill: 'both' adds "
+            "a second engine, pass it to one of them"
         )
     if args.quick:
         args.widths, args.batches, args.prompt_length = ["tiny"], [1, 4], 16

@@ -14,7 +14,7 @@ from d9d.rl._decode_graphs import GraphedDecodeStep
 from d9d.rl._decode_slots import DecodeSlots
 from d9d.rl._decode_step import DecodeFunction, FewRowsLinears, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
-from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
+from d9d.rl._kv_cache import PagedBatch, PagedKVCache, PrefillFunction, forward_paged
 from d9d.rl._scheduler import SequenceState
 
 
@@ -85,8 +85,9 @@ class DecodeRuntime:
     """The pool of ``num_blocks`` blocks, the decode step's buffers and graphs, for one engine.
 
     Decoding rows (one new token each) run the static decode step (compiled with ``compiled``, a
-    replayed CUDA graph with ``cuda_graphs``); rows being prefilled run the model eagerly over the pool
-    (``forward_paged``). A ``generate`` call reuses the runtime when its pool is large enough.
+    replayed CUDA graph with ``cuda_graphs``); rows being prefilled run the model over the pool
+    (``forward_paged``, compiled with ``compiled_prefill``). A ``generate`` call reuses the runtime
+    when its pool is large enough.
 
     Args:
         model: The whole model.
@@ -95,6 +96,7 @@ class DecodeRuntime:
         pad_token_id: Input token of idle rows and padding.
         cuda_graphs: Capture and replay the decode step (CUDA only).
         compiled: The engine's compiled ``decode_rows`` (``compile_decode``), or None: eager.
+        compiled_prefill: The engine's compiled ``paged_logits`` (``compile_prefill``), or None: eager.
         few_rows_linear: How the decode step's linears run.
     """
 
@@ -107,10 +109,12 @@ class DecodeRuntime:
         pad_token_id: int,
         cuda_graphs: bool,
         compiled: DecodeFunction | None = None,
+        compiled_prefill: PrefillFunction | None = None,
         few_rows_linear: FewRowsLinears = "off",
     ) -> None:
         device = next(model.parameters()).device
         self._model = model
+        self._compiled_prefill = compiled_prefill
         self._pad = pad_token_id
         self.cache = PagedKVCache.empty(
             model, num_blocks=num_blocks, page_size=config.page_size, device=device
@@ -183,6 +187,8 @@ class DecodeRuntime:
             blocks=[row.blocks for row in rows],
         )
         self._prefill_timer.start()
-        logits = forward_paged(self._model, self.cache, batch, pad_token_id=self._pad)
+        logits = forward_paged(
+            self._model, self.cache, batch, pad_token_id=self._pad, compiled=self._compiled_prefill
+        )
         self._prefill_timer.stop()
         return logits

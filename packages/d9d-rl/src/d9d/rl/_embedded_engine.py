@@ -13,7 +13,9 @@ from d9d.rl._block_pool import BlockPool
 from d9d.rl._decode_runtime import DecodeRuntime, DeviceTokens
 from d9d.rl._decode_step import FewRowsLinears, compile_decode_rows
 from d9d.rl._engine_config import EmbeddedEngineConfig
-from d9d.rl._launched_step import LaunchedStep, to_device
+from d9d.rl._kv_cache import compile_paged_logits
+from d9d.rl._launched_step import LaunchedStep
+from d9d.rl._pinned_copy import to_device
 from d9d.rl._rollout_engine import Completion, SamplingParams
 from d9d.rl._sampling import sample_keyed
 from d9d.rl._scheduler import ContinuousScheduler, SequenceState
@@ -71,7 +73,8 @@ class EmbeddedRolloutEngine:
     static decode step: its state lives in device buffers that one small host-to-device copy per
     step updates, its attention reads the pool in place (d9d-kernels' ``paged_decode_attention``),
     and on CUDA it is captured once per batch-size bucket in a CUDA graph and replayed
-    (``config.cuda_graphs``), compiled first with ``config.compile_decode``; prefills run eagerly.
+    (``config.cuda_graphs``), compiled first with ``config.compile_decode``; prefills run eagerly unless
+    ``config.compile_prefill``.
     While the running rows only decode, the host schedules and launches the next step before it
     reads the current step's tokens (``config.decode_ahead``): the next step takes them on the
     device, so the device does not wait for the host between steps.
@@ -128,6 +131,10 @@ class EmbeddedRolloutEngine:
         self._compiled_decode = (
             compile_decode_rows(self._config.max_rows) if self._config.compile_decode else None
         )
+        compile_prefill = self._config.compile_prefill
+        if compile_prefill is None:
+            compile_prefill = self._config.compile_decode
+        self._compiled_prefill = compile_paged_logits(self._config.max_rows) if compile_prefill else None
         self._runtime: DecodeRuntime | None = None
         self._weights = model.state_dict()
         self._offloader = TensorOffloader(self._device)
@@ -298,6 +305,7 @@ class EmbeddedRolloutEngine:
                 pad_token_id=self._pad,
                 cuda_graphs=self._cuda_graphs,
                 compiled=self._compiled_decode,
+                compiled_prefill=self._compiled_prefill,
                 few_rows_linear=self._few_rows_linear,
             )
             self._runtime = runtime

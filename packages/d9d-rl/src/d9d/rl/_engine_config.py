@@ -34,7 +34,12 @@ class EmbeddedEngineConfig(BaseModel):
             attention gets the whole block table (``max_context``'s blocks) on every step. The
             first steps pay the compilation. A model that cannot compile in one graph stops the
             first decode step with an error naming the switch (never a silent eager fall-back).
-            Experimental: its CUDA equality test has not passed on a GPU yet.
+        compile_prefill: Run the prefills' model part (``forward_paged``) through
+            ``torch.compile`` with every size dynamic: eagerly a prefill's time is mostly the
+            host launching several hundred small kernels one by one. One row and several rows take
+            a graph each, compiled once per engine (the first prefills pay the compilation). A
+            model that cannot compile in one graph stops the first prefill with an error naming
+            the switch. None: the same as ``compile_decode``.
         few_rows_linear: Run the decode step's linear layers (projections, feed-forward, LM head)
             through d9d-kernels' ``few_rows_linear`` (``FewRowsLinearMode``): a Triton kernel for
             inputs of up to 16 rows, where cuBLAS's tiles leave most of the GPU idle; buckets of
@@ -44,8 +49,7 @@ class EmbeddedEngineConfig(BaseModel):
             use it.
         few_rows_linear_group: With ``few_rows_linear`` on, also run each layer's q/k/v projections
             and its gate/up projections in one launch each (d9d-kernels' ``few_rows_linear_group``
-            through ``shared_input_linear``). Experimental, off by default: the group kernel has
-            passed its interpreter tests, not yet a GPU run.
+            through ``shared_input_linear``).
         decode_ahead: While every running row decodes and none can be admitted or needs a
             block that is not free, launch the next decode step before reading the current step's
             tokens on the host: the next step takes them on the device, and the host's reading,
@@ -63,6 +67,7 @@ class EmbeddedEngineConfig(BaseModel):
     num_blocks: int | None = Field(default=None, gt=0)
     cuda_graphs: bool | None = None
     compile_decode: bool = False
+    compile_prefill: bool | None = None
     few_rows_linear: bool | None = None
     few_rows_linear_group: bool = False
     decode_ahead: bool = True

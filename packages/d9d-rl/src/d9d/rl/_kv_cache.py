@@ -11,11 +11,20 @@ weights, whatever the family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
+    FailOnRecompileLimitHit,
+    TorchDynamoException,
+)
+from torch.fx.experimental import _config as fx_config  # pyright: ignore[reportPrivateUsage]
 
 from d9d.hf import DecoderCausalLM
+from d9d.rl._pinned_copy import to_device
 
 
 @dataclass(kw_only=True)
@@ -79,86 +88,82 @@ class PagedBatch:
 class _StepIndices:
     """Where a forward's new tokens go in the pool and which cached slots each query sees."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    new_valid: torch.Tensor
     new_flat: torch.Tensor  # the real new tokens' indices in the flattened (rows, new) positions
     write: torch.Tensor
     read: torch.Tensor
-    last: torch.Tensor
     visible: torch.Tensor
     distance: torch.Tensor
     padding_sees_first: torch.Tensor
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict[int | None, torch.Tensor])
+    masks: dict[int | None, torch.Tensor]  # built once per sliding window, shared by its layers
 
     def attention_mask(self, sliding_window: int | None) -> torch.Tensor:
         """``(rows, 1, new, total)``: causal over a row's slots, within the window; a padding
         query sees slot 0 only (so it never softmaxes over nothing)."""
-        mask = self._masks.get(sliding_window)
+        mask = self.masks.get(sliding_window)
         if mask is None:
             allowed = self.visible
             if sliding_window is not None:
                 allowed = allowed & (self.distance < sliding_window)
             mask = (allowed | self.padding_sees_first)[:, None]
-            self._masks[sliding_window] = mask
+            self.masks[sliding_window] = mask
         return mask
 
 
-def _step_indices(batch: PagedBatch, page_size: int, pad_token_id: int, device: torch.device) -> _StepIndices:
-    """Builds the step's small tables on the host, moves them once, and derives the rest on ``device``.
+@dataclass(kw_only=True, frozen=True)
+class PagedInputs:
+    """A ``PagedBatch`` on the device: the small tables ``paged_logits`` derives the rest from.
 
-    Nothing here or in the layers' views reads the device back: the real new tokens are picked by
-    indices built on the host (``new_flat``), not by a boolean mask (whose indexing would wait for
-    the device at every layer, leaving it idle while the host launches the next kernels).
+    Attributes:
+        input_ids: ``(rows, width)`` int64 new tokens, padded to the longest row's.
+        table: ``(rows, columns)`` int64 block tables, padded with block 0 (to two columns at least).
+        starts: ``(rows, 1)`` int64, each row's tokens already in the cache.
+        counts: ``(rows, 1)`` int64, each row's new tokens.
+        new_flat: The real new tokens' indices in the flattened ``(rows, width)`` positions.
+        slots: ``(total,)`` int64 ``0 .. total - 1``: every row's slots after this forward.
     """
-    lengths = [len(row) for row in batch.tokens]
-    width = max(lengths)
-    new_flat = torch.tensor(
-        [row * width + column for row, length in enumerate(lengths) for column in range(length)]
-    ).to(device)
-    total = max(start + length for start, length in zip(batch.starts, lengths, strict=True))
-    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.int64)
-    for index, row in enumerate(batch.tokens):
-        input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    table_width = max(len(blocks) for blocks in batch.blocks)
-    table = torch.tensor([blocks + [0] * (table_width - len(blocks)) for blocks in batch.blocks])
-    table = table.to(device)
-    starts = torch.tensor(batch.starts, dtype=torch.int64).to(device)[:, None]
-    counts = torch.tensor(lengths, dtype=torch.int64).to(device)[:, None]
-    columns = torch.arange(width, device=device)[None]
-    new_valid = columns < counts
-    positions = starts + columns
-    slots = torch.arange(total, device=device)[None].expand(len(lengths), total)
 
-    def flat(logical: torch.Tensor) -> torch.Tensor:
-        return table.gather(1, logical // page_size) * page_size + logical % page_size
+    input_ids: torch.Tensor
+    table: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    new_flat: torch.Tensor
+    slots: torch.Tensor
 
-    distance = positions[:, :, None] - slots[:, None, :]
-    return _StepIndices(
-        input_ids=input_ids.to(device),
-        positions=positions,
-        new_valid=new_valid,
-        new_flat=new_flat,
-        write=flat(positions.where(new_valid, 0)).flatten()[new_flat],
-        read=flat(slots.where(slots < starts + counts, 0)),
-        last=counts[:, 0] - 1,
-        visible=distance >= 0,
-        distance=distance,
-        padding_sees_first=~new_valid[:, :, None] & (slots[:, None, :] == 0),
-    )
+    @classmethod
+    def of(cls, batch: PagedBatch, pad_token_id: int, device: torch.device) -> PagedInputs:
+        """Builds the tables on the host and copies them from pinned memory without waiting for
+        the device. Nothing downstream reads the device back: the real new tokens are picked by
+        indices built here (``new_flat``), not by a boolean mask, whose indexing would wait for the
+        device at every layer and leave it idle while the host launches the next kernels."""
+        lengths = [len(row) for row in batch.tokens]
+        width = max(lengths)
+        # at least two columns: a size of 1 would be specialized, a graph of its own when compiled
+        table_width = max(2, *(len(blocks) for blocks in batch.blocks))
+        total = max(start + length for start, length in zip(batch.starts, lengths, strict=True))
+        ids = [[*row, *[pad_token_id] * (width - len(row))] for row in batch.tokens]
+        blocks = [[*row, *[0] * (table_width - len(row))] for row in batch.blocks]
+        new_flat = [row * width + column for row, length in enumerate(lengths) for column in range(length)]
+        return cls(
+            input_ids=to_device(ids, device),
+            table=to_device(blocks, device),
+            starts=to_device([[start] for start in batch.starts], device),
+            counts=to_device([[length] for length in lengths], device),
+            new_flat=to_device(new_flat, device),
+            slots=torch.arange(total, device=device),
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
 class _PagedLayerView:
-    """Layer ``index``'s view of the pool: d9d-kernels' ``KeyValueCache`` slot of its attention."""
+    """A layer's view of the pool: d9d-kernels' ``KeyValueCache`` slot of its attention."""
 
-    cache: PagedKVCache
-    index: int
+    keys: torch.Tensor
+    values: torch.Tensor
     step: _StepIndices
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatters the real new tokens into their blocks; gathers every row's slots so far."""
-        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
+        keys, values = self.keys, self.values
         new = self.step.new_flat
         keys.index_copy_(0, self.step.write, key.flatten(0, 1)[new].to(keys.dtype))
         values.index_copy_(0, self.step.write, value.flatten(0, 1)[new].to(values.dtype))
@@ -169,23 +174,133 @@ class _PagedLayerView:
         return self.step.attention_mask(sliding_window)
 
 
-def forward_paged(
-    model: DecoderCausalLM, cache: PagedKVCache, batch: PagedBatch, *, pad_token_id: int
+PrefillFunction = Callable[
+    [
+        DecoderCausalLM,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        int,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+"""``paged_logits``'s signature: the eager function or its compiled form."""
+
+
+def paged_logits(
+    model: DecoderCausalLM,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    page_size: int,
+    input_ids: torch.Tensor,
+    table: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    new_flat: torch.Tensor,
+    slots: torch.Tensor,
 ) -> torch.Tensor:
-    """Runs ``batch``'s new tokens through ``model``, storing their keys and values in ``cache``.
+    """The model part of ``forward_paged`` over ``PagedInputs``' tables (their fields in order).
 
     Returns:
         ``(rows, vocab)`` float32 next-token logits at each row's last new token.
     """
     backbone = model.model
-    if model.lm_head is None or backbone.norm is None:
+    lm_head, norm = model.lm_head, backbone.norm
+    if lm_head is None or norm is None:
         raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
-    device = cache.keys[0].device
-    step = _step_indices(batch, cache.page_size, pad_token_id, device)
-    hidden = backbone.embed(step.input_ids)
-    tables = backbone.position_embeddings(step.positions, dtype=hidden.dtype)
+    rows, width = input_ids.shape
+    columns = torch.arange(width, device=input_ids.device)[None]
+    new_valid = columns < counts
+    positions = starts + columns
+    every_slot = slots[None].expand(rows, -1)
+
+    def flat(logical: torch.Tensor) -> torch.Tensor:
+        return table.gather(1, logical // page_size) * page_size + logical % page_size
+
+    distance = positions[:, :, None] - every_slot[:, None, :]
+    step = _StepIndices(
+        new_flat=new_flat,
+        write=flat(positions.where(new_valid, 0)).flatten()[new_flat],
+        read=flat(every_slot.where(every_slot < starts + counts, 0)),
+        visible=distance >= 0,
+        distance=distance,
+        padding_sees_first=~new_valid[:, :, None] & (every_slot[:, None, :] == 0),
+        masks={},
+    )
+    hidden = backbone.embed(input_ids)
+    tables = backbone.position_embeddings(positions, dtype=hidden.dtype)
     for index, (layer, position_embeddings) in enumerate(zip(backbone.decoder_layers(), tables, strict=True)):
-        view = _PagedLayerView(cache=cache, index=index, step=step)
+        view = _PagedLayerView(keys=keys[index], values=values[index], step=step)
         hidden = layer(hidden, position_embeddings, None, kv_cache=view)
-    last = hidden[torch.arange(hidden.shape[0], device=device), step.last][:, None]
-    return model.lm_head.compute_logits(backbone.norm(last))[:, -1].float()
+    last = hidden[torch.arange(rows, device=hidden.device), counts[:, 0] - 1][:, None]
+    return lm_head.compute_logits(norm(last))[:, -1].float()
+
+
+def compile_paged_logits(max_rows: int) -> PrefillFunction:
+    """``paged_logits`` through ``torch.compile`` (Inductor, one graph, every size dynamic), for one engine.
+
+    A prefill runs the model over a batch's whole prompts once, so eagerly its time is mostly the
+    host launching a few hundred small kernels one by one; compiled, the elementwise work fuses
+    and the host runs one generated wrapper. One row has a graph of its own (a size of 1 is always
+    specialized), the other row counts, widths, contexts and pool sizes share one. On torch 2.15
+    and newer the region is the engine's own (``isolate_recompiles``) with a limit of a few graphs,
+    past which Dynamo raises (``fullgraph``) instead of running eagerly; older torch shares
+    Dynamo's process-wide cache and limit between engines.
+
+    Args:
+        max_rows: The engine's ``max_rows`` (more rows than one: a second graph).
+    """
+    compile_region = cast(Callable[..., PrefillFunction], torch.compile)
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        return compile_region(paged_logits, fullgraph=True, dynamic=True)
+    limit = 2 if max_rows > 1 else 1
+    return compile_region(
+        paged_logits, fullgraph=True, dynamic=True, recompile_limit=limit + 2, isolate_recompiles=True
+    )
+
+
+def forward_paged(
+    model: DecoderCausalLM,
+    cache: PagedKVCache,
+    batch: PagedBatch,
+    *,
+    pad_token_id: int,
+    compiled: PrefillFunction | None = None,
+) -> torch.Tensor:
+    """Runs ``batch``'s new tokens through ``model``, storing their keys and values in ``cache``.
+
+    Args:
+        model: The whole model.
+        cache: The pool the rows' blocks live in.
+        batch: The rows' new tokens, cached lengths and block tables.
+        pad_token_id: Input token of the padding after a row's new tokens.
+        compiled: ``compile_paged_logits``'s function, or None: eager.
+
+    Returns:
+        ``(rows, vocab)`` float32 next-token logits at each row's last new token.
+
+    Raises:
+        RuntimeError: If the compiled forward fails to compile.
+    """
+    device = cache.keys[0].device
+    inputs = PagedInputs.of(batch, pad_token_id, device)
+    arguments = (
+        model, cache.keys, cache.values, cache.page_size,
+        inputs.input_ids, inputs.table, inputs.starts, inputs.counts, inputs.new_flat, inputs.slots,
+    )  # fmt: skip
+    if compiled is None:
+        return paged_logits(*arguments)
+    try:
+        # no "duck" sizes: inputs whose sizes happen to be equal once would be assumed equal always
+        with fx_config.patch(use_duck_shape=False):  # pyright: ignore[reportAttributeAccessIssue]
+            return compiled(*arguments)
+    except (TorchDynamoException, FailOnRecompileLimitHit) as error:
+        raise RuntimeError(
+            f"compiling the engine's prefill ({len(batch.tokens)} rows) with torch.compile failed: "
+            f"{error}. Run the engine without it: EmbeddedEngineConfig(compile_prefill=False)"
+        ) from error

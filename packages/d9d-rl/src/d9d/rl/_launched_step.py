@@ -11,13 +11,6 @@ from d9d.rl._decode_runtime import DeviceTokens
 from d9d.rl._scheduler import SequenceState
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, copied from pinned memory without waiting for
-    the device (a plain copy from pageable memory would wait for the stream's queued work)."""
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 @dataclass(kw_only=True, frozen=True)
 class LaunchedStep:
     """The sampled tokens and log-probabilities of one step's rows, queued for the host.
