@@ -49,7 +49,9 @@ class EmbeddedEngineConfig(BaseModel):
             use it.
         few_rows_linear_group: With ``few_rows_linear`` on, also run each layer's q/k/v projections
             and its gate/up projections in one launch each (d9d-kernels' ``few_rows_linear_group``
-            through ``shared_input_linear``).
+            through ``shared_input_linear``): a one-row decode step at Qwen3-0.6B widths took
+            1.24 ms with a launch per linear and 1.07 ms grouped on an H200. False: a launch per
+            linear.
         decode_ahead: While every running row decodes and none can be admitted or needs a
             block that is not free, launch the next decode step before reading the current step's
             tokens on the host: the next step takes them on the device, and the host's reading,
@@ -69,7 +71,7 @@ class EmbeddedEngineConfig(BaseModel):
     compile_decode: bool = False
     compile_prefill: bool | None = None
     few_rows_linear: bool | None = None
-    few_rows_linear_group: bool = False
+    few_rows_linear_group: bool = True
     decode_ahead: bool = True
 
     @model_validator(mode="after")
