@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 
 from d9d.hf import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, ScratchModelConfig
 from d9d.hf._families import DECODER_CONFIG_ADAPTER
-from d9d.kernels.layers import Llama3RopeScaling
+from d9d.kernels.layers import Llama3RopeScaling, LongRopeScaling
 
 # meta-llama/Llama-3.2-1B as released (transformers 4.45)
 LLAMA_3_2_1B: dict[str, Any] = {
@@ -200,20 +201,39 @@ _LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({**_PHI3, "rope_scaling": _LONGROPE}, "(?s)rope_scaling.*LongRoPE"),  # Phi-3-mini-128k
-        ({**_PHI3, "rope_scaling": {**_LONGROPE, "type": "su"}}, "(?s)rope_scaling.*LongRoPE"),  # older name
-        ({**_PHI3, "rope_parameters": {**_LONGROPE, "rope_type": "longrope"}}, "(?s)rope_parameters.*LongR"),
         (
             {**_PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
             "partial_rotary",
         ),
         ({**_PHI3, "resid_pdrop": 0.1}, "resid_pdrop"),
         ({**_PHI3, "embd_pdrop": 0.1}, "embd_pdrop"),
+        (
+            {**_PHI3, "rope_scaling": {**_LONGROPE, "long_factor": [2.0] * 7}},
+            r"rope_scaling\.long_factor has 7 values; head_dim 16 needs one per rotation plane, 8",
+        ),
     ],
 )
 def test_phi3_refuses_what_it_does_not_implement_naming_the_field(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DECODER_CONFIG_ADAPTER.validate_python(raw)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": _LONGROPE},  # Phi-3-mini-128k
+        {"rope_scaling": {**_LONGROPE, "type": "su"}},  # older files' name
+        {"rope_parameters": {**_LONGROPE, "rope_type": "longrope", "rope_theta": 1e4}},  # transformers 5
+    ],
+    ids=["longrope", "su", "rope_parameters"],
+)
+def test_phi3_longrope_takes_hugging_faces_defaults(rope: dict[str, Any]) -> None:
+    raw = {**_PHI3, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, **rope}
+    scaling = DECODER_CONFIG_ADAPTER.validate_python(raw).decoder_spec().rope_scaling
+    assert isinstance(scaling, LongRopeScaling)
+    assert scaling.short_factor == (1.0,) * 8 and scaling.long_factor == (2.0,) * 8
+    assert scaling.original_max_position_embeddings == 4096
+    assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
 
 
 def test_phi3_with_plain_rope_and_a_whole_head_rotary_factor_is_accepted() -> None:

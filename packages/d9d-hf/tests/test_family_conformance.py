@@ -165,6 +165,25 @@ def _phi3() -> nn.Module:
     return Phi3ForCausalLM(Phi3Config(**TINY, sliding_window=4))
 
 
+def _phi3_longrope() -> nn.Module:
+    """Phi-3-mini-128k's LongRoPE at a tiny scale: the tests' 12- and 16-token rows run past the
+    original context (8), so the long factors rotate them (and the extension factor, 4, sets the
+    attention factor)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    planes = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(planes)],
+        "long_factor": [1.0 + 2.5 * i for i in range(planes)],
+    }
+    config = Phi3Config(
+        **TINY, max_position_embeddings=32, original_max_position_embeddings=8, rope_parameters=rope
+    )
+    return Phi3ForCausalLM(config)
+
+
 def _gemma3(*, tied: bool = True) -> nn.Module:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -234,6 +253,8 @@ FAMILIES = [
     # post-norms, q/k norms over all heads (which tensor parallelism cannot split: refused)
     FamilyCase("olmo2", _olmo2, layouts=("fsdp", "pp", "cp")),
     FamilyCase("phi3", _phi3),  # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
+    # LongRoPE (the 128k files), past its original context; context parallelism refused
+    FamilyCase("phi3_longrope", _phi3_longrope, layouts=("pp",)),
     # local (sliding, own rope base) and global (linear-scaled rope) layers, four 1+w norms, GeGLU, tied head
     FamilyCase("gemma3", _gemma3, layouts=("fsdp", "pp", "cp")),
     FamilyCase("gemma3_untied", lambda: _gemma3(tied=False), layouts=("tp",)),  # Gemma 3's TP plan
@@ -506,3 +527,12 @@ def test_parallelism_trains_to_the_single_process_losses(
 
 def test_every_family_case_names_known_layouts() -> None:
     assert all(set(case.layouts) <= LAYOUTS.keys() for case in FAMILIES)
+
+
+def test_context_parallelism_refuses_longrope_on_every_rank(family_checkpoints: dict[str, Path]) -> None:
+    """A cp rank would pick LongRoPE's factors from its own shard of the positions."""
+    outcomes = run_distributed(
+        _train_layouts, family_checkpoints["phi3_longrope"], ("cp",), world_size=2, timeout_s=180
+    )
+    for outcome in outcomes:
+        assert "context_parallel > 1 with LongRopeScaling" in outcome["cp"]

@@ -1,5 +1,6 @@
 """Rotary scaling variants against Hugging Face's Llama rotary embedding (frequencies, outputs, gradients)."""
 
+import math
 from typing import Any
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from d9d.kernels.layers import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    LongRopeScaling,
     NtkRopeScaling,
     RopeScaling,
     RotaryApplicator,
@@ -22,6 +24,20 @@ llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 HEAD_DIM = 32
 THETA = 50000.0
 MAX_POSITIONS = 64
+SHORT_FACTOR = [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)]
+LONG_FACTOR = [1.5 + 0.4 * i for i in range(HEAD_DIM // 2)]
+LONGROPE = LongRopeScaling(
+    short_factor=tuple(SHORT_FACTOR),
+    long_factor=tuple(LONG_FACTOR),
+    original_max_position_embeddings=16,
+    attention_factor=math.sqrt(1 + math.log(MAX_POSITIONS / 16) / math.log(16)),  # Hugging Face's default
+)
+HF_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": SHORT_FACTOR,
+    "long_factor": LONG_FACTOR,
+    "original_max_position_embeddings": 16,
+}
 
 # (our scaling, Hugging Face rope_parameters)
 SCALING_CASES: list[tuple[RopeScaling | None, dict[str, Any]]] = [
@@ -74,6 +90,8 @@ SCALING_CASES: list[tuple[RopeScaling | None, dict[str, Any]]] = [
             "original_max_position_embeddings": 64,
         },
     ),
+    # LongRoPE (Phi-3 128k): the short factors at build, the long ones past the original context
+    (LONGROPE, HF_LONGROPE),
 ]
 
 
@@ -135,3 +153,28 @@ def test_dynamic_ntk_recomputes_for_long_positions_like_hugging_face() -> None:
     cos, sin = ours(position_ids)
     torch.testing.assert_close(cos, hf_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, hf_sin, rtol=1e-5, atol=1e-5)
+
+
+def test_longrope_picks_short_or_long_factors_per_forward_like_hugging_face() -> None:
+    """Positions within the original context, past it, then within it again (the same modules)."""
+    hf = _hf_rotary(HF_LONGROPE)
+    ours = RotaryEmbedding(HEAD_DIM, theta=THETA, scaling=LONGROPE)
+    x = torch.zeros(1)
+    for positions in (torch.arange(12)[None], torch.arange(40).reshape(2, 20), torch.arange(16)[None]):
+        hf_cos, hf_sin = hf(x, positions)
+        cos, sin = ours(positions)
+        torch.testing.assert_close(cos, hf_cos, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin, hf_sin, rtol=1e-6, atol=1e-6)
+    short, _ = compute_rope_frequencies(HEAD_DIM, theta=THETA, scaling=LONGROPE, sequence_length=16)
+    long, _ = compute_rope_frequencies(HEAD_DIM, theta=THETA, scaling=LONGROPE, sequence_length=17)
+    assert not torch.equal(short, long)
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused() -> None:
+    scaling = LongRopeScaling(
+        short_factor=(1.0,) * 3, long_factor=(1.0,) * 3, original_max_position_embeddings=16
+    )
+    with pytest.raises(
+        ValueError, match="short_factor has 3 values; rotary dim 32 needs one per rotation plane, 16"
+    ):
+        RotaryEmbedding(HEAD_DIM, theta=THETA, scaling=scaling)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -9,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from d9d.kernels.layers import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    LongRopeScaling,
     NtkRopeScaling,
     RopeScaling,
     YarnRopeScaling,
@@ -77,12 +79,24 @@ class Llama3RopeParameters(_RopeBase):
     original_max_position_embeddings: int | None = None
 
 
+class LongRopeParameters(_RopeBase):
+    """LongRoPE (Phi-3's 128k-context files); unset fields take Hugging Face's defaults."""
+
+    rope_type: Literal["longrope"]
+    short_factor: list[float]
+    long_factor: list[float]
+    factor: float | None = None
+    attention_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
 RopeParameters = Annotated[
     DefaultRopeParameters
     | LinearRopeParameters
     | DynamicRopeParameters
     | YarnRopeParameters
-    | Llama3RopeParameters,
+    | Llama3RopeParameters
+    | LongRopeParameters,
     Field(discriminator="rope_type"),
 ]
 
@@ -97,10 +111,43 @@ def with_rope_type(value: object) -> object:
     return {**fields, "rope_type": fields.get("type", "default")}
 
 
-def rope_scaling_of(parameters: RopeParameters | None, *, max_position_embeddings: int) -> RopeScaling | None:
+def _longrope(
+    parameters: LongRopeParameters,
+    *,
+    max_position_embeddings: int,
+    original_max_position_embeddings: int | None,
+) -> LongRopeScaling:
+    """Hugging Face's defaults: the original context from the block, else the config's top-level
+    field; the extension factor from the block, else the ratio of the two contexts; the attention
+    factor from the block, else ``sqrt(1 + ln(factor) / ln(original context))`` (1 without extension)."""
+    original = (
+        parameters.original_max_position_embeddings
+        or original_max_position_embeddings
+        or max_position_embeddings
+    )
+    factor = parameters.factor if parameters.factor is not None else max_position_embeddings / original
+    attention_factor = parameters.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(
+        short_factor=tuple(parameters.short_factor),
+        long_factor=tuple(parameters.long_factor),
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+    )
+
+
+def rope_scaling_of(
+    parameters: RopeParameters | None,
+    *,
+    max_position_embeddings: int,
+    original_max_position_embeddings: int | None = None,
+) -> RopeScaling | None:
     """d9d-kernels' scaling object for a config's rope block (None for plain RoPE).
 
-    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``, as in Hugging Face.
+    A block's ``original_max_position_embeddings`` defaults to the config's top-level field of
+    that name (``original_max_position_embeddings``, which Phi-3's files carry), else to
+    ``max_position_embeddings``, as in Hugging Face.
     """
     match parameters:
         case None | DefaultRopeParameters():
@@ -127,5 +174,12 @@ def rope_scaling_of(parameters: RopeParameters | None, *, max_position_embedding
                 low_freq_factor=parameters.low_freq_factor,
                 high_freq_factor=parameters.high_freq_factor,
                 original_max_position_embeddings=parameters.original_max_position_embeddings
+                or original_max_position_embeddings
                 or max_position_embeddings,
+            )
+        case LongRopeParameters():
+            return _longrope(
+                parameters,
+                max_position_embeddings=max_position_embeddings,
+                original_max_position_embeddings=original_max_position_embeddings,
             )

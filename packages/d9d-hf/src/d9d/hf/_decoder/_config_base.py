@@ -11,7 +11,7 @@ from d9d.hf._decoder._layer_builder import build_layer
 from d9d.hf._decoder._layer_recipe import LayerRecipe
 from d9d.hf._decoder._spec import DecoderSpec
 from d9d.hf._head import HeadName
-from d9d.hf._rope_parameters import RopeParameters, rope_scaling_of, with_rope_type
+from d9d.hf._rope_parameters import LongRopeParameters, RopeParameters, rope_scaling_of, with_rope_type
 from d9d.kernels.layers import AttentionBackend, AttentionBackendName, RopeScaling
 
 ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
@@ -91,6 +91,23 @@ class DecoderConfigBase(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _longrope_factors_fit_the_heads(self) -> Self:
+        planes = self.resolved_head_dim // 2
+        for field_name, rope in (
+            ("rope_parameters", self.rope_parameters),
+            ("rope_scaling", self.rope_scaling),
+        ):
+            if not isinstance(rope, LongRopeParameters):
+                continue
+            for name, factors in (("short_factor", rope.short_factor), ("long_factor", rope.long_factor)):
+                if len(factors) != planes:
+                    raise ValueError(
+                        f"{field_name}.{name} has {len(factors)} values; head_dim {self.resolved_head_dim} "
+                        f"needs one per rotation plane, {planes}"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _known_architecture(self) -> Self:
         allowed = [
             self.hf_architecture(head) for head in ("causal_lm", "sequence_classification", "embedding")
@@ -116,8 +133,17 @@ class DecoderConfigBase(BaseModel):
     @property
     def rope_scaling_method(self) -> RopeScaling | None:
         """d9d-kernels' scaling for the rope block (None for plain RoPE); its original context
-        defaults to ``max_position_embeddings``, as in Hugging Face."""
-        return rope_scaling_of(self.rope, max_position_embeddings=self.max_position_embeddings)
+        defaults to ``original_context``, else ``max_position_embeddings``, as in Hugging Face."""
+        return rope_scaling_of(
+            self.rope,
+            max_position_embeddings=self.max_position_embeddings,
+            original_max_position_embeddings=self.original_context,
+        )
+
+    @property
+    def original_context(self) -> int | None:
+        """A top-level ``original_max_position_embeddings`` of the family's files (None here)."""
+        return None
 
     @property
     def resolved_num_labels(self) -> int:

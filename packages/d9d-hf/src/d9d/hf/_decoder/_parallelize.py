@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.hf._decoder._model import DecoderModel
 from d9d.hf._decoder._tensor_parallel import parallelize_decoder_tensor_parallel
-from d9d.kernels.layers import MoELayer
+from d9d.kernels.layers import LongRopeScaling, MoELayer, NtkRopeScaling
 from d9d.loop.peft import GroupedLoRAExperts
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
@@ -80,6 +80,22 @@ def _apply_float8(model: DecoderModel, float8: Float8Training, *, experts: bool)
                 convert_experts_to_float8(layer.mlp.experts)
 
 
+def _refuse_length_dependent_rope(model: DecoderModel) -> None:
+    """A rope whose frequencies follow the longest position of a forward would see only its rank's
+    shard of the positions under context parallelism, and ranks would rotate with different
+    frequencies."""
+    match model.spec.rope_scaling:
+        case LongRopeScaling() | NtkRopeScaling(sequence_length=None):
+            kind = type(model.spec.rope_scaling).__name__
+            raise ValueError(
+                f"context_parallel > 1 with {kind}: its frequencies depend on the longest position of a "
+                "forward, which a context-parallel rank sees only a shard of; train this model without "
+                "context parallelism"
+            )
+        case _:
+            return
+
+
 def parallelize_decoder(
     model: DecoderModel,
     *,
@@ -114,8 +130,9 @@ def parallelize_decoder(
             data-parallel ranks (None: float32 reductions, FSDP's implicit prefetch).
 
     Raises:
-        ValueError: For ``float8_experts`` on a stage whose experts carry LoRA adapters, or
-            ``float8_experts`` without ``float8``.
+        ValueError: For ``float8_experts`` on a stage whose experts carry LoRA adapters,
+            ``float8_experts`` without ``float8``, or context parallelism with a rope whose
+            frequencies depend on the sequence's length (LongRoPE, dynamic NTK).
     """
     if float8 is not None:
         _apply_float8(model, float8, experts=float8_experts)
@@ -127,6 +144,7 @@ def parallelize_decoder(
         parallelize_decoder_tensor_parallel(model, mesh=dense["tp"])
     layers = model.model.decoder_layers()
     if mesh.context_parallel > 1:
+        _refuse_length_dependent_rope(model)
         cp_mesh = dist_context.mesh_for(BATCH_DOMAIN)["cp"]
         for layer in layers:
             parallelize_context_parallel(layer.self_attn, mesh=cp_mesh)

@@ -18,16 +18,17 @@ from d9d.hf._decoder import (
 )
 from d9d.hf.phi3._layer_tensors import phi3_layer_tensors
 
-_LONGROPE_NAMES = ("longrope", "su", "yarn")  # Phi-3 files name LongRoPE "su" or "yarn" too
+_LEGACY_LONGROPE_NAMES = ("su", "yarn")  # what older Phi-3 files call LongRoPE
 
 
 class Phi3Config(DecoderConfigWithHeadDim):
     """config.json of ``model_type: phi3`` (``Phi3ForCausalLM`` and its heads).
 
-    Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files: plain RoPE, a ``sliding_window`` on every
-    layer when set. LongRoPE (``rope_scaling.type`` ``longrope``/``su``, the 128k variants) is
-    refused, naming the field; so are a ``partial_rotary_factor`` other than 1 (Phi-4-mini) and
-    dropout (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``).
+    Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files (plain RoPE) and the 128k-context ones
+    (Phi-3-mini-128k, Phi-3-medium-128k, Phi-3.5-mini: LongRoPE, ``rope_scaling.type``
+    ``longrope``, or ``su``/``yarn`` in older files), a ``sliding_window`` on every layer when set.
+    A ``partial_rotary_factor`` other than 1 (Phi-4-mini) and dropout (``resid_pdrop``,
+    ``embd_pdrop``, ``attention_dropout``) are refused, naming the field.
     """
 
     architecture_prefix: ClassVar[str] = "Phi3"
@@ -48,17 +49,18 @@ class Phi3Config(DecoderConfigWithHeadDim):
 
     @field_validator("rope_parameters", "rope_scaling", mode="before")
     @classmethod
-    def _no_longrope(cls, value: object) -> object:
+    def _longrope_by_its_legacy_names(cls, value: object) -> object:
         if not isinstance(value, dict):
             return value
         fields = cast(dict[str, Any], value)
-        kind = fields.get("rope_type", fields.get("type"))
-        if kind in _LONGROPE_NAMES:
-            raise ValueError(
-                f"rope type {kind!r} is Phi-3's LongRoPE (the 128k-context files), which d9d does "
-                f"not implement; use a 4k-context file (plain RoPE)"
-            )
+        if fields.get("rope_type", fields.get("type")) in _LEGACY_LONGROPE_NAMES:
+            return {**fields, "rope_type": "longrope"}
         return fields
+
+    @property
+    def original_context(self) -> int:
+        """``original_max_position_embeddings``: LongRoPE's pretrained context."""
+        return self.original_max_position_embeddings
 
     @field_validator("resid_pdrop", "embd_pdrop")
     @classmethod

@@ -61,6 +61,7 @@ from d9d.kernels.layers._rms_norm import RMSNorm
 from d9d.kernels.layers._rope_scaling import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    LongRopeScaling,
     NtkRopeScaling,
     RopeScaling,
     YarnRopeScaling,
@@ -99,6 +100,7 @@ __all__ = [
     "LocalTokenDispatcher",
     "MoELayer",
     "MultiHeadLatentAttention",
+    "LongRopeScaling",
     "NtkRopeScaling",
     "PlainSwiGLU",
     "Pooling",

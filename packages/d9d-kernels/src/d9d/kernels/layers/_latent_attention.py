@@ -17,6 +17,7 @@ from d9d.kernels.layers._rms_norm import RMSNorm
 from d9d.kernels.layers._rope_scaling import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    LongRopeScaling,
     NtkRopeScaling,
     RopeScaling,
     YarnRopeScaling,
@@ -36,7 +37,14 @@ def latent_attention_softmax_scale(qk_head_dim: int, rope_scaling: RopeScaling |
         case YarnRopeScaling(mscale_all_dim=mscale_all_dim, factor=factor) if mscale_all_dim:
             mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
             return scale * mscale * mscale
-        case YarnRopeScaling() | LinearRopeScaling() | NtkRopeScaling() | Llama3RopeScaling() | None:
+        case (
+            YarnRopeScaling()
+            | LinearRopeScaling()
+            | NtkRopeScaling()
+            | Llama3RopeScaling()
+            | LongRopeScaling()
+            | None
+        ):
             return scale
 
 

@@ -85,7 +85,31 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
 
-RopeScaling = LinearRopeScaling | NtkRopeScaling | YarnRopeScaling | Llama3RopeScaling
+@dataclass(kw_only=True, frozen=True)
+class LongRopeScaling:
+    """LongRoPE (Phi-3's 128k-context files): a divisor per frequency, one set for short sequences
+    and one for long ones, and an attention factor.
+
+    Matches Hugging Face's ``rope_type="longrope"``: a forward whose longest position
+    (``max(position_ids) + 1``) fits ``original_max_position_embeddings`` divides the frequencies by
+    ``short_factor``, a longer one by ``long_factor``; cos and sin are multiplied by
+    ``attention_factor``.
+
+    Attributes:
+        short_factor: One divisor per rotation plane (``rotary_dim // 2``), within the original context.
+        long_factor: One divisor per rotation plane, past it.
+        original_max_position_embeddings: Context length the model was pretrained with.
+        attention_factor: Multiplier of cos and sin (Hugging Face derives it from the extension
+            factor: ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``).
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+
+RopeScaling = LinearRopeScaling | NtkRopeScaling | YarnRopeScaling | Llama3RopeScaling | LongRopeScaling
 
 
 def _base_inverse_frequencies(rotary_dim: int, theta: float, device: torch.device | None) -> torch.Tensor:
@@ -151,6 +175,29 @@ def _llama3_frequencies(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_frequencies(
+    scaling: LongRopeScaling,
+    rotary_dim: int,
+    theta: float,
+    sequence_length: int | None,
+    device: torch.device | None,
+) -> torch.Tensor:
+    for name, factors in (("short_factor", scaling.short_factor), ("long_factor", scaling.long_factor)):
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(
+                f"LongRoPE's {name} has {len(factors)} values; rotary dim {rotary_dim} needs one per "
+                f"rotation plane, {rotary_dim // 2}"
+            )
+    is_long = sequence_length is not None and sequence_length > scaling.original_max_position_embeddings
+    factors = torch.tensor(
+        scaling.long_factor if is_long else scaling.short_factor, dtype=torch.float32, device=device
+    )
+    exponents = (
+        torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / rotary_dim
+    )
+    return 1.0 / (factors * theta**exponents)  # Hugging Face's order of operations, bit for bit
+
+
 def compute_rope_frequencies(
     rotary_dim: int,
     *,
@@ -165,15 +212,17 @@ def compute_rope_frequencies(
         rotary_dim: Number of rotated dims per head (even).
         theta: Base wavelength.
         scaling: Context-extension method; None is plain RoPE.
-        sequence_length: Longest sequence in this call, used only by dynamic NTK scaling.
+        sequence_length: Longest sequence in this call, used only by dynamic NTK scaling and
+            LongRoPE (None: LongRoPE's short factors).
         device: Where to create the frequencies.
 
     Returns:
         ``(inverse_frequencies, attention_factor)``: fp32 frequencies of shape ``(rotary_dim // 2,)``
-        and the factor cos and sin are multiplied by (1.0 except for YaRN).
+        and the factor cos and sin are multiplied by (1.0 except for YaRN and LongRoPE).
 
     Raises:
-        ValueError: If ``rotary_dim`` is not a positive even number.
+        ValueError: If ``rotary_dim`` is not a positive even number, or LongRoPE's factors do
+            not have one value per rotation plane.
     """
     if rotary_dim <= 0 or rotary_dim % 2 != 0:
         raise ValueError(f"rotary_dim={rotary_dim} must be a positive even number")
@@ -192,3 +241,6 @@ def compute_rope_frequencies(
             return _yarn_frequencies(scaling, rotary_dim, theta, device)
         case Llama3RopeScaling():
             return _llama3_frequencies(scaling, rotary_dim, theta, device), 1.0
+        case LongRopeScaling():
+            frequencies = _longrope_frequencies(scaling, rotary_dim, theta, sequence_length, device)
+            return frequencies, scaling.attention_factor

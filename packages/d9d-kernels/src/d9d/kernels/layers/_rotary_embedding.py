@@ -6,7 +6,12 @@ import torch
 from torch import nn
 
 from d9d.kernels import RopeLayout
-from d9d.kernels.layers._rope_scaling import NtkRopeScaling, RopeScaling, compute_rope_frequencies
+from d9d.kernels.layers._rope_scaling import (
+    LongRopeScaling,
+    NtkRopeScaling,
+    RopeScaling,
+    compute_rope_frequencies,
+)
 
 
 class RotaryEmbedding(nn.Module):
@@ -15,7 +20,9 @@ class RotaryEmbedding(nn.Module):
     Positions come from the caller, so packed sequences get per-document positions (see
     ``position_ids_from_document_ids``). The inverse frequencies are a non-persistent buffer
     rebuilt by ``reset_parameters()``, so a model built on the meta device gets correct values
-    after materialization.
+    after materialization. Under LongRoPE a second buffer holds the long-sequence frequencies, and
+    each forward picks one of the two on the device from its longest position (no read on the
+    host, so the forward stays capturable in a CUDA graph).
 
     Args:
         head_dim: Attention head size.
@@ -27,6 +34,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     inv_freq: torch.Tensor
+    long_inv_freq: torch.Tensor  # LongRoPE's frequencies past the original context; empty otherwise
 
     def __init__(
         self,
@@ -54,6 +62,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "inv_freq", torch.empty(rotary_dim // 2, dtype=torch.float32, device=device), persistent=False
         )
+        long_size = rotary_dim // 2 if isinstance(scaling, LongRopeScaling) else 0
+        self.register_buffer(
+            "long_inv_freq", torch.empty(long_size, dtype=torch.float32, device=device), persistent=False
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -64,6 +76,15 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device.type != "meta":
             with torch.no_grad():
                 self.inv_freq.copy_(frequencies)
+        if isinstance(self.scaling, LongRopeScaling) and self.long_inv_freq.device.type != "meta":
+            long_frequencies, _ = compute_rope_frequencies(
+                self.rotary_dim,
+                theta=self.theta,
+                scaling=self.scaling,
+                sequence_length=self.scaling.original_max_position_embeddings + 1,
+            )
+            with torch.no_grad():
+                self.long_inv_freq.copy_(long_frequencies)
 
     def _frequencies_for(self, position_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.scaling, NtkRopeScaling) and self.scaling.sequence_length is None:
@@ -76,7 +97,11 @@ class RotaryEmbedding(nn.Module):
                 device=position_ids.device,
             )
             return frequencies
-        return self.inv_freq.to(device=position_ids.device, dtype=torch.float32)
+        short = self.inv_freq.to(device=position_ids.device, dtype=torch.float32)
+        if isinstance(self.scaling, LongRopeScaling):
+            is_long = position_ids.max() + 1 > self.scaling.original_max_position_embeddings
+            return torch.where(is_long, self.long_inv_freq.to(short.device), short)
+        return short
 
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
