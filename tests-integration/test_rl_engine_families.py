@@ -65,6 +65,10 @@ FAMILIES: list[DecoderFamily] = [
     MistralConfig.model_validate({**TINY, "model_type": "mistral", "sliding_window": 3}),
     # the checkpoint's fused qkv/gate_up are split on load: the model is Llama's with a window
     Phi3Config.model_validate({**TINY, "model_type": "phi3", "sliding_window": 3, "pad_token_id": 0}),
+    # Phi-4-mini's partial rotary: the leading three quarters of each head rotated, the rest passed
+    Phi3Config.model_validate(
+        {**TINY, "model_type": "phi3", "partial_rotary_factor": 0.75, "pad_token_id": 0}
+    ),
     # the embedding, score, residual and logits multipliers
     GraniteConfig.model_validate(
         {

@@ -202,14 +202,18 @@ _LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
     ("raw", "message"),
     [
         (
-            {**_PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
-            "partial_rotary",
+            {**_PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.7}},
+            "partial_rotary_factor=0.7 of head_dim 16 rotates 11 channels; it must be a positive even number",
+        ),
+        (
+            {"model_type": "llama", "rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor=0.5 is not implemented for model_type LlamaConfig",
         ),
         ({**_PHI3, "resid_pdrop": 0.1}, "resid_pdrop"),
         ({**_PHI3, "embd_pdrop": 0.1}, "embd_pdrop"),
         (
             {**_PHI3, "rope_scaling": {**_LONGROPE, "long_factor": [2.0] * 7}},
-            r"rope_scaling\.long_factor has 7 values; head_dim 16 needs one per rotation plane, 8",
+            r"rope_scaling\.long_factor has 7 values; a rotary dim of 16 needs one per rotation plane, 8",
         ),
     ],
 )
@@ -234,6 +238,19 @@ def test_phi3_longrope_takes_hugging_faces_defaults(rope: dict[str, Any]) -> Non
     assert scaling.short_factor == (1.0,) * 8 and scaling.long_factor == (2.0,) * 8
     assert scaling.original_max_position_embeddings == 4096
     assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        {"partial_rotary_factor": 0.75},  # Phi-4-mini's config.json
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},  # transformers 5
+    ],
+    ids=["top-level", "rope_parameters"],
+)
+def test_phi4_mini_rotates_three_quarters_of_each_head(partial: dict[str, Any]) -> None:
+    spec = DECODER_CONFIG_ADAPTER.validate_python({**_PHI3, **partial}).decoder_spec()
+    assert spec.head_dim == 16 and spec.rotary_dim == 12
 
 
 def test_phi3_with_plain_rope_and_a_whole_head_rotary_factor_is_accepted() -> None:

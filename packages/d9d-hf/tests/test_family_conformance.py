@@ -184,6 +184,29 @@ def _phi3_longrope() -> nn.Module:
     return Phi3ForCausalLM(config)
 
 
+def _phi4_mini() -> nn.Module:
+    """Phi-4-mini's shape of Phi-3: LongRoPE over the leading three quarters of each head, the
+    rest passed through, a tied head."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    planes = TINY["hidden_size"] // TINY["num_attention_heads"] * 3 // 4 // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.2 * i for i in range(planes)],
+        "long_factor": [1.0 + 3.0 * i for i in range(planes)],
+    }
+    config = Phi3Config(
+        **TINY,
+        max_position_embeddings=64,
+        original_max_position_embeddings=8,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+    )
+    return Phi3ForCausalLM(config)
+
+
 def _gemma3(*, tied: bool = True) -> nn.Module:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -255,6 +278,7 @@ FAMILIES = [
     FamilyCase("phi3", _phi3),  # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
     # LongRoPE (the 128k files), past its original context; context parallelism refused
     FamilyCase("phi3_longrope", _phi3_longrope, layouts=("pp",)),
+    FamilyCase("phi4_mini", _phi4_mini, layouts=("fsdp",)),  # partial rotary, LongRoPE, tied head
     # local (sliding, own rope base) and global (linear-scaled rope) layers, four 1+w norms, GeGLU, tied head
     FamilyCase("gemma3", _gemma3, layouts=("fsdp", "pp", "cp")),
     FamilyCase("gemma3_untied", lambda: _gemma3(tied=False), layouts=("tp",)),  # Gemma 3's TP plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.layers import (
     LinearRopeScaling,
@@ -22,16 +22,7 @@ class _RopeBase(BaseModel):
 
     rope_theta: float | None = None
     type: str | None = None  # older configs name the method here instead of in rope_type
-    partial_rotary_factor: float | None = None  # transformers 5 writes 1.0 into Phi-3's block
-
-    @field_validator("partial_rotary_factor")
-    @classmethod
-    def _whole_head(cls, value: float | None) -> float | None:
-        if value is not None and value != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor={value} is not implemented (d9d rotates every channel of a head)"
-            )
-        return value
+    partial_rotary_factor: float | None = None  # the rotated fraction of a head; a family's config checks it
 
 
 class DefaultRopeParameters(_RopeBase):

@@ -32,6 +32,8 @@ class DecoderConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     architecture_prefix: ClassVar[str] = ""
+    rotates_part_of_a_head: ClassVar[bool] = False
+    """The family's transformers code honours a ``partial_rotary_factor`` below 1 (Phi-3's does)."""
 
     architectures: list[str] | None = None
     transformers_version: str | None = None
@@ -91,8 +93,23 @@ class DecoderConfigBase(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _whole_head_rotated(self) -> Self:
+        factor = self.rotary_fraction
+        if factor != 1.0 and not self.rotates_part_of_a_head:
+            raise ValueError(
+                f"partial_rotary_factor={factor} is not implemented for model_type "
+                f"{type(self).__name__} (its layers rotate every channel of a head)"
+            )
+        if self.resolved_rotary_dim <= 0 or self.resolved_rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={factor} of head_dim {self.resolved_head_dim} rotates "
+                f"{self.resolved_rotary_dim} channels; it must be a positive even number"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _longrope_factors_fit_the_heads(self) -> Self:
-        planes = self.resolved_head_dim // 2
+        planes = self.resolved_rotary_dim // 2
         for field_name, rope in (
             ("rope_parameters", self.rope_parameters),
             ("rope_scaling", self.rope_scaling),
@@ -102,8 +119,8 @@ class DecoderConfigBase(BaseModel):
             for name, factors in (("short_factor", rope.short_factor), ("long_factor", rope.long_factor)):
                 if len(factors) != planes:
                     raise ValueError(
-                        f"{field_name}.{name} has {len(factors)} values; head_dim {self.resolved_head_dim} "
-                        f"needs one per rotation plane, {planes}"
+                        f"{field_name}.{name} has {len(factors)} values; a rotary dim of "
+                        f"{self.resolved_rotary_dim} needs one per rotation plane, {planes}"
                     )
         return self
 
@@ -139,6 +156,19 @@ class DecoderConfigBase(BaseModel):
             max_position_embeddings=self.max_position_embeddings,
             original_max_position_embeddings=self.original_context,
         )
+
+    @property
+    def rotary_fraction(self) -> float:
+        """The rotated fraction of a head: the rope block's ``partial_rotary_factor``, else 1."""
+        rope = self.rope
+        if rope is None or rope.partial_rotary_factor is None:
+            return 1.0
+        return rope.partial_rotary_factor
+
+    @property
+    def resolved_rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates: ``head_dim * partial_rotary_factor``."""
+        return int(self.resolved_head_dim * self.rotary_fraction)
 
     @property
     def original_context(self) -> int | None:

@@ -10,6 +10,7 @@ from pydantic import TypeAdapter, field_validator
 
 from d9d.hf._decoder import (
     DecoderConfigWithHeadDim,
+    DecoderSpec,
     DecoderTensorParallelPlan,
     LayerRecipe,
     LayerTensor,
@@ -24,14 +25,16 @@ _LEGACY_LONGROPE_NAMES = ("su", "yarn")  # what older Phi-3 files call LongRoPE
 class Phi3Config(DecoderConfigWithHeadDim):
     """config.json of ``model_type: phi3`` (``Phi3ForCausalLM`` and its heads).
 
-    Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files (plain RoPE) and the 128k-context ones
+    Phi-3-mini-4k, Phi-3-medium-4k and Phi-4 files (plain RoPE), the 128k-context ones
     (Phi-3-mini-128k, Phi-3-medium-128k, Phi-3.5-mini: LongRoPE, ``rope_scaling.type``
-    ``longrope``, or ``su``/``yarn`` in older files), a ``sliding_window`` on every layer when set.
-    A ``partial_rotary_factor`` other than 1 (Phi-4-mini) and dropout (``resid_pdrop``,
-    ``embd_pdrop``, ``attention_dropout``) are refused, naming the field.
+    ``longrope``, or ``su``/``yarn`` in older files) and Phi-4-mini (LongRoPE over the leading
+    ``partial_rotary_factor`` of each head, 0.75, the rest passed through), a ``sliding_window``
+    on every layer when set. Dropout (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) is
+    refused, naming the field.
     """
 
     architecture_prefix: ClassVar[str] = "Phi3"
+    rotates_part_of_a_head: ClassVar[bool] = True
 
     model_type: Literal["phi3"]
     vocab_size: int = 32064
@@ -46,6 +49,7 @@ class Phi3Config(DecoderConfigWithHeadDim):
     sliding_window: int | None = None
     resid_pdrop: float = 0.0
     embd_pdrop: float = 0.0
+    partial_rotary_factor: float | None = None
 
     @field_validator("rope_parameters", "rope_scaling", mode="before")
     @classmethod
@@ -56,6 +60,21 @@ class Phi3Config(DecoderConfigWithHeadDim):
         if fields.get("rope_type", fields.get("type")) in _LEGACY_LONGROPE_NAMES:
             return {**fields, "rope_type": "longrope"}
         return fields
+
+    @property
+    def rotary_fraction(self) -> float:
+        """The rope block's ``partial_rotary_factor``, else the top-level one (Phi-4-mini: 0.75), else 1."""
+        rope = self.rope
+        if rope is not None and rope.partial_rotary_factor is not None:
+            return rope.partial_rotary_factor
+        return 1.0 if self.partial_rotary_factor is None else self.partial_rotary_factor
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The shared numbers, with the rotary tables ``rotary_fraction`` of a head wide."""
+        spec = super().decoder_spec()
+        if self.resolved_rotary_dim == spec.head_dim:
+            return spec
+        return dataclasses.replace(spec, rotary_dim=self.resolved_rotary_dim)
 
     @property
     def original_context(self) -> int:
