@@ -559,4 +559,4 @@ def test_context_parallelism_refuses_longrope_on_every_rank(family_checkpoints: 
         _train_layouts, family_checkpoints["phi3_longrope"], ("cp",), world_size=2, timeout_s=180
     )
     for outcome in outcomes:
-        assert "context_parallel > 1 with LongRopeScaling" in outcome["cp"]
+        assert "context_parallel > 1 with LongRopeScaling (Phi3Config's rope block)" in outcome["cp"]

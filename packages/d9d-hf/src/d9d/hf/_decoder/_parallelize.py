@@ -88,9 +88,9 @@ def _refuse_length_dependent_rope(model: DecoderModel) -> None:
         case LongRopeScaling() | NtkRopeScaling(sequence_length=None):
             kind = type(model.spec.rope_scaling).__name__
             raise ValueError(
-                f"context_parallel > 1 with {kind}: its frequencies depend on the longest position of a "
-                "forward, which a context-parallel rank sees only a shard of; train this model without "
-                "context parallelism"
+                f"context_parallel > 1 with {kind} ({type(model.config).__name__}'s rope block): its "
+                "frequencies depend on the longest position of a forward, which a context-parallel rank "
+                "sees only a shard of; train this model without context parallelism"
             )
         case _:
             return
