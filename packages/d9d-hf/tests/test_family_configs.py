@@ -260,3 +260,84 @@ def test_phi3_with_plain_rope_and_a_whole_head_rotary_factor_is_accepted() -> No
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0},
     }
     assert DECODER_CONFIG_ADAPTER.validate_python(raw).decoder_spec().rope_scaling is None
+
+
+# the fields of the Hub's config.json files (factor lists shortened to constants of the right length)
+_PHI3_HUB: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_phi3.Phi3Config",
+        "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+    },
+    "bos_token_id": 1,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 32000,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "model_type": "phi3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "sliding_window": 2047,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.2",
+    "use_cache": True,
+    "vocab_size": 32064,
+}
+_PHI35_MINI = {
+    **_PHI3_HUB,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"long_factor": [1.5] * 48, "short_factor": [1.0] * 48, "type": "longrope"},
+    "sliding_window": 262144,
+}
+_PHI4_MINI = {
+    **_PHI35_MINI,
+    "auto_map": {**_PHI3_HUB["auto_map"], "AutoTokenizer": "Xenova/gpt-4o"},
+    "bos_token_id": 199999,
+    "eos_token_id": 199999,
+    "pad_token_id": 199999,
+    "full_attn_mod": 1,
+    "interpolate_factor": 1,
+    "lm_head_bias": False,
+    "mlp_bias": False,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.75,
+    "tie_word_embeddings": True,
+    "vocab_size": 200064,
+}
+
+
+@pytest.mark.parametrize(
+    ("raw", "rotary_dim", "long_context"),
+    [(_PHI3_HUB, None, False), (_PHI35_MINI, None, True), (_PHI4_MINI, 96, True)],
+    ids=["phi-3-mini-4k", "phi-3.5-mini", "phi-4-mini"],
+)
+def test_phi3_hub_files_load_and_export_without_their_custom_code_pointers(
+    raw: dict[str, Any], rotary_dim: int | None, long_context: bool
+) -> None:
+    config = DECODER_CONFIG_ADAPTER.validate_python(raw)
+    spec = config.decoder_spec()
+    assert spec.head_dim == raw["hidden_size"] // raw["num_attention_heads"] and spec.rotary_dim == rotary_dim
+    assert isinstance(spec.rope_scaling, LongRopeScaling) == long_context
+    if isinstance(spec.rope_scaling, LongRopeScaling):  # Hugging Face's factor for 32x of 4096 positions
+        assert spec.rope_scaling.attention_factor == pytest.approx(1.1902380714238083)
+    exported = config.to_json_dict()
+    assert "auto_map" not in exported
+    for key, value in raw.items():
+        if key not in ("auto_map", "rope_scaling") and value is not None:
+            assert exported[key] == value, key
+    if raw["rope_scaling"] is not None:
+        assert exported["rope_scaling"]["long_factor"] == raw["rope_scaling"]["long_factor"]

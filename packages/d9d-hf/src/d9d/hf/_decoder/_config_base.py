@@ -36,6 +36,9 @@ class DecoderConfigBase(BaseModel):
     """The family's transformers code honours a ``partial_rotary_factor`` below 1 (Phi-3's does)."""
 
     architectures: list[str] | None = None
+    # the Hub file's pointers to custom code: d9d builds the family's own model and exports for
+    # transformers' own class, so they are read and left out of an export
+    auto_map: dict[str, Any] | None = Field(default=None, exclude=True)
     transformers_version: str | None = None
     name_or_path: str | None = Field(default=None, alias="_name_or_path")
     dtype: str | None = None

@@ -50,6 +50,13 @@ class Phi3Config(DecoderConfigWithHeadDim):
     resid_pdrop: float = 0.0
     embd_pdrop: float = 0.0
     partial_rotary_factor: float | None = None
+    # in the Hub files, read and ignored as transformers' Phi-3 ignores them (its layers and head
+    # have no biases; Phi-4-mini's two remote-code fields do nothing there)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
+    full_attn_mod: int | None = None
+    interpolate_factor: float | None = None
 
     @field_validator("rope_parameters", "rope_scaling", mode="before")
     @classmethod
