@@ -146,3 +146,36 @@ def test_cached_greedy_decoding_equals_the_uncached_model(family: DecoderFamily)
                 logits = model.logits(torch.tensor([ids]))
             assert int(logits[0, -1].argmax()) == token
             ids.append(token)
+
+
+def test_longrope_rows_past_the_original_context_decode_as_the_uncached_model() -> None:
+    """Phi-4-mini's shape (LongRoPE over three quarters of each head): every row starts past the
+    original context, so the cache's keys and the uncached model's use the same long factors."""
+    family = Phi3Config.model_validate(
+        {
+            **TINY,
+            "model_type": "phi3",
+            "pad_token_id": 0,
+            "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 6,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0, 1.3, 1.7],
+                "long_factor": [2.0, 5.0, 9.0],
+            },
+        }
+    )
+    torch.manual_seed(0)
+    model = DecoderCausalLM(family, attention_backend="eager")
+    prompts = [[3, 7, 1, 9, 9, 9, 9, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    completions = EmbeddedRolloutEngine(model).generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0.0)
+    )
+    for completion in completions:
+        ids = list(prompts[completion.prompt_index])
+        for token in completion.token_ids:
+            with torch.no_grad():
+                logits = model.logits(torch.tensor([ids]))
+            assert int(logits[0, -1].argmax()) == token
+            ids.append(token)
