@@ -128,6 +128,20 @@ FAMILIES: list[DecoderFamily] = [
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6]]  # ragged: left padding matters
 
 
+def _assert_cached_greedy_equals_uncached(model: DecoderCausalLM, prompts: list[list[int]]) -> None:
+    """Each of the engine's greedy tokens is the uncached model's argmax after the tokens before it."""
+    completions = EmbeddedRolloutEngine(model).generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0.0)
+    )
+    for completion in completions:
+        ids = list(prompts[completion.prompt_index])
+        for token in completion.token_ids:
+            with torch.no_grad():
+                logits = model.logits(torch.tensor([ids]))
+            assert int(logits[0, -1].argmax()) == token
+            ids.append(token)
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: type(family).__name__)
 def test_cached_greedy_decoding_equals_the_uncached_model(family: DecoderFamily) -> None:
     torch.manual_seed(0)
@@ -136,16 +150,7 @@ def test_cached_greedy_decoding_equals_the_uncached_model(family: DecoderFamily)
         for name, parameter in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 parameter.normal_()
-    completions = EmbeddedRolloutEngine(model).generate(
-        PROMPTS, SamplingParams(max_tokens=6, temperature=0.0)
-    )
-    for completion in completions:
-        ids = list(PROMPTS[completion.prompt_index])
-        for token in completion.token_ids:
-            with torch.no_grad():
-                logits = model.logits(torch.tensor([ids]))
-            assert int(logits[0, -1].argmax()) == token
-            ids.append(token)
+    _assert_cached_greedy_equals_uncached(model, PROMPTS)
 
 
 def test_longrope_rows_past_the_original_context_decode_as_the_uncached_model() -> None:
@@ -169,13 +174,4 @@ def test_longrope_rows_past_the_original_context_decode_as_the_uncached_model() 
     torch.manual_seed(0)
     model = DecoderCausalLM(family, attention_backend="eager")
     prompts = [[3, 7, 1, 9, 9, 9, 9, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
-    completions = EmbeddedRolloutEngine(model).generate(
-        prompts, SamplingParams(max_tokens=6, temperature=0.0)
-    )
-    for completion in completions:
-        ids = list(prompts[completion.prompt_index])
-        for token in completion.token_ids:
-            with torch.no_grad():
-                logits = model.logits(torch.tensor([ids]))
-            assert int(logits[0, -1].argmax()) == token
-            ids.append(token)
+    _assert_cached_greedy_equals_uncached(model, prompts)

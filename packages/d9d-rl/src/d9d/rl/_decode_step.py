@@ -14,7 +14,6 @@ attention op, and the CUDA graph of a bucket records the compiled kernels.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 
 from d9d.hf import DecoderCausalLM
 from d9d.kernels import FewRowsLinearMode, paged_decode_attention
+from d9d.rl._engine_compile import compile_engine_region
 from d9d.rl._kv_cache import PagedKVCache
 
 FewRowsLinears = Literal["off", "each", "grouped"]
@@ -291,22 +291,14 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
     Sizes of one row are always specialized, so the steps of one row take a graph of their own;
     the other buckets share one with the row count dynamic (and the pool's size: a rebuilt pool
     reuses the graphs). A guard that splits the buckets further (a kernel's launch picked by the
-    row count) recompiles, at most once per bucket. On torch 2.15 and newer the limit is the
-    buckets' count, past which Dynamo raises (``fullgraph``) instead of running the step eagerly,
-    and the region is the engine's own (``isolate_recompiles``): other engines' graphs do not count
-    against it. Older torch has neither argument: the engines of a process share Dynamo's cache of
-    ``decode_rows`` and its process-wide limit.
+    row count) recompiles, at most once per bucket: the region's limit is the buckets' count
+    (``compile_engine_region``).
 
     Args:
         max_rows: The engine's ``max_rows`` (buckets: powers of two up to it).
     """
-    # torch.compile's typed overloads omit recompile_limit and isolate_recompiles (its definition has them)
-    compile_region = cast(Callable[..., DecodeFunction], torch.compile)
-    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
-        # torch < 2.15: Dynamo's process-wide limit (8) applies; the dynamic row count needs 2 graphs
-        return compile_region(decode_rows, fullgraph=True)
     buckets = (max_rows - 1).bit_length() + 1
-    return compile_region(decode_rows, fullgraph=True, recompile_limit=buckets, isolate_recompiles=True)
+    return compile_engine_region(cast(DecodeFunction, decode_rows), recompile_limit=buckets)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -11,7 +11,6 @@ weights, whatever the family.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -24,6 +23,7 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 from torch.fx.experimental import _config as fx_config  # pyright: ignore[reportPrivateUsage]
 
 from d9d.hf import DecoderCausalLM
+from d9d.rl._engine_compile import compile_engine_region
 from d9d.rl._pinned_copy import to_device
 
 
@@ -247,21 +247,16 @@ def compile_paged_logits(max_rows: int) -> PrefillFunction:
     A prefill runs the model over a batch's whole prompts once, so eagerly its time is mostly the
     host launching a few hundred small kernels one by one; compiled, the elementwise work fuses
     and the host runs one generated wrapper. One row has a graph of its own (a size of 1 is always
-    specialized), the other row counts, widths, contexts and pool sizes share one. On torch 2.15
-    and newer the region is the engine's own (``isolate_recompiles``) with a limit of a few graphs,
-    past which Dynamo raises (``fullgraph``) instead of running eagerly; older torch shares
-    Dynamo's process-wide cache and limit between engines.
+    specialized), the other row counts, widths, contexts and pool sizes share one
+    (``compile_engine_region``, with two graphs of headroom).
 
     Args:
         max_rows: The engine's ``max_rows`` (more rows than one: a second graph).
     """
-    compile_region = cast(Callable[..., PrefillFunction], torch.compile)
-    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
-        return compile_region(paged_logits, fullgraph=True, dynamic=True)
-    limit = 2 if max_rows > 1 else 1
-    return compile_region(
-        paged_logits, fullgraph=True, dynamic=True, recompile_limit=limit + 2, isolate_recompiles=True
-    )
+    graphs = 2 if max_rows > 1 else 1
+    return compile_engine_region(
+        cast(PrefillFunction, paged_logits), recompile_limit=graphs + 2, dynamic=True
+    )  # two graphs of headroom
 
 
 def forward_paged(
