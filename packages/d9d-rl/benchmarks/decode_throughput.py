@@ -102,17 +102,22 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Point:
-    tokens: int
-    engine_tokens_per_s: float
-    reference_tokens_per_s: float
+class EnginePoint:
+    tokens_per_s: float
     roofline_bytes: int
-    engine_seconds: float
+    seconds: float
     decode_seconds: float
     prefill_seconds: float
     decode_steps: int
     graph_buckets: tuple[int, ...]
-    variant: Variant | None  # --few-rows-linear both or --decode-ahead both: the second engine
+
+
+@dataclass(frozen=True)
+class Point:
+    tokens: int
+    reference_tokens_per_s: float | None  # None with --sides engine
+    engine: EnginePoint | None  # None with --sides transformers
+    variant: Variant | None  # a 'both' switch: the second engine
 
 
 @dataclass(frozen=True)
@@ -287,14 +292,16 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             compile_prefill=compile_prefill,
         )
 
-    engine, engine_run = engine_with(few_rows, ahead)
-    runs = {
-        "d9d": engine_run,
-        "transformers": _transformers_generate(fields, workload, device, dtype, args.compile_cpu),
-    }
-    engines = {"d9d": engine}
+    runs: dict[str, Callable[[], object]] = {}
+    engines: dict[str, EmbeddedRolloutEngine] = {}
+    if args.sides != "transformers":
+        engines["d9d"], runs["d9d"] = engine_with(few_rows, ahead)
+    if args.sides != "engine":
+        runs["transformers"] = _transformers_generate(fields, workload, device, dtype, args.compile_cpu)
     label = None
-    if args.few_rows_linear == "both":
+    if args.sides != "both":
+        pass  # one side: no second engine
+    elif args.few_rows_linear == "both":
         label = "without few_rows_linear (cuBLAS)"
         engines["variant"], runs["variant"] = engine_with(False, ahead)
     elif args.decode_ahead == "both":
@@ -309,11 +316,12 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
-    for run in runs.values():
-        _timed(run, device)  # warm-up: compilation, allocator
-    for _ in range(args.repeats):  # alternating, so drift hits both sides alike
+    for name, run in runs.items():
+        print(f"  {width} batch {batch}: {name} warm-up {_timed(run, device):.1f} s", flush=True)
+    for repeat in range(args.repeats):  # alternating, so drift hits both sides alike
         for name, run in runs.items():
             times[name].append(_timed(run, device))
+            print(f"  {width} batch {batch}: {name} call {repeat + 1} {times[name][-1]:.1f} s", flush=True)
             if name in engines:
                 stats = engines[name].last_stats
                 assert stats is not None
@@ -325,18 +333,24 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             print(f"  {width} batch {batch}, engine {name}:", flush=True)
             _print_kernel_profile(profiled, runs[name], args.profile)
     tokens = sum(workload.lengths)
+    reference = tokens / statistics.median(times["transformers"]) if "transformers" in times else None
+    if "d9d" not in engines:
+        return Point(tokens=tokens, reference_tokens_per_s=reference, engine=None, variant=None)
+    engine = engines["d9d"]
     stats = engine.last_stats
     assert stats is not None
     return Point(
         tokens=tokens,
-        engine_tokens_per_s=tokens / statistics.median(times["d9d"]),
-        reference_tokens_per_s=tokens / statistics.median(times["transformers"]),
-        roofline_bytes=_roofline_bytes(engine),  # the same every call: same rows, same lengths
-        engine_seconds=statistics.median(times["d9d"]),
-        decode_seconds=statistics.median(decode_seconds["d9d"]),
-        prefill_seconds=statistics.median(prefill_seconds),
-        decode_steps=stats.decode_steps,
-        graph_buckets=stats.graph_buckets,
+        reference_tokens_per_s=reference,
+        engine=EnginePoint(
+            tokens_per_s=tokens / statistics.median(times["d9d"]),
+            roofline_bytes=_roofline_bytes(engine),  # the same every call: same rows, same lengths
+            seconds=statistics.median(times["d9d"]),
+            decode_seconds=statistics.median(decode_seconds["d9d"]),
+            prefill_seconds=statistics.median(prefill_seconds),
+            decode_steps=stats.decode_steps,
+            graph_buckets=stats.graph_buckets,
+        ),
         variant=None
         if label is None
         else Variant(
@@ -346,6 +360,36 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             speedups=[v / d for v, d in zip(times["variant"], times["d9d"], strict=True)],
         ),
     )
+
+
+def _print_point(width: str, batch: int, point: Point, bandwidth: float) -> None:
+    reference = point.reference_tokens_per_s
+    hf = "n/a" if reference is None else f"{reference:.1f}"
+    engine = point.engine
+    if engine is None:
+        print(f"{width:<12}{batch:>6}{point.tokens:>9}{'n/a':>12}{hf:>12}{'n/a':>7}", flush=True)
+        return
+    achieved = engine.roofline_bytes / engine.seconds
+    steps = max(1, engine.decode_steps)
+    ratio = "n/a" if reference is None else f"{engine.tokens_per_s / reference:.2f}"
+    print(
+        f"{width:<12}{batch:>6}{point.tokens:>9}{engine.tokens_per_s:>12.1f}{hf:>12}{ratio:>7}"
+        f"{engine.roofline_bytes / steps / 1e6:>10.1f}{achieved / 1e9:>10.1f}"
+        f"{achieved / bandwidth:>9.1%}{engine.decode_seconds / steps * 1e3:>9.2f}"
+        f"{engine.roofline_bytes / engine.decode_seconds / bandwidth:>16.1%}"
+        f"{engine.prefill_seconds:>10.2f}  {','.join(map(str, engine.graph_buckets)) or 'off'}",
+        flush=True,
+    )
+    variant = point.variant
+    if variant is not None:
+        print(
+            f"{'':<12}{'':>6}  {variant.label}: {variant.tokens_per_s:.1f} tok/s, "
+            f"{variant.decode_seconds / steps * 1e3:.2f} ms/step; with it "
+            f"{engine.tokens_per_s / variant.tokens_per_s:.2f}x tok/s "
+            f"(repeats {min(variant.speedups):.2f}-{max(variant.speedups):.2f}x), "
+            f"{variant.decode_seconds / engine.decode_seconds:.2f}x per decode step",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -376,7 +420,7 @@ def main() -> None:
         help="EmbeddedEngineConfig.few_rows_linear (auto: None, on for CUDA); both: the engine with "
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
-    for switch, default in (("few-rows-linear-group", "off"), ("decode-ahead", "on")):
+    for switch, default in (("few-rows-linear-group", "on"), ("decode-ahead", "on")):
         field = switch.replace("-", "_")
         parser.add_argument(
             f"--{switch}",
@@ -401,6 +445,13 @@ def main() -> None:
         "TOP kernels by time per decode step (each engine with --few-rows-linear both)",
     )
     parser.add_argument(
+        "--sides",
+        choices=["both", "engine", "transformers"],
+        default="both",
+        help="which sides run: a point too long for one call can time each side in its own call "
+        "(no ratio is printed then; a 'both' switch needs both sides)",
+    )
+    parser.add_argument(
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
@@ -410,6 +461,8 @@ def main() -> None:
             "--few-rows-linear, --decode-ahead, --few-rows-linear-group and --compile-prefill: 'both' adds "
             "a second engine, pass it to one of them"
         )
+    if args.sides != "both" and "both" in switches:
+        parser.error("a 'both' switch compares two engines beside transformers: it needs --sides both")
     if args.quick:
         args.widths, args.batches, args.prompt_length = ["tiny"], [1, 4], 16
         args.min_completion, args.max_completion, args.vocab = 4, 24, 256
@@ -431,28 +484,7 @@ def main() -> None:
     for width in args.widths:
         for batch in args.batches:
             point = _point(args, width, batch, device)
-            achieved = point.roofline_bytes / point.engine_seconds
-            steps = max(1, point.decode_steps)
-            print(
-                f"{width:<12}{batch:>6}{point.tokens:>9}{point.engine_tokens_per_s:>12.1f}"
-                f"{point.reference_tokens_per_s:>12.1f}"
-                f"{point.engine_tokens_per_s / point.reference_tokens_per_s:>7.2f}"
-                f"{point.roofline_bytes / steps / 1e6:>10.1f}{achieved / 1e9:>10.1f}"
-                f"{achieved / args.bandwidth:>9.1%}{point.decode_seconds / steps * 1e3:>9.2f}"
-                f"{point.roofline_bytes / point.decode_seconds / args.bandwidth:>16.1%}"
-                f"{point.prefill_seconds:>10.2f}  {','.join(map(str, point.graph_buckets)) or 'off'}",
-                flush=True,
-            )
-            variant = point.variant
-            if variant is not None:
-                print(
-                    f"{'':<12}{'':>6}  {variant.label}: {variant.tokens_per_s:.1f} tok/s, "
-                    f"{variant.decode_seconds / steps * 1e3:.2f} ms/step; with it "
-                    f"{point.engine_tokens_per_s / variant.tokens_per_s:.2f}x tok/s "
-                    f"(repeats {min(variant.speedups):.2f}-{max(variant.speedups):.2f}x), "
-                    f"{variant.decode_seconds / point.decode_seconds:.2f}x per decode step",
-                    flush=True,
-                )
+            _print_point(width, batch, point, args.bandwidth)
 
 
 if __name__ == "__main__":
