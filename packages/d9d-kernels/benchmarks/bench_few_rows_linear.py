@@ -5,6 +5,10 @@ input's projections (q/k/v, gate/up) three ways: cuBLAS, ``few_rows_linear`` per
 Run:  python packages/d9d-kernels/benchmarks/bench_few_rows_linear.py   (--smoke on CPU)
       ... --groups-only   (only the group table)
 
+Past 16 rows ``few_rows_linear`` is ``F.linear`` itself, so there the kernel side launches the
+Triton kernels directly (their ``tl.dot`` tiles padded to 32 or 64 rows): the figures that decide
+whether the op's 16-row limit should rise.
+
 Each shape is a Qwen3-0.6B or Qwen3-8B projection (q, k/v, o, gate/up, down, the 0.6B LM head).
 Both sides run captured in one CUDA graph per side that multiplies by enough distinct copies of the
 weight to exceed the L2 cache (256 MB), so every product reads its weight from HBM as a decode step
@@ -23,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from d9d.kernels import KernelBackend, few_rows_linear, few_rows_linear_group
+from d9d.kernels._triton.few_rows_linear_kernels import few_rows_linear_group_kernel, few_rows_linear_kernel
+
+OP_ROWS_MAX = 16  # few_rows_linear's limit: past it the kernel side calls the kernels directly
 
 SHAPES = {  # name: (in features k, out features n)
     "0.6B q": (1024, 2048),
@@ -80,10 +87,15 @@ def _median_cell(times: list[float]) -> str:
 
 
 def _bench_groups(args: argparse.Namespace) -> None:
-    sides: dict[str, GroupLinear] = {
+    op_sides: dict[str, GroupLinear] = {
         "cuBLAS": lambda x, ws: [F.linear(x, w) for w in ws],
         "per weight": lambda x, ws: [few_rows_linear(x, w) for w in ws],
         "one launch": few_rows_linear_group,
+    }
+    kernel_sides: dict[str, GroupLinear] = {
+        "cuBLAS": lambda x, ws: [F.linear(x, w) for w in ws],
+        "per weight": lambda x, ws: [few_rows_linear_kernel(x, w, None) for w in ws],
+        "one launch": lambda x, ws: few_rows_linear_group_kernel(x, ws, None),
     }
     print(
         f"{'group':<14}{'k':>7}{'rows':>6}{'cuBLAS us':>22}{'per-weight us':>22}{'one-launch us':>22}"
@@ -97,8 +109,7 @@ def _bench_groups(args: argparse.Namespace) -> None:
             for _ in range(copies)
         ]
         for rows in args.rows:
-            if rows > 16:
-                continue  # the group launch takes at most 16 rows
+            sides = op_sides if rows <= OP_ROWS_MAX else kernel_sides
             inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             graphs = {side: _graph(_groups(linear, inputs, weights)) for side, linear in sides.items()}
             times = _alternate(graphs, args.repeats, copies)
@@ -139,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200: 4.8e12)")
@@ -164,7 +175,11 @@ def main() -> None:
 
 
 def _bench_singles(args: argparse.Namespace) -> None:
-    sides: dict[str, Linear] = {"cuBLAS": F.linear, "few_rows_linear": few_rows_linear}
+    op_sides: dict[str, Linear] = {"cuBLAS": F.linear, "few_rows_linear": few_rows_linear}
+    kernel_sides: dict[str, Linear] = {
+        "cuBLAS": F.linear,
+        "few_rows_linear": lambda x, w: few_rows_linear_kernel(x, w, None),
+    }
     print(
         f"{'shape':<14}{'k':>7}{'n':>8}{'rows':>6}{'cuBLAS us':>22}{'kernel us':>22}"
         f"{'speedup':>9}{'kernel BW':>11}"
@@ -174,6 +189,7 @@ def _bench_singles(args: argparse.Namespace) -> None:
         copies = max(2, math.ceil(256e6 / (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         for rows in args.rows:
+            sides = op_sides if rows <= OP_ROWS_MAX else kernel_sides
             inputs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             graphs = {side: _graph(_products(linear, inputs, weights)) for side, linear in sides.items()}
             times = _alternate(graphs, args.repeats, copies)

@@ -7,8 +7,14 @@ contiguous copy with ``keys[read]``, then SDPA with a bool mask and ``enable_gqa
 GPU time of each (profiler, median wall time beside it), their ratio, and the kernel's achieved
 bandwidth: bytes = keys + values read once + query and output, against the H200's 4.8 TB/s.
 
+Then a ragged sweep, the rollout engine's case: every row's length drawn from ``--ragged LOW HIGH``
+(seeded) in a block table as wide as ``HIGH``, the kernel's GPU time for each split count of
+``--splits`` (programs per (row, kv head)) beside the count ``splits_for`` picks, so a change of the
+heuristic can be decided from one call.
+
 Run: python packages/d9d-kernels/benchmarks/bench_paged_attention.py --out DIR
      (--quick: tiny shapes on CPU; with TRITON_INTERPRET=1 the kernel runs in Triton's interpreter)
+     ... --ragged-only --batches 64 256 --ragged 512 2560 --splits 1 2 3 4 6 8
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import Result, Settings, attempt, settings_for
+from _harness import Result, Settings, attempt, gpu_kernel_ms, settings_for
 
 from d9d.kernels import KernelBackend, paged_decode_attention
 from d9d.kernels._backend import triton_interpreter_enabled
+from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 
 H200_GBS = 4800.0
 PAGE_SIZE = 16
@@ -186,15 +193,93 @@ def run(settings: Settings) -> list[Row]:
     return rows
 
 
+def ragged_pool(shape: Shape, batch: int, low: int, high: int, device: str) -> PagedDecodeInputs:
+    """A decode step's inputs over a pool whose rows hold ``low .. high`` tokens (seeded draws)."""
+    blocks = -(-high // PAGE_SIZE)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
+    table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
+    slots = batch * blocks * PAGE_SIZE
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return PagedDecodeInputs(
+        query=torch.randn(batch, shape.q_heads, shape.head_dim, device=device, dtype=dtype),
+        key_cache=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=dtype),
+        value_cache=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=dtype),
+        block_table=table.to(device),
+        lengths=lengths.to(device),
+        page_size=PAGE_SIZE,
+        softmax_scale=shape.head_dim**-0.5,
+        sliding_window=None,
+        sinks=None,
+    )
+
+
+def ragged_sweep(
+    shape: Shape, batches: list[int], low: int, high: int, splits: list[int], device: str
+) -> None:
+    """Prints the kernel's GPU time per split count at ragged lengths (CPU: checks the splits agree)."""
+    from d9d.kernels._triton.paged_attention_op import (
+        block_size,
+        paged_decode_attention_triton,
+        splits_for,
+    )
+
+    print(f"\n### ragged lengths {low}..{high}, {shape.name} heads, page {PAGE_SIZE}")
+    print("| batch | splits | picked | kernel GPU ms | GB/s | % of 4.8 TB/s | max abs diff to 1 split |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in batches:
+        inputs = ragged_pool(shape, batch, low, high, device)
+        kv_bytes = (
+            int(inputs.lengths.sum()) * shape.kv_heads * 2 * shape.head_dim * inputs.key_cache.element_size()
+        )
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
+        block_n = block_size(inputs.query.dtype)
+        picked = splits_for(batch * shape.kv_heads, inputs.capacity, block_n, multiprocessors=sms)
+        one = paged_decode_attention_triton(inputs, num_splits=1)
+        for count in sorted({*splits, picked}):
+            out = paged_decode_attention_triton(inputs, num_splits=count)
+            diff = (out - one).float().abs().max().item()
+            ms = (
+                gpu_kernel_ms(lambda x=inputs, n=count: paged_decode_attention_triton(x, num_splits=n))
+                if device == "cuda"
+                else None
+            )
+            gbs = kv_bytes / (ms * 1e-3) / 1e9 if ms else None
+            mark = "yes" if count == picked else ""
+            print(
+                f"| {batch} | {count} | {mark} | {_cell(ms)} | {_cell(gbs, 0)} | "
+                f"{_cell(100 * gbs / H200_GBS if gbs else None, 1)} | {diff:.4f} |",
+                flush=True,
+            )
+        del inputs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", "--smoke", action="store_true", help="tiny CPU shapes: checks the script")
     parser.add_argument("--out", type=Path, default=Path("benchmark-results"), help="folder for the JSON")
+    parser.add_argument("--ragged", type=int, nargs=2, default=[512, 2560], metavar=("LOW", "HIGH"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="the ragged sweep's")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
+    parser.add_argument("--ragged-only", action="store_true", help="skip the uniform-length sweep")
     args = parser.parse_args()
     settings = settings_for(smoke=args.quick, out=args.out)
-    if not settings.smoke:
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    run(settings)
+    if settings.smoke:
+        if triton_interpreter_enabled():
+            tiny = Shape(name="tiny", q_heads=4, kv_heads=2, head_dim=16)
+            ragged_sweep(tiny, [3], 5, 70, [1, 3], settings.device)
+        if not args.ragged_only:
+            run(settings)
+        return
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if not args.ragged_only:
+        run(settings)
+    for shape in (Shape(name="Qwen3-0.6B", q_heads=16, kv_heads=8, head_dim=128),):
+        ragged_sweep(shape, args.batches, *args.ragged, args.splits, settings.device)
 
 
 if __name__ == "__main__":

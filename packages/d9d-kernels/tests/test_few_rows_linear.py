@@ -62,6 +62,23 @@ def test_leading_dims_and_strided_operands_keep_f_linear_shapes() -> None:
 
 
 @_INTERPRETER
+@pytest.mark.parametrize("rows", [17, 40, 64])
+def test_direct_launches_past_sixteen_rows_round_the_exact_product_once(rows: int) -> None:
+    # the op stops at 16 rows; the benchmark launches the kernels at 32- and 64-row tiles directly
+    from d9d.kernels._triton.few_rows_linear_kernels import (
+        few_rows_linear_group_kernel,
+        few_rows_linear_kernel,
+    )
+
+    x, weight, b = _operands(rows, 37, 70, torch.float32)
+    _assert_rounded_product(few_rows_linear_kernel(x, weight, b), x, weight, b)
+    _, second, second_bias = _operands(rows + 1, 21, 70, torch.float32)
+    outs = few_rows_linear_group_kernel(x, [weight, second], [b, second_bias])
+    _assert_rounded_product(outs[0], x, weight, b)
+    _assert_rounded_product(outs[1], x, second, second_bias)
+
+
+@_INTERPRETER
 def test_more_rows_than_the_kernel_takes_are_f_linear_exactly() -> None:
     x, weight, b = _operands(17, 24, 40, torch.float32)
     assert torch.equal(few_rows_linear(x, weight, b, backend=_TRITON), F.linear(x, weight, b))

@@ -99,7 +99,8 @@ def _one_row_kernel(
     _one_row_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), n, k, stride_w, HAS_BIAS, BLOCK_N, BLOCK_K)
 
 
-@triton.autotune(configs=_few_rows_configs(), key=["n", "k"])
+# BLOCK_M in the key: rows padded to 32 or 64 (a direct launch; the op stops at 16) tune apart
+@triton.autotune(configs=_few_rows_configs(), key=["n", "k", "BLOCK_M"])
 @triton.jit
 def _few_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_x, stride_w, stride_y,
@@ -144,7 +145,7 @@ def _one_row_group_kernel(
         )
 
 
-@triton.autotune(configs=_few_rows_configs(), key=["n0", "n1", "n2", "k"])
+@triton.autotune(configs=_few_rows_configs(), key=["n0", "n1", "n2", "k", "BLOCK_M"])
 @triton.jit
 def _few_rows_group_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
