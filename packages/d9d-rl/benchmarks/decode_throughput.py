@@ -161,6 +161,7 @@ def _d9d_engine(
     few_rows_linear_group: bool,
     decode_ahead: bool,
     compile_prefill: bool | None,
+    admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
     with torch.device(device):
@@ -175,6 +176,7 @@ def _d9d_engine(
         few_rows_linear_group=few_rows_linear_group,
         decode_ahead=decode_ahead,
         compile_prefill=compile_prefill,
+        admission_wait_steps=admission_wait_steps,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
     sampling = SamplingParams(temperature=0.0, max_tokens=max(workload.lengths))
@@ -290,6 +292,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             few_rows_linear_group=few_rows_linear_group,
             decode_ahead=decode_ahead,
             compile_prefill=compile_prefill,
+            admission_wait_steps=args.admission_wait_steps,
         )
 
     runs: dict[str, Callable[[], object]] = {}
@@ -443,6 +446,14 @@ def main() -> None:
         metavar="TOP",
         help="CUDA: after each point's timed calls, one more engine call under the profiler; print its "
         "TOP kernels by time per decode step (each engine with --few-rows-linear both)",
+    )
+    parser.add_argument(
+        "--admission-wait-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="EmbeddedEngineConfig.admission_wait_steps of every engine (freed slots wait up to N "
+        "forwards so that waiting prompts prefill together)",
     )
     parser.add_argument(
         "--sides",

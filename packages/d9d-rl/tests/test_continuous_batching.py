@@ -51,6 +51,22 @@ def test_rows_finish_independently_and_waiting_prompts_take_their_slots() -> Non
     assert pool.free_count == pool.num_blocks
 
 
+def test_freed_slots_wait_for_company_up_to_admission_wait_steps() -> None:
+    config = EmbeddedEngineConfig(max_rows=2, page_size=2, max_context=64, admission_wait_steps=2)
+    pool = BlockPool(16)
+    rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    lengths = [2, 7, 3, 1]
+    scheduler = ContinuousScheduler(
+        rows, config=config, pool=pool, max_tokens=[8] * len(rows), stop_token_ids=(STOP,)
+    )
+    steps = _drive(scheduler, pool, lengths, config)
+    # row 0's slot frees after forward 2 and stays empty for two forwards (rows 2 and 3 wait, one
+    # slot); row 2 finishes with row 1, and the last prompt fits at once
+    assert steps == [[0, 1], [0, 1], [1], [1], [1, 2], [1, 2], [1, 2], [3]]
+    assert {row.index: row.completion_length for row in scheduler.finished} == dict(enumerate(lengths))
+    assert pool.free_count == pool.num_blocks
+
+
 def test_no_block_leaks_over_many_requests_with_preemption() -> None:
     rng = random.Random(0)
     config = EmbeddedEngineConfig(max_rows=5, page_size=3, max_context=40, num_blocks=20)
@@ -116,6 +132,29 @@ def test_seeded_sampling_does_not_depend_on_admission_order() -> None:
     assert len({c.token_ids for c in results[0]}) > 1
 
 
+def test_waiting_for_company_prefills_less_often_and_changes_no_completion() -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 30) for _ in range(rng.randrange(1, 9))] for _ in range(24)]
+    caps = [rng.randrange(1, 14) for _ in prompts]
+    sampling = SamplingParams(max_tokens=14, seed=5)
+    runs = []
+    for wait in (0, 6):
+        config = EmbeddedEngineConfig(max_rows=6, page_size=4, max_context=32, admission_wait_steps=wait)
+        engine = EmbeddedRolloutEngine(tiny_model(), config=config)
+        completions = engine.generate_capped(prompts, sampling, caps)
+        assert engine.last_stats is not None
+        runs.append((completions, engine.last_stats))
+    (eager, eager_stats), (batched, batched_stats) = runs
+    assert [c.token_ids for c in batched] == [c.token_ids for c in eager]
+    for a, b in zip(batched, eager, strict=True):
+        torch.testing.assert_close(a.log_probs, b.log_probs, atol=2e-5, rtol=1e-5)
+    assert batched_stats.admissions == eager_stats.admissions == len(prompts)
+    prefills = [stats.forwards - stats.decode_steps for stats in (eager_stats, batched_stats)]
+    assert prefills[1] < prefills[0]
+    # the steps while a slot waits still run ahead of the host
+    assert batched_stats.decode_ahead_steps > eager_stats.decode_ahead_steps
+
+
 def test_completions_end_at_the_context() -> None:
     engine = EmbeddedRolloutEngine(tiny_model(), config=EmbeddedEngineConfig(max_context=8, page_size=4))
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0))
@@ -131,6 +170,8 @@ def test_bad_input_is_refused_before_generation() -> None:
         EmbeddedEngineConfig(page_size=0)
     with pytest.raises(ValidationError, match="max_rows"):
         EmbeddedEngineConfig(max_rows=0)
+    with pytest.raises(ValidationError, match="admission_wait_steps"):
+        EmbeddedEngineConfig(admission_wait_steps=-1)
     engine = EmbeddedRolloutEngine(tiny_model(), config=EmbeddedEngineConfig(max_context=5))
     with pytest.raises(ValueError, match=r"prompt 2 has 7 tokens, longer than .* max_context=5"):
         engine.generate(PROMPTS, SamplingParams())

@@ -59,6 +59,13 @@ class EmbeddedEngineConfig(BaseModel):
             steps. A row that sampled a stop token has the later step's token discarded (its
             completion is unchanged). Off: the host reads every step's tokens before it plans the
             next one.
+        admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
+            so that the prompts admitted in that window prefill together. A prefill costs the
+            host about the same whether it runs one prompt or several (a few hundred kernel
+            launches, and the step that takes it cannot run ahead), and rows finish one at a time,
+            so admitting at once prefills one prompt per finished row. 0 (the default): a prompt
+            is admitted at the first forward after a slot frees. Waiting prompts are admitted at
+            once when every one of them fits, or when no row runs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -73,6 +80,7 @@ class EmbeddedEngineConfig(BaseModel):
     few_rows_linear: bool | None = None
     few_rows_linear_group: bool = True
     decode_ahead: bool = True
+    admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:

@@ -2,9 +2,11 @@
 
 Rows wait in order; up to ``max_rows`` run at once. A row that finishes gives its slot and its
 blocks back at once, and the next waiting row is admitted (its whole prompt is prefilled in the
-next forward, while the others decode one token). A running row takes a block when its tokens
-reach it; when the pool is empty the most recently admitted row is preempted: its blocks are freed
-and it waits again at the front, to be recomputed from its prompt and the tokens sampled so far.
+next forward, while the others decode one token), or, with ``config.admission_wait_steps``, up to
+that many forwards later together with the rows admitted to the slots freed meanwhile. A running
+row takes a block when its tokens reach it; when the pool is empty the most recently admitted row
+is preempted: its blocks are freed and it waits again at the front, to be recomputed from its
+prompt and the tokens sampled so far.
 
 A step's tokens may be recorded in two halves, so the engine can launch the next decode step
 before it reads this one's tokens on the host: ``record_launched`` appends a placeholder per row
@@ -91,6 +93,8 @@ class ContinuousScheduler:
         self.finished: list[SequenceState] = []
         self.preemptions = 0
         self.admissions = 0
+        self._forwards = 0  # schedule() calls so far
+        self._slot_freed_at: int | None = None  # forward at which an unfilled slot freed
 
     @property
     def done(self) -> bool:
@@ -99,6 +103,7 @@ class ContinuousScheduler:
 
     def schedule(self) -> list[SequenceState]:
         """The rows of the next forward, each holding blocks for its new tokens, in admission order."""
+        self._forwards += 1
         self._grow_running()
         self._admit()
         if not self._running:
@@ -110,7 +115,7 @@ class ContinuousScheduler:
         none can be admitted, and every running row's next block is free (no preemption)."""
         if not self._running:
             return False
-        if self._waiting and len(self._running) < self._config.max_rows:
+        if self._admission_due(self._forwards + 1):
             return False
         need = sum(self._config.blocks_for(len(row.tokens)) - len(row.blocks) for row in self._running)
         return need <= self._pool.free_count
@@ -168,7 +173,25 @@ class ContinuousScheduler:
             else:
                 row.blocks += self._pool.take(need)
 
+    def _admission_due(self, forward: int) -> bool:
+        """Whether waiting prompts are admitted at ``forward`` (``config.admission_wait_steps``)."""
+        max_rows = self._config.max_rows
+        if not self._waiting or len(self._running) >= max_rows:
+            return False
+        if not self._running or self._slot_freed_at is None:
+            return True
+        if max_rows - len(self._running) >= len(self._waiting):
+            return True
+        return forward - self._slot_freed_at > self._config.admission_wait_steps
+
     def _admit(self) -> None:
+        if not self._admission_due(self._forwards):
+            return
+        self._admit_what_fits()
+        if not self._waiting or len(self._running) >= self._config.max_rows:
+            self._slot_freed_at = None
+
+    def _admit_what_fits(self) -> None:
         while self._waiting and len(self._running) < self._config.max_rows:
             need = self._config.blocks_for(len(self._waiting[0].tokens))
             if need > self._pool.free_count:
@@ -190,6 +213,8 @@ class ContinuousScheduler:
         self.finished.append(row)
 
     def _release(self, row: SequenceState) -> None:
+        if self._slot_freed_at is None:
+            self._slot_freed_at = self._forwards
         self._pool.give_back(row.blocks)
         row.blocks = []
         self._running.remove(row)
