@@ -112,7 +112,7 @@ class ContinuousScheduler:
 
     def can_decode_ahead(self) -> bool:
         """Whether the next step may be scheduled before the placeholders are resolved: rows run,
-        none can be admitted, and every running row's next block is free (no preemption)."""
+        no admission is due at that step, and every running row's next block is free (no preemption)."""
         if not self._running:
             return False
         if self._admission_due(self._forwards + 1):
