@@ -49,8 +49,10 @@ CPU smoke run (tiny widths, seconds; add ``--compile-decode`` for the compiled s
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -320,7 +322,12 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
     for name, run in runs.items():
-        print(f"  {width} batch {batch}: {name} warm-up {_timed(run, device):.1f} s", flush=True)
+        seconds = _timed(run, device)
+        warmed = engines[name].last_stats if name in engines else None
+        first_runs = (
+            "" if warmed is None else f" ({warmed.warm_up_seconds:.1f} s of first runs: compiling, capturing)"
+        )
+        print(f"  {width} batch {batch}: {name} warm-up {seconds:.1f} s{first_runs}", flush=True)
     for repeat in range(args.repeats):  # alternating, so drift hits both sides alike
         for name, run in runs.items():
             times[name].append(_timed(run, device))
@@ -499,4 +506,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # the engine's first runs (compiling, capturing) print as each ends: a call cut short shows how far it got
+    logging.basicConfig(format="  %(message)s", stream=sys.stdout)
+    logging.getLogger("d9d.rl").setLevel(logging.INFO)
     main()

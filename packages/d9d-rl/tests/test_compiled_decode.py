@@ -54,6 +54,7 @@ def test_compiled_step_decodes_as_the_eager_one_and_keeps_its_graphs_across_pool
     assert _graphs() - before == 2
     first = compiled.last_stats
     assert first is not None and first.decode_steps > max(CAPS) and first.graph_buckets == ()
+    assert first.warm_up_seconds > 0  # the compiled step's (and prefills') first runs
     sampled = SamplingParams(max_tokens=12, samples_per_prompt=2, seed=5)
     _assert_same(compiled.generate(PROMPTS, sampled), eager.generate(PROMPTS, sampled))
     second = compiled.last_stats

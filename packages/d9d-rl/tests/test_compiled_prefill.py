@@ -85,3 +85,26 @@ def test_compile_prefill_follows_compile_decode_unless_set(
     config = EmbeddedEngineConfig(compile_decode=decode, compile_prefill=prefill)
     engine = EmbeddedRolloutEngine(tiny_model(), config=config)
     assert (engine._compiled_prefill is not None) == compiles  # pyright: ignore[reportPrivateUsage]
+
+
+def test_first_compiled_prefills_are_timed_and_logged_once_per_pool(caplog: pytest.LogCaptureFixture) -> None:
+    config = EmbeddedEngineConfig(max_rows=3, page_size=2, max_context=40, compile_prefill=True)
+    engine = EmbeddedRolloutEngine(tiny_model(), config=config)
+    greedy = SamplingParams(temperature=0.0)
+    with caplog.at_level("INFO", logger="d9d.rl"):
+        engine.generate_capped(PROMPTS, greedy, CAPS)  # three rows at once, then single admissions
+    first = engine.last_stats
+    assert first is not None and first.warm_up_seconds > 0
+    messages = [record.getMessage() for record in caplog.records if record.name == "d9d.rl"]
+    assert [message.split(" in ")[0] for message in messages] == [
+        "engine warm-up: first prefill of several rows",
+        "engine warm-up: first prefill of one row",
+    ]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="d9d.rl"):
+        engine.generate_capped(PROMPTS, greedy, CAPS)  # the same pool: nothing runs for the first time
+    again = engine.last_stats
+    assert again is not None and again.warm_up_seconds == 0.0 and not caplog.records
+    eager = EmbeddedRolloutEngine(tiny_model(), config=EmbeddedEngineConfig(max_rows=3, max_context=40))
+    eager.generate_capped(PROMPTS, greedy, CAPS)
+    assert eager.last_stats is not None and eager.last_stats.warm_up_seconds == 0.0

@@ -3,8 +3,9 @@ and (on CUDA) its graphs."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from d9d.rl._decode_step import DecodeFunction, FewRowsLinears, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, PrefillFunction, forward_paged
 from d9d.rl._scheduler import SequenceState
+
+_LOG = logging.getLogger("d9d.rl")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,6 +136,9 @@ class DecodeRuntime:
         self.decode_context_tokens = 0
         self._decode_timer = _DeviceTimer(device)
         self._prefill_timer = _DeviceTimer(device)
+        self._compiled_decode = compiled is not None
+        self._first_runs: set[tuple[str, int]] = set()
+        self.warm_up_seconds = 0.0
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -146,6 +152,7 @@ class DecodeRuntime:
         self.decode_context_tokens = 0
         self._decode_timer.reset()
         self._prefill_timer.reset()
+        self.warm_up_seconds = 0.0
 
     @property
     def decode_seconds(self) -> float:
@@ -170,10 +177,16 @@ class DecodeRuntime:
         order = self._step.load(update, None if fed is None else fed.tokens)
         self.decode_steps += 1
         self.decode_context_tokens += sum(update.lengths)
-        if self._graphs is not None:
-            logits = self._graphs.forward(update.rows)
+        graphs = self._graphs
+        if graphs is not None:
+            logits = self._first_run(
+                ("decode step", update.rows) if update.rows not in graphs.captured else None,
+                lambda: graphs.forward(update.rows),
+            )
         else:
-            logits = self._step.forward(update.rows, max(len(row.blocks) for row in rows))
+            blocks = max(len(row.blocks) for row in rows)
+            kind = ("decode step", min(update.rows, 2)) if self._compiled_decode else None
+            logits = self._first_run(kind, lambda: self._step.forward(update.rows, blocks))
         self._decode_timer.stop()
         if update.order == list(range(len(rows))):
             return logits[: len(rows)]
@@ -187,8 +200,32 @@ class DecodeRuntime:
             blocks=[row.blocks for row in rows],
         )
         self._prefill_timer.start()
-        logits = forward_paged(
-            self._model, self.cache, batch, pad_token_id=self._pad, compiled=self._compiled_prefill
+        kind = ("prefill", min(len(rows), 2)) if self._compiled_prefill is not None else None
+        logits = self._first_run(
+            kind,
+            lambda: forward_paged(
+                self._model, self.cache, batch, pad_token_id=self._pad, compiled=self._compiled_prefill
+            ),
         )
         self._prefill_timer.stop()
+        return logits
+
+    def _first_run(self, kind: tuple[str, int] | None, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Runs ``run``; the first run of ``kind`` in this runtime (a CUDA-graph bucket's warm-up
+        and capture, a compiled function's first call of one row or of several: compilation,
+        autotuning) is timed on the host, logged and added to ``warm_up_seconds``."""
+        if kind is None or kind in self._first_runs:
+            return run()
+        started = time.perf_counter()
+        logits = run()
+        seconds = time.perf_counter() - started
+        self._first_runs.add(kind)
+        self.warm_up_seconds += seconds
+        what, rows = kind
+        shape = (
+            f"{rows} rows"
+            if self._graphs is not None and what == "decode step"
+            else ("one row" if rows == 1 else "several rows")
+        )
+        _LOG.info("engine warm-up: first %s of %s in %.1f s", what, shape, seconds)
         return logits

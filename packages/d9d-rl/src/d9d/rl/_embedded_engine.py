@@ -44,6 +44,11 @@ class EngineStats:
             elsewhere): the call's time less prefills, sampling and the host's planning between
             steps.
         prefill_seconds: Device time of the prefill forwards, measured the same way.
+        warm_up_seconds: Host time of the call's first runs in the engine's current pool: each
+            CUDA-graph bucket's warm-up and capture, and with ``compile_decode`` /
+            ``compile_prefill`` the first decode step and prefill of one row and of several
+            (compilation, autotuning). Each is also logged at INFO on the ``d9d.rl`` logger as it
+            ends. 0 once every kind has run (a later call on the same pool).
     """
 
     rows: int
@@ -59,6 +64,7 @@ class EngineStats:
     graph_buckets: tuple[int, ...]
     decode_seconds: float
     prefill_seconds: float
+    warm_up_seconds: float
 
 
 class EmbeddedRolloutEngine:
@@ -260,6 +266,7 @@ class EmbeddedRolloutEngine:
             graph_buckets=runtime.graph_buckets,
             decode_seconds=runtime.decode_seconds,
             prefill_seconds=runtime.prefill_seconds,
+            warm_up_seconds=runtime.warm_up_seconds,
         )
         return self._completions(scheduler.finished, sampling.samples_per_prompt)
 
