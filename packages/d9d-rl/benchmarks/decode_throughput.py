@@ -27,7 +27,8 @@ roofline``). ``ms/step`` is that decode time per step; ``prefill s`` the prefill
 on cuBLAS), alternating with the others; ``--decode-ahead both`` likewise a second engine whose
 host reads every step's tokens before launching the next (``decode_ahead=False``), and
 ``--few-rows-linear-group both`` one with a launch per linear against one launch for q/k/v and
-for gate/up, and ``--compile-prefill both`` one with eager prefills;
+for gate/up, ``--compile-prefill both`` one with eager prefills, and ``--prefill-graphs both``
+one whose single-prompt prefills run eagerly instead of as replayed graphs;
 ``--profile TOP`` prints each engine's TOP kernels per decode step from one more profiled call.
 
 Both models stay in memory for the alternation, and transformers keeps its static cache between
@@ -163,6 +164,7 @@ def _d9d_engine(
     few_rows_linear_group: bool,
     decode_ahead: bool,
     compile_prefill: bool | None,
+    prefill_graphs: bool,
     admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -178,6 +180,7 @@ def _d9d_engine(
         few_rows_linear_group=few_rows_linear_group,
         decode_ahead=decode_ahead,
         compile_prefill=compile_prefill,
+        prefill_graphs=prefill_graphs,
         admission_wait_steps=admission_wait_steps,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
@@ -276,12 +279,14 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     ahead = args.decode_ahead != "off"
     group = args.few_rows_linear_group != "off"
     prefill = {"auto": None, "on": True, "off": False, "both": True}[args.compile_prefill]
+    prefill_graphs = args.prefill_graphs != "off"
 
     def engine_with(
         few_rows_linear: bool | None,
         decode_ahead: bool,
         few_rows_linear_group: bool = group,
         compile_prefill: bool | None = prefill,
+        graphed_prefills: bool = prefill_graphs,
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -294,6 +299,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             few_rows_linear_group=few_rows_linear_group,
             decode_ahead=decode_ahead,
             compile_prefill=compile_prefill,
+            prefill_graphs=graphed_prefills,
             admission_wait_steps=args.admission_wait_steps,
         )
 
@@ -318,6 +324,9 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     elif args.compile_prefill == "both":
         label = "without compile_prefill (eager prefills)"
         engines["variant"], runs["variant"] = engine_with(few_rows, ahead, group, False)
+    elif args.prefill_graphs == "both":
+        label = "without prefill_graphs (eager single prefills)"
+        engines["variant"], runs["variant"] = engine_with(few_rows, ahead, group, prefill, False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -447,6 +456,13 @@ def main() -> None:
         "with it and a second engine with eager prefills, alternating",
     )
     parser.add_argument(
+        "--prefill-graphs",
+        choices=["on", "off", "both"],
+        default="off",
+        help="EmbeddedEngineConfig.prefill_graphs (needs CUDA graphs); both: the engine with it and a "
+        "second engine without it, alternating",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -473,11 +489,17 @@ def main() -> None:
         "--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the roofline (H200: 4.8e12)"
     )
     args = parser.parse_args()
-    switches = [args.few_rows_linear, args.decode_ahead, args.few_rows_linear_group, args.compile_prefill]
+    switches = [
+        args.few_rows_linear,
+        args.decode_ahead,
+        args.few_rows_linear_group,
+        args.compile_prefill,
+        args.prefill_graphs,
+    ]
     if switches.count("both") > 1:
         parser.error(
-            "--few-rows-linear, --decode-ahead, --few-rows-linear-group and --compile-prefill: 'both' adds "
-            "a second engine, pass it to one of them"
+            "--few-rows-linear, --decode-ahead, --few-rows-linear-group, --compile-prefill and "
+            "--prefill-graphs: 'both' adds a second engine, pass it to one of them"
         )
     if args.sides != "both" and "both" in switches:
         parser.error("a 'both' switch compares two engines beside transformers: it needs --sides both")

@@ -16,6 +16,7 @@ from d9d.rl._decode_slots import DecodeSlots
 from d9d.rl._decode_step import DecodeFunction, FewRowsLinears, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, PrefillFunction, forward_paged
+from d9d.rl._prefill_graphs import GRAPHED_MAX_WIDTH, GraphedPrefill, StaticPrefill, width_bucket
 from d9d.rl._scheduler import SequenceState
 
 _LOG = logging.getLogger("d9d.rl")
@@ -101,6 +102,8 @@ class DecodeRuntime:
         compiled: The engine's compiled ``decode_rows`` (``compile_decode``), or None: eager.
         compiled_prefill: The engine's compiled ``paged_logits`` (``compile_prefill``), or None: eager.
         few_rows_linear: How the decode step's linears run.
+        prefill_graphs: Also replay a CUDA graph per width bucket for the prefill of one fresh
+            prompt (``StaticPrefill``; CUDA only).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class DecodeRuntime:
         compiled: DecodeFunction | None = None,
         compiled_prefill: PrefillFunction | None = None,
         few_rows_linear: FewRowsLinears = "off",
+        prefill_graphs: bool = False,
     ) -> None:
         device = next(model.parameters()).device
         self._model = model
@@ -132,12 +136,19 @@ class DecodeRuntime:
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None
+        self._prefill_graphs = (
+            GraphedPrefill(
+                StaticPrefill(model, self.cache, pad_token_id=pad_token_id, compiled=compiled_prefill)
+            )
+            if prefill_graphs
+            else None
+        )
         self.decode_steps = 0
         self.decode_context_tokens = 0
         self._decode_timer = _DeviceTimer(device)
         self._prefill_timer = _DeviceTimer(device)
         self._compiled_decode = compiled is not None
-        self._first_runs: set[tuple[str, int]] = set()
+        self._first_runs: set[str] = set()
         self.warm_up_seconds = 0.0
 
     @property
@@ -179,14 +190,14 @@ class DecodeRuntime:
         self.decode_context_tokens += sum(update.lengths)
         graphs = self._graphs
         if graphs is not None:
-            logits = self._first_run(
-                ("decode step", update.rows) if update.rows not in graphs.captured else None,
-                lambda: graphs.forward(update.rows),
-            )
+            rows_label = f"decode step of {update.rows} rows"
+            first = rows_label if update.rows not in graphs.captured else None
+            logits = self._first_run(first, lambda: graphs.forward(update.rows))
         else:
             blocks = max(len(row.blocks) for row in rows)
-            kind = ("decode step", min(update.rows, 2)) if self._compiled_decode else None
-            logits = self._first_run(kind, lambda: self._step.forward(update.rows, blocks))
+            kind = "one row" if update.rows == 1 else "several rows"
+            first = f"decode step of {kind}" if self._compiled_decode else None
+            logits = self._first_run(first, lambda: self._step.forward(update.rows, blocks))
         self._decode_timer.stop()
         if update.order == list(range(len(rows))):
             return logits[: len(rows)]
@@ -194,38 +205,45 @@ class DecodeRuntime:
 
     def prefill(self, rows: Sequence[SequenceState]) -> torch.Tensor:
         """``(len(rows), vocab)`` float32 logits at the last token of rows with several new tokens."""
-        batch = PagedBatch(
-            tokens=[row.new_tokens for row in rows],
-            starts=[row.cached for row in rows],
-            blocks=[row.blocks for row in rows],
-        )
         self._prefill_timer.start()
-        kind = ("prefill", min(len(rows), 2)) if self._compiled_prefill is not None else None
-        logits = self._first_run(
-            kind,
-            lambda: forward_paged(
-                self._model, self.cache, batch, pad_token_id=self._pad, compiled=self._compiled_prefill
-            ),
-        )
+        graphed = self._prefill_graphs
+        row = rows[0]
+        if (
+            graphed is not None
+            and len(rows) == 1
+            and row.cached == 0
+            and len(row.tokens) <= GRAPHED_MAX_WIDTH
+        ):
+            width = width_bucket(len(row.tokens))
+            first = f"prefill of one prompt {width} tokens wide" if width not in graphed.captured else None
+            logits = self._first_run(first, lambda: graphed.prefill(row.tokens, row.blocks))
+        else:
+            batch = PagedBatch(
+                tokens=[row.new_tokens for row in rows],
+                starts=[row.cached for row in rows],
+                blocks=[row.blocks for row in rows],
+            )
+            kind = "one row" if len(rows) == 1 else "several rows"
+            first = f"prefill of {kind}" if self._compiled_prefill is not None else None
+            logits = self._first_run(
+                first,
+                lambda: forward_paged(
+                    self._model, self.cache, batch, pad_token_id=self._pad, compiled=self._compiled_prefill
+                ),
+            )
         self._prefill_timer.stop()
         return logits
 
-    def _first_run(self, kind: tuple[str, int] | None, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Runs ``run``; the first run of ``kind`` in this runtime (a CUDA-graph bucket's warm-up
+    def _first_run(self, label: str | None, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Runs ``run``; the first run of ``label`` in this runtime (a CUDA-graph bucket's warm-up
         and capture, a compiled function's first call of one row or of several: compilation,
-        autotuning) is timed on the host, logged and added to ``warm_up_seconds``."""
-        if kind is None or kind in self._first_runs:
+        autotuning) is timed on the host, logged and added to ``warm_up_seconds``. None: not timed."""
+        if label is None or label in self._first_runs:
             return run()
         started = time.perf_counter()
         logits = run()
         seconds = time.perf_counter() - started
-        self._first_runs.add(kind)
+        self._first_runs.add(label)
         self.warm_up_seconds += seconds
-        what, rows = kind
-        shape = (
-            f"{rows} rows"
-            if self._graphs is not None and what == "decode step"
-            else ("one row" if rows == 1 else "several rows")
-        )
-        _LOG.info("engine warm-up: first %s of %s in %.1f s", what, shape, seconds)
+        _LOG.info("engine warm-up: first %s in %.1f s", label, seconds)
         return logits

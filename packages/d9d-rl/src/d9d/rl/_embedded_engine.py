@@ -102,7 +102,8 @@ class EmbeddedRolloutEngine:
         config: Rows at once, page size, context, pool size and CUDA graphs.
 
     Raises:
-        ValueError: If ``config.cuda_graphs`` is True and the model is not on a CUDA device.
+        ValueError: If ``config.cuda_graphs`` is True and the model is not on a CUDA device, or
+            ``config.prefill_graphs`` is True and the decode step runs without CUDA graphs.
     """
 
     def __init__(
@@ -126,6 +127,12 @@ class EmbeddedRolloutEngine:
                 f"{self._device}. Leave cuda_graphs unset (None: on for CUDA only) or set it to False"
             )
         self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
+        if self._config.prefill_graphs and not self._cuda_graphs:
+            raise ValueError(
+                f"EmbeddedEngineConfig.prefill_graphs=True needs the decode step in CUDA graphs (a CUDA "
+                f"device, cuda_graphs not False); the model is on {self._device} with cuda_graphs="
+                f"{graphs}. Set prefill_graphs to False"
+            )
         few_rows = self._config.few_rows_linear
         # an eager step without graphs would pay the mode's dispatch on the host at every step
         replayed_or_compiled = self._cuda_graphs or self._config.compile_decode
@@ -314,6 +321,7 @@ class EmbeddedRolloutEngine:
                 compiled=self._compiled_decode,
                 compiled_prefill=self._compiled_prefill,
                 few_rows_linear=self._few_rows_linear,
+                prefill_graphs=self._config.prefill_graphs,
             )
             self._runtime = runtime
         runtime.start_call()

@@ -59,6 +59,14 @@ class EmbeddedEngineConfig(BaseModel):
             steps. A row that sampled a stop token has the later step's token discarded (its
             completion is unchanged). Off: the host reads every step's tokens before it plans the
             next one.
+        prefill_graphs: With ``cuda_graphs``, also run the prefill of one fresh prompt (the usual
+            admission: rows finish one at a time) by replaying a CUDA graph captured per width
+            bucket (powers of two from 16 to 2048 tokens; the prompt padded, the padding's keys
+            and values written to the scratch block and masked). Eagerly such a prefill is a few
+            hundred small kernels launched one by one by the host. Several prompts at once, rows
+            with tokens already cached and longer prompts run as before. Each width's graph keeps
+            its activations in a memory pool of the prefills' own. Refused without CUDA graphs.
+            Off by default: not yet run on a GPU.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
             host about the same whether it runs one prompt or several (a few hundred kernel
@@ -80,6 +88,7 @@ class EmbeddedEngineConfig(BaseModel):
     few_rows_linear: bool | None = None
     few_rows_linear_group: bool = True
     decode_ahead: bool = True
+    prefill_graphs: bool = False
     admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")

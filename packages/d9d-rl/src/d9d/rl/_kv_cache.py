@@ -206,6 +206,9 @@ def paged_logits(
 ) -> torch.Tensor:
     """The model part of ``forward_paged`` over ``PagedInputs``' tables (their fields in order).
 
+    ``new_flat`` may also select padding positions (a prefill of a static width, ``StaticPrefill``):
+    their keys and values go to the pool's scratch block, and their queries see slot 0 only.
+
     Returns:
         ``(rows, vocab)`` float32 next-token logits at each row's last new token.
     """
@@ -223,9 +226,11 @@ def paged_logits(
         return table.gather(1, logical // page_size) * page_size + logical % page_size
 
     distance = positions[:, :, None] - every_slot[:, None, :]
+    # padding that new_flat selects (a static-width prefill) writes to the scratch block
+    scratch = keys[0].shape[0] - page_size
     step = _StepIndices(
         new_flat=new_flat,
-        write=flat(positions.where(new_valid, 0)).flatten()[new_flat],
+        write=torch.where(new_valid, flat(positions.where(new_valid, 0)), scratch).flatten()[new_flat],
         read=flat(every_slot.where(every_slot < starts + counts, 0)),
         visible=distance >= 0,
         distance=distance,
@@ -282,8 +287,14 @@ def forward_paged(
     Raises:
         RuntimeError: If the compiled forward fails to compile.
     """
-    device = cache.keys[0].device
-    inputs = PagedInputs.of(batch, pad_token_id, device)
+    inputs = PagedInputs.of(batch, pad_token_id, cache.keys[0].device)
+    return run_paged_logits(model, cache, inputs, compiled)
+
+
+def run_paged_logits(
+    model: DecoderCausalLM, cache: PagedKVCache, inputs: PagedInputs, compiled: PrefillFunction | None
+) -> torch.Tensor:
+    """``paged_logits`` over ``inputs``, eagerly or through ``compiled``; see ``forward_paged``."""
     arguments = (
         model, cache.keys, cache.values, cache.page_size,
         inputs.input_ids, inputs.table, inputs.starts, inputs.counts, inputs.new_flat, inputs.slots,
@@ -296,6 +307,6 @@ def forward_paged(
             return compiled(*arguments)
     except (TorchDynamoException, FailOnRecompileLimitHit) as error:
         raise RuntimeError(
-            f"compiling the engine's prefill ({len(batch.tokens)} rows) with torch.compile failed: "
+            f"compiling the engine's prefill ({inputs.input_ids.shape[0]} rows) with torch.compile failed: "
             f"{error}. Run the engine without it: EmbeddedEngineConfig(compile_prefill=False)"
         ) from error
