@@ -35,35 +35,38 @@ def _drive(
     return steps
 
 
-def test_rows_finish_independently_and_waiting_prompts_take_their_slots() -> None:
-    config = EmbeddedEngineConfig(max_rows=2, page_size=2, max_context=64)
-    pool = BlockPool(16)
-    rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
-    lengths = [2, 7, 3, 1]
-    scheduler = ContinuousScheduler(
-        rows, config=config, pool=pool, max_tokens=[8] * len(rows), stop_token_ids=(STOP,)
+FOUR_ROWS = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+FOUR_LENGTHS = [2, 7, 3, 1]
+
+
+def _two_slots(admission_wait_steps: int) -> tuple[list[list[int]], ContinuousScheduler, BlockPool]:
+    """``FOUR_ROWS`` on two slots, each sampling ``STOP`` at its ``FOUR_LENGTHS``: the steps, the
+    scheduler and its pool after the run."""
+    config = EmbeddedEngineConfig(
+        max_rows=2, page_size=2, max_context=64, admission_wait_steps=admission_wait_steps
     )
-    steps = _drive(scheduler, pool, lengths, config)
+    pool = BlockPool(16)
+    scheduler = ContinuousScheduler(
+        FOUR_ROWS, config=config, pool=pool, max_tokens=[8] * len(FOUR_ROWS), stop_token_ids=(STOP,)
+    )
+    return _drive(scheduler, pool, FOUR_LENGTHS, config), scheduler, pool
+
+
+def test_rows_finish_independently_and_waiting_prompts_take_their_slots() -> None:
+    steps, scheduler, pool = _two_slots(admission_wait_steps=0)
     # row 0 finishes after 2 tokens and row 2 joins while row 1 keeps decoding; row 3 takes row 2's slot
     assert steps == [[0, 1], [0, 1], [1, 2], [1, 2], [1, 2], [1, 3], [1]]
-    assert {row.index: row.completion_length for row in scheduler.finished} == dict(enumerate(lengths))
+    assert {row.index: row.completion_length for row in scheduler.finished} == dict(enumerate(FOUR_LENGTHS))
     assert all(row.finish_reason == "stop" for row in scheduler.finished)
     assert pool.free_count == pool.num_blocks
 
 
 def test_freed_slots_wait_for_company_up_to_admission_wait_steps() -> None:
-    config = EmbeddedEngineConfig(max_rows=2, page_size=2, max_context=64, admission_wait_steps=2)
-    pool = BlockPool(16)
-    rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
-    lengths = [2, 7, 3, 1]
-    scheduler = ContinuousScheduler(
-        rows, config=config, pool=pool, max_tokens=[8] * len(rows), stop_token_ids=(STOP,)
-    )
-    steps = _drive(scheduler, pool, lengths, config)
+    steps, scheduler, pool = _two_slots(admission_wait_steps=2)
     # row 0's slot frees after forward 2 and stays empty for two forwards (rows 2 and 3 wait, one
     # slot); row 2 finishes with row 1, and the last prompt fits at once
     assert steps == [[0, 1], [0, 1], [1], [1], [1, 2], [1, 2], [1, 2], [3]]
-    assert {row.index: row.completion_length for row in scheduler.finished} == dict(enumerate(lengths))
+    assert {row.index: row.completion_length for row in scheduler.finished} == dict(enumerate(FOUR_LENGTHS))
     assert pool.free_count == pool.num_blocks
 
 

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from d9d.rl._decode_step import StaticDecodeStep
+
+
+def warm_up_on_side_stream(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``run()`` on a side stream ordered after the current one's work (as a capture's warm-up
+    must run: lazy initialization, compilation, autotuning), then the current stream waits for it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = run()
+    torch.cuda.current_stream().wait_stream(side)
+    return out
 
 
 class GraphedDecodeStep:
@@ -32,6 +45,10 @@ class GraphedDecodeStep:
         """The buckets with a captured graph."""
         return sorted(self._graphs)
 
+    def has(self, rows: int) -> bool:
+        """Whether ``rows``'s bucket has a captured graph (its next step replays it)."""
+        return rows in self._graphs
+
     def forward(self, rows: int) -> torch.Tensor:
         """``(rows, vocab)`` float32 logits, valid until the next call."""
         found = self._graphs.get(rows)
@@ -44,12 +61,7 @@ class GraphedDecodeStep:
         return logits
 
     def _warm_up(self, rows: int) -> torch.Tensor:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            logits = self._step.forward(rows)
-        torch.cuda.current_stream().wait_stream(side)
-        return logits
+        return warm_up_on_side_stream(lambda: self._step.forward(rows))
 
     def _capture(self, rows: int) -> None:
         graph = torch.cuda.CUDAGraph()

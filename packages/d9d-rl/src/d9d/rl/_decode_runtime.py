@@ -147,7 +147,6 @@ class DecodeRuntime:
         self.decode_context_tokens = 0
         self._decode_timer = _DeviceTimer(device)
         self._prefill_timer = _DeviceTimer(device)
-        self._compiled_decode = compiled is not None
         self._first_runs: set[str] = set()
         self.warm_up_seconds = 0.0
 
@@ -190,13 +189,13 @@ class DecodeRuntime:
         self.decode_context_tokens += sum(update.lengths)
         graphs = self._graphs
         if graphs is not None:
-            rows_label = f"decode step of {update.rows} rows"
-            first = rows_label if update.rows not in graphs.captured else None
+            first = None if graphs.has(update.rows) else f"decode step of {update.rows} rows"
             logits = self._first_run(first, lambda: graphs.forward(update.rows))
         else:
             blocks = max(len(row.blocks) for row in rows)
-            kind = "one row" if update.rows == 1 else "several rows"
-            first = f"decode step of {kind}" if self._compiled_decode else None
+            first = None
+            if self._step.compiled:
+                first = f"decode step of {'one row' if update.rows == 1 else 'several rows'}"
             logits = self._first_run(first, lambda: self._step.forward(update.rows, blocks))
         self._decode_timer.stop()
         if update.order == list(range(len(rows))):
@@ -215,7 +214,7 @@ class DecodeRuntime:
             and len(row.tokens) <= GRAPHED_MAX_WIDTH
         ):
             width = width_bucket(len(row.tokens))
-            first = f"prefill of one prompt {width} tokens wide" if width not in graphed.captured else None
+            first = None if graphed.has(width) else f"prefill of one prompt {width} tokens wide"
             logits = self._first_run(first, lambda: graphed.prefill(row.tokens, row.blocks))
         else:
             batch = PagedBatch(

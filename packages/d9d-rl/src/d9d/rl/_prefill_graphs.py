@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from d9d.hf import DecoderCausalLM
+from d9d.rl._decode_graphs import warm_up_on_side_stream
 from d9d.rl._kv_cache import PagedInputs, PagedKVCache, PrefillFunction, run_paged_logits
 from d9d.rl._pinned_copy import to_device
 
@@ -127,10 +128,9 @@ class GraphedPrefill:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
-    @property
-    def captured(self) -> list[int]:
-        """The widths with a captured graph."""
-        return sorted(self._graphs)
+    def has(self, width: int) -> bool:
+        """Whether ``width`` has a captured graph (its next prefill replays it)."""
+        return width in self._graphs
 
     def prefill(self, tokens: list[int], blocks: list[int]) -> torch.Tensor:
         """``(1, vocab)`` float32 logits of one fresh prompt, valid until the next call."""
@@ -140,11 +140,7 @@ class GraphedPrefill:
             graph, logits = found
             graph.replay()
             return logits
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            logits = self._prefill.forward(width)
-        torch.cuda.current_stream().wait_stream(side)
+        logits = warm_up_on_side_stream(lambda: self._prefill.forward(width))
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
