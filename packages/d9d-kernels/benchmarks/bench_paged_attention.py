@@ -10,11 +10,12 @@ bandwidth: bytes = keys + values read once + query and output, against the H200'
 Then a ragged sweep, the rollout engine's case: every row's length drawn from ``--ragged LOW HIGH``
 (seeded) in a block table as wide as ``HIGH``, the kernel's GPU time for each split count of
 ``--splits`` (programs per (row, kv head)) beside the count ``splits_for`` picks, so a change of the
-heuristic can be decided from one call.
+heuristic can be decided from one call; ``--tiles`` adds launch shapes of the split kernel
+(``BLOCK_N x warps x stages``) to time beside the default.
 
 Run: python packages/d9d-kernels/benchmarks/bench_paged_attention.py --out DIR
      (--quick: tiny shapes on CPU; with TRITON_INTERPRET=1 the kernel runs in Triton's interpreter)
-     ... --ragged-only --batches 64 256 --ragged 512 2560 --splits 1 2 3 4 6 8
+     ... --ragged-only --batches 64 256 --ragged 512 2560 --splits 1 2 3 4 6 8 --tiles 64x4x3 128x8x2
 """
 
 from __future__ import annotations
@@ -214,43 +215,61 @@ def ragged_pool(shape: Shape, batch: int, low: int, high: int, device: str) -> P
     )
 
 
+@dataclass(frozen=True)
+class Tile:
+    """The split kernel's launch shape: positions per step, warps, software-pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @staticmethod
+    def parse(text: str) -> Tile:
+        block_n, warps, stages = (int(part) for part in text.split("x"))
+        return Tile(block_n, warps, stages)
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{self.num_warps}x{self.num_stages}"
+
+
 def ragged_sweep(
-    shape: Shape, batches: list[int], low: int, high: int, splits: list[int], device: str
+    shape: Shape, batches: list[int], low: int, high: int, splits: list[int], tiles: list[Tile], device: str
 ) -> None:
-    """Prints the kernel's GPU time per split count at ragged lengths (CPU: checks the splits agree)."""
-    from d9d.kernels._triton.paged_attention_op import (
-        block_size,
-        paged_decode_attention_triton,
-        splits_for,
-    )
+    """Prints the kernel's GPU time per launch tile and split count at ragged lengths (CPU: checks
+    the splits and tiles agree)."""
+    from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
+    from d9d.kernels._triton.paged_attention_op import block_size, splits_for
 
     print(f"\n### ragged lengths {low}..{high}, {shape.name} heads, page {PAGE_SIZE}")
-    print("| batch | splits | picked | kernel GPU ms | GB/s | % of 4.8 TB/s | max abs diff to 1 split |")
-    print("|---|---|---|---|---|---|---|")
+    columns = "tile (BLOCK_N x warps x stages) | splits | picked | kernel GPU ms | GB/s | % of 4.8 TB/s"
+    print(f"| batch | {columns} | max abs diff to the default |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in batches:
         inputs = ragged_pool(shape, batch, low, high, device)
         kv_bytes = (
             int(inputs.lengths.sum()) * shape.kv_heads * 2 * shape.head_dim * inputs.key_cache.element_size()
         )
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
-        block_n = block_size(inputs.query.dtype)
-        picked = splits_for(batch * shape.kv_heads, inputs.capacity, block_n, multiprocessors=sms)
-        one = paged_decode_attention_triton(inputs, num_splits=1)
-        for count in sorted({*splits, picked}):
-            out = paged_decode_attention_triton(inputs, num_splits=count)
-            diff = (out - one).float().abs().max().item()
-            ms = (
-                gpu_kernel_ms(lambda x=inputs, n=count: paged_decode_attention_triton(x, num_splits=n))
-                if device == "cuda"
-                else None
-            )
-            gbs = kv_bytes / (ms * 1e-3) / 1e9 if ms else None
-            mark = "yes" if count == picked else ""
-            print(
-                f"| {batch} | {count} | {mark} | {_cell(ms)} | {_cell(gbs, 0)} | "
-                f"{_cell(100 * gbs / H200_GBS if gbs else None, 1)} | {diff:.4f} |",
-                flush=True,
-            )
+        default = Tile(block_size(inputs.query.dtype), 4, 2)
+        picked = splits_for(batch * shape.kv_heads, inputs.capacity, default.block_n, multiprocessors=sms)
+        reference = paged_decode_attention_kernel(inputs, 1, default.block_n)
+        for tile in dict.fromkeys([default, *tiles]):
+            for count in sorted({*splits, picked}):
+
+                def launch(x: PagedDecodeInputs = inputs, n: int = count, t: Tile = tile) -> torch.Tensor:
+                    return paged_decode_attention_kernel(
+                        x, n, t.block_n, num_warps=t.num_warps, num_stages=t.num_stages
+                    )
+
+                diff = (launch() - reference).float().abs().max().item()
+                ms = gpu_kernel_ms(launch) if device == "cuda" else None
+                gbs = kv_bytes / (ms * 1e-3) / 1e9 if ms else None
+                mark = "yes" if count == picked and tile == default else ""
+                print(
+                    f"| {batch} | {tile} | {count} | {mark} | {_cell(ms)} | {_cell(gbs, 0)} | "
+                    f"{_cell(100 * gbs / H200_GBS if gbs else None, 1)} | {diff:.4f} |",
+                    flush=True,
+                )
         del inputs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -266,12 +285,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="the ragged sweep's")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     parser.add_argument("--ragged-only", action="store_true", help="skip the uniform-length sweep")
+    parser.add_argument(
+        "--tiles",
+        type=Tile.parse,
+        nargs="+",
+        default=[],
+        metavar="NxWxS",
+        help="launch shapes the ragged sweep also times beside the default (BLOCK_N x warps x stages)",
+    )
     args = parser.parse_args()
     settings = settings_for(smoke=args.quick, out=args.out)
     if settings.smoke:
         if triton_interpreter_enabled():
             tiny = Shape(name="tiny", q_heads=4, kv_heads=2, head_dim=16)
-            ragged_sweep(tiny, [3], 5, 70, [1, 3], settings.device)
+            ragged_sweep(tiny, [3], 5, 70, [1, 3], [Tile(16, 2, 1)], settings.device)
         if not args.ragged_only:
             run(settings)
         return
@@ -279,7 +306,7 @@ def main() -> None:
     if not args.ragged_only:
         run(settings)
     for shape in (Shape(name="Qwen3-0.6B", q_heads=16, kv_heads=8, head_dim=128),):
-        ragged_sweep(shape, args.batches, *args.ragged, args.splits, settings.device)
+        ragged_sweep(shape, args.batches, *args.ragged, args.splits, args.tiles, settings.device)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,38 @@ def test_one_launch_rounds_each_exact_product_once(
 
 
 @_INTERPRETER
+@pytest.mark.parametrize("rows", [17, 64])
+def test_one_launch_takes_up_to_64_rows(rows: int) -> None:
+    """Past the single product's 16 rows the group still takes one launch (32- and 64-row tiles)."""
+    x, weights, biases = _group(rows, [37, 19, 19], 40, torch.bfloat16, bias=True)
+    _assert_rounded_products(few_rows_linear_group(x, weights, biases, backend=_TRITON), x, weights, biases)
+
+
+@pytest.mark.parametrize(
+    ("rows", "widths", "k", "one_launch"),
+    [
+        (16, [12288, 12288], 4096, True),  # up to 16 rows every group takes the kernel
+        (64, [2048, 1024, 1024], 1024, True),  # Qwen3-0.6B q/k/v: 2.02x cuBLAS at 64 rows on the H200
+        (64, [4096, 1024, 1024], 4096, True),  # Qwen3-8B q/k/v: 1.24x
+        (64, [12288, 12288], 4096, False),  # Qwen3-8B gate/up: 0.82x, cuBLAS keeps it
+        (65, [8, 8], 16, False),
+    ],
+)
+def test_wide_groups_past_16_rows_stay_on_cublas(
+    rows: int, widths: list[int], k: int, one_launch: bool
+) -> None:
+    from d9d.kernels._triton.few_rows_linear_op import group_takes_one_launch
+
+    weights = [torch.empty(n, k, device="meta") for n in widths]
+    assert group_takes_one_launch(rows, weights) is one_launch
+
+
+@_INTERPRETER
 def test_groups_the_launch_cannot_take_go_product_by_product() -> None:
-    x, weights, biases = _group(17, [8, 8], 16, torch.float32, bias=True)  # more rows than the kernel takes
-    outs = few_rows_linear_group(x.view(17, 1, 16), weights, biases, backend=_TRITON)
+    x, weights, biases = _group(65, [8, 8], 16, torch.float32, bias=True)  # more rows than the kernel takes
+    outs = few_rows_linear_group(x.view(65, 1, 16), weights, biases, backend=_TRITON)
     for out, weight, bias in zip(outs, weights, biases or [], strict=True):
-        assert torch.equal(out, F.linear(x.view(17, 1, 16), weight, bias))
+        assert torch.equal(out, F.linear(x.view(65, 1, 16), weight, bias))
     x, weights, _ = _group(2, [8, 8], 16, torch.float32, bias=False)
     mixed = [torch.ones(8), None]  # a bias for one weight only: two launches, the same products
     outs = few_rows_linear_group(x, weights, mixed, backend=_TRITON)
@@ -146,7 +173,7 @@ _DECODE_GROUPS = [[2048, 1024, 1024], [3072, 3072], [4096, 1024, 1024]]
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
 @pytest.mark.parametrize("widths", _DECODE_GROUPS, ids=str)
 def test_groups_at_decode_shapes_on_gpu(rows: int, widths: list[int]) -> None:
     k = 4096 if widths[0] == 4096 else 1024

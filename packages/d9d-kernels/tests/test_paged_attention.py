@@ -245,9 +245,9 @@ def test_backend_triton_runs_the_kernel_with_its_own_split_count() -> None:
     ("rows", "capacity", "splits"),
     [
         (1, 4096, 33),  # one row of 8 kv heads on 132 SMs: 264 programs wanted, 33 per (row, head)
-        (1, 256, 4),  # a short table: no split smaller than one 64-position step
-        (16, 4096, 3),  # 128 (row, head) pairs already fill most of the GPU
-        (64, 4096, 1),  # a full batch: one program per (row, head)
+        (1, 128, 2),  # a short table: no split smaller than one 64-position step
+        (16, 4096, 4),  # 128 (row, head) pairs fill most of the GPU: the floor of four splits
+        (64, 4096, 4),  # a full batch still splits four ways: ragged rows balance over the SMs
     ],
 )
 def test_split_count_fills_the_gpu_from_static_sizes(rows: int, capacity: int, splits: int) -> None:

@@ -164,7 +164,7 @@ def _d9d_engine(
     few_rows_linear_group: bool,
     decode_ahead: bool,
     compile_prefill: bool | None,
-    prefill_graphs: bool,
+    prefill_graphs: bool | None,
     admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -279,14 +279,14 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     ahead = args.decode_ahead != "off"
     group = args.few_rows_linear_group != "off"
     prefill = {"auto": None, "on": True, "off": False, "both": True}[args.compile_prefill]
-    prefill_graphs = args.prefill_graphs != "off"
+    prefill_graphs = {"auto": None, "on": True, "off": False, "both": True}[args.prefill_graphs]
 
     def engine_with(
         few_rows_linear: bool | None,
         decode_ahead: bool,
         few_rows_linear_group: bool = group,
         compile_prefill: bool | None = prefill,
-        graphed_prefills: bool = prefill_graphs,
+        graphed_prefills: bool | None = prefill_graphs,
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -347,10 +347,25 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
                 decode_seconds[name].append(stats.decode_seconds)
                 if name == "d9d":
                     prefill_seconds.append(stats.prefill_seconds)
+    point = _summary(workload, times, decode_seconds, prefill_seconds, engines, label)
+    # the row first: a profiled call cut short by a timeout loses only the profile
+    _print_point(width, batch, point, args.bandwidth)
     if args.profile and device.type == "cuda":
         for name, profiled in engines.items():
             print(f"  {width} batch {batch}, engine {name}:", flush=True)
             _print_kernel_profile(profiled, runs[name], args.profile)
+    return point
+
+
+def _summary(
+    workload: Workload,
+    times: dict[str, list[float]],
+    decode_seconds: dict[str, list[float]],
+    prefill_seconds: list[float],
+    engines: dict[str, EmbeddedRolloutEngine],
+    label: str | None,
+) -> Point:
+    """The medians of a point's timed calls."""
     tokens = sum(workload.lengths)
     reference = tokens / statistics.median(times["transformers"]) if "transformers" in times else None
     if "d9d" not in engines:
@@ -457,9 +472,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-graphs",
-        choices=["on", "off", "both"],
-        default="off",
-        help="EmbeddedEngineConfig.prefill_graphs (needs CUDA graphs); both: the engine with it and a "
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="EmbeddedEngineConfig.prefill_graphs (auto: None, on with CUDA graphs and eager prefills; on "
+        "needs CUDA graphs); both: the engine with it and a "
         "second engine without it, alternating",
     )
     parser.add_argument(
@@ -523,8 +539,7 @@ def main() -> None:
     )
     for width in args.widths:
         for batch in args.batches:
-            point = _point(args, width, batch, device)
-            _print_point(width, batch, point, args.bandwidth)
+            _point(args, width, batch, device)  # prints its row as it ends
 
 
 if __name__ == "__main__":

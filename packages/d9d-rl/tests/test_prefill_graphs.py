@@ -83,7 +83,12 @@ def test_graphed_prefills_complete_as_eager_ones_on_cuda() -> None:
     results: list[list[Completion]] = []
     for graphed in (False, True):
         config = EmbeddedEngineConfig(
-            max_rows=3, page_size=PAGE, max_context=64, num_blocks=24, prefill_graphs=graphed
+            max_rows=3,
+            page_size=PAGE,
+            max_context=36,
+            num_blocks=10,
+            prefill_graphs=graphed,  # preempts
+            few_rows_linear=False,  # no autotuning: the test is about the prefills
         )
         engine = EmbeddedRolloutEngine(tiny_model().cuda(), config=config)
         for _ in range(2):

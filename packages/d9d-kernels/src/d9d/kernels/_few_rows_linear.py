@@ -15,6 +15,7 @@ from d9d.kernels._shared_input_linear import shared_input_linear
 
 _OP = "few_rows_linear"
 _ROWS_MAX = 16  # the kernels' limit (few_rows_linear_op.FEW_ROWS_MAX, imported only with Triton)
+_GROUP_ROWS_MAX = 64  # a group's (few_rows_linear_op.FEW_ROWS_GROUP_MAX)
 _GROUP_MAX = 3  # weights per launch (few_rows_linear_kernels.GROUP_MAX)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -88,7 +89,7 @@ def _group_fits(
         and len(present) in (0, len(weights))
         and all(w.dim() == 2 and w.shape[1] == input.shape[-1] for w in weights)
         and all(b is None or tuple(b.shape) == (w.shape[0],) for w, b in zip(weights, biases, strict=True))
-        and input.numel() <= _ROWS_MAX * input.shape[-1]
+        and input.numel() <= _GROUP_ROWS_MAX * input.shape[-1]
         and _kernel_can_take(tensors)
         and use_triton(backend, _OP, *tensors)
     )
@@ -113,7 +114,9 @@ def few_rows_linear_group(
     """``F.linear(input, weights[i], biases[i])`` for each weight, in one Triton launch when it can.
 
     One input's projections (q/k/v, gate/up) read their weights in one launch instead of one
-    each: the programs split over every weight's columns. The launch takes at most 16 rows, up to
+    each: the programs split over every weight's columns. The launch takes at most 16 rows, or up
+    to 64 for groups of at most 32M weight elements (past 16 rows, where larger weights reach the
+    bandwidth through cuBLAS, the products go to ``F.linear`` one by one), up to
     three weights of the same inner dim and dtype, and biases for all of them or none; otherwise
     each product goes through ``few_rows_linear`` alone (the same fall-backs). Inference only.
 

@@ -127,7 +127,7 @@ class EmbeddedRolloutEngine:
                 f"{self._device}. Leave cuda_graphs unset (None: on for CUDA only) or set it to False"
             )
         self._cuda_graphs = self._device.type == "cuda" if graphs is None else graphs
-        if self._config.prefill_graphs and not self._cuda_graphs:
+        if self._config.prefill_graphs is True and not self._cuda_graphs:
             raise ValueError(
                 f"EmbeddedEngineConfig.prefill_graphs=True needs the decode step in CUDA graphs (a CUDA "
                 f"device, cuda_graphs not False); the model is on {self._device} with cuda_graphs="
@@ -148,6 +148,10 @@ class EmbeddedRolloutEngine:
         if compile_prefill is None:
             compile_prefill = self._config.compile_decode
         self._compiled_prefill = compile_paged_logits(self._config.max_rows) if compile_prefill else None
+        prefill_graphs = self._config.prefill_graphs
+        self._prefill_graphs = (
+            self._cuda_graphs and not compile_prefill if prefill_graphs is None else prefill_graphs
+        )
         self._runtime: DecodeRuntime | None = None
         self._weights = model.state_dict()
         self._offloader = TensorOffloader(self._device)
@@ -321,7 +325,7 @@ class EmbeddedRolloutEngine:
                 compiled=self._compiled_decode,
                 compiled_prefill=self._compiled_prefill,
                 few_rows_linear=self._few_rows_linear,
-                prefill_graphs=self._config.prefill_graphs,
+                prefill_graphs=self._prefill_graphs,
             )
             self._runtime = runtime
         runtime.start_call()

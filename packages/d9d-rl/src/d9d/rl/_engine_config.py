@@ -50,8 +50,9 @@ class EmbeddedEngineConfig(BaseModel):
         few_rows_linear_group: With ``few_rows_linear`` on, also run each layer's q/k/v projections
             and its gate/up projections in one launch each (d9d-kernels' ``few_rows_linear_group``
             through ``shared_input_linear``): a one-row decode step at Qwen3-0.6B widths took
-            1.24 ms with a launch per linear and 1.07 ms grouped on an H200. False: a launch per
-            linear.
+            1.24 ms with a launch per linear and 1.07 ms grouped on an H200. The groups take buckets
+            of up to 64 rows (at 64 rows one launch for q/k/v was 2.02x cuBLAS's three at that
+            width), where the single products are back on cuBLAS. False: a launch per linear.
         decode_ahead: While every running row decodes and none can be admitted or needs a
             block that is not free, launch the next decode step before reading the current step's
             tokens on the host: the next step takes them on the device, and the host's reading,
@@ -65,8 +66,10 @@ class EmbeddedEngineConfig(BaseModel):
             and values written to the scratch block and masked). Eagerly such a prefill is a few
             hundred small kernels launched one by one by the host. Several prompts at once, rows
             with tokens already cached and longer prompts run as before. Each width's graph keeps
-            its activations in a memory pool of the prefills' own. Refused without CUDA graphs.
-            Off by default: not yet run on a GPU.
+            its activations in a memory pool of the prefills' own. None: on with CUDA graphs and
+            eager prefills (``compile_prefill`` off); at the Qwen3-0.6B width, batch 64 and
+            completions to 2048 on an H200 the prefills took 0.30 s of a call instead of 2.58 s.
+            True without CUDA graphs is refused.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
             host about the same whether it runs one prompt or several (a few hundred kernel
@@ -88,7 +91,7 @@ class EmbeddedEngineConfig(BaseModel):
     few_rows_linear: bool | None = None
     few_rows_linear_group: bool = True
     decode_ahead: bool = True
-    prefill_graphs: bool = False
+    prefill_graphs: bool | None = None
     admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")

@@ -176,8 +176,13 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
 
 
-def paged_decode_attention_kernel(inputs: PagedDecodeInputs, num_splits: int, block_n: int) -> torch.Tensor:
-    """Launches the split kernel (and, for ``num_splits > 1``, the combine kernel); see the module."""
+def paged_decode_attention_kernel(
+    inputs: PagedDecodeInputs, num_splits: int, block_n: int, *, num_warps: int = 4, num_stages: int = 2
+) -> torch.Tensor:
+    """Launches the split kernel (and, for ``num_splits > 1``, the combine kernel); see the module.
+
+    ``num_warps`` and ``num_stages`` are the split kernel's launch shape (the benchmark sweeps them).
+    """
     query, key_cache, value_cache = inputs.query, inputs.key_cache, inputs.value_cache
     block_table, lengths, sinks = inputs.block_table, inputs.lengths, inputs.sinks
     page_size, sliding_window = inputs.page_size, inputs.sliding_window
@@ -204,7 +209,7 @@ def paged_decode_attention_kernel(inputs: PagedDecodeInputs, num_splits: int, bl
             HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
             BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
-            UPCAST=interpreted(), PRECISION=_precision(query), num_warps=4, num_stages=2,
+            UPCAST=interpreted(), PRECISION=_precision(query), num_warps=num_warps, num_stages=num_stages,
         ),
     )  # fmt: skip
     if num_splits > 1:
