@@ -22,6 +22,9 @@ def paged_decode_attention(
     softmax_scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+    write_slots: torch.Tensor | None = None,
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> torch.Tensor:
     """Attention of one new query token per row over that row's keys and values in a paged pool.
@@ -36,7 +39,8 @@ def paged_decode_attention(
 
     Args:
         query: ``(rows, q_heads, head_dim)``, the rows' new tokens, already rotated.
-        key_cache: ``(num_slots, kv_heads, head_dim)``, with the new tokens' keys already written.
+        key_cache: ``(num_slots, kv_heads, head_dim)``, with the new tokens' keys already written
+            (or written by this call: ``new_key``).
         value_cache: ``(num_slots, kv_heads, value_dim)``; ``value_dim`` may differ from
             ``head_dim`` (multi-head latent attention).
         block_table: ``(rows, max_blocks)`` int32, row ``r``'s ``i``-th block id.
@@ -48,6 +52,15 @@ def paged_decode_attention(
             ``length - 1 - sliding_window``; None sees the whole row.
         sinks: ``(q_heads,)`` attention-sink logits (GPT-OSS): an extra softmax column with no value,
             as in ``d9d.kernels.layers.sdpa_with_sinks``.
+        new_key: ``(rows, kv_heads, head_dim)``: the rows' new keys, written into ``key_cache`` at
+            ``write_slots`` before the attention, as ``key_cache.index_copy_(0, write_slots,
+            new_key)`` would (a decode step's write). The Triton kernel does it in its own launch
+            (two launches fewer per layer): the programs of a row read its new key and value from
+            these tensors where the table points at the written slot, and one of them stores them.
+            A written slot must hold no position that another row sees (an idle row may write a
+            scratch slot no row reads). None: the pool already holds the new tokens.
+        new_value: ``(rows, kv_heads, value_dim)``, written into ``value_cache`` with ``new_key``.
+        write_slots: ``(rows,)`` int64 or int32 slots of ``new_key`` and ``new_value``.
         backend: Which implementation runs (Triton on CUDA by default).
 
     Returns:
@@ -63,10 +76,12 @@ def paged_decode_attention(
     inputs = PagedDecodeInputs(
         query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, lengths=lengths,
         page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+        new_key=new_key, new_value=new_value, write_slots=write_slots,
     )  # fmt: skip
     inputs.check()
     if use_triton(backend, _OP, *inputs.floats):
         from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
 
         return paged_decode_attention_triton(inputs)
-    return paged_decode_attention_reference(inputs)
+    inputs.write()
+    return paged_decode_attention_reference(inputs.without_write())

@@ -6,7 +6,7 @@ from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,10 @@ class PagedDecodeInputs:
         softmax_scale: Score multiplier.
         sliding_window: The window, or None for the whole row.
         sinks: ``(q_heads,)`` attention-sink logits, or None.
+        new_key: ``(rows, kv_heads, head_dim)`` keys to write at ``write_slots`` before attending,
+            or None (the pool already holds them).
+        new_value: ``(rows, kv_heads, value_dim)``, with ``new_key``.
+        write_slots: ``(rows,)`` int64 or int32 pool slots of ``new_key`` and ``new_value``.
     """
 
     query: torch.Tensor
@@ -38,6 +42,9 @@ class PagedDecodeInputs:
     softmax_scale: float
     sliding_window: int | None
     sinks: torch.Tensor | None
+    new_key: torch.Tensor | None = None
+    new_value: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -81,10 +88,27 @@ class PagedDecodeInputs:
             (self.sinks,) if self.sinks is not None else ()
         )
 
+    @property
+    def writes(self) -> bool:
+        """Whether the call writes ``new_key`` and ``new_value`` into the pool first."""
+        return self.write_slots is not None
+
+    def without_write(self) -> PagedDecodeInputs:
+        """The same call with the write left out (done by the caller)."""
+        return replace(self, new_key=None, new_value=None, write_slots=None)
+
+    def write(self) -> None:
+        """``index_copy_`` of the new keys and values into the pool (the paths that do not fuse it)."""
+        if self.new_key is not None and self.new_value is not None and self.write_slots is not None:
+            slots = self.write_slots.to(torch.int64)
+            self.key_cache.index_copy_(0, slots, self.new_key)
+            self.value_cache.index_copy_(0, slots, self.new_value)
+
     def check(self) -> None:
         """Raises ``ValueError`` naming what does not fit (see ``paged_decode_attention``'s Raises)."""
         self._check_shapes()
         self._check_types()
+        self._check_write()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"{_OP}: sliding_window={self.sliding_window} must be at least 1")
 
@@ -140,3 +164,27 @@ class PagedDecodeInputs:
                 f"{_OP}: sinks must be a floating (q_heads={query.shape[1]},) tensor, got "
                 f"{tuple(sinks.shape)} {sinks.dtype}"
             )
+
+    def _check_write(self) -> None:
+        given = [t is not None for t in (self.new_key, self.new_value, self.write_slots)]
+        if not any(given):
+            return
+        if not all(given):
+            raise ValueError(f"{_OP}: new_key, new_value and write_slots go together; got only some of them")
+        new_key, new_value, slots = self.new_key, self.new_value, self.write_slots
+        assert new_key is not None and new_value is not None and slots is not None
+        expected = {
+            "new_key": (new_key, (self.rows, self.kv_heads, self.head_dim), self.key_cache.dtype),
+            "new_value": (new_value, (self.rows, self.kv_heads, self.value_dim), self.value_cache.dtype),
+        }
+        for name, (t, shape, dtype) in expected.items():
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{_OP}: {name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        if tuple(slots.shape) != (self.rows,) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{_OP}: write_slots must be int32 or int64 (rows={self.rows},), got {slots.dtype} "
+                f"{tuple(slots.shape)}"
+            )
+        for name, t in (("new_key", new_key), ("new_value", new_value), ("write_slots", slots)):
+            if t.device != self.query.device:
+                raise ValueError(f"{_OP}: {name} is on {t.device}, query on {self.query.device}")

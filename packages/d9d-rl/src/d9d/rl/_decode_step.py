@@ -305,8 +305,8 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
 class DecodeLayerView:
     """One layer's pool during a decode step: d9d-kernels' ``AttendingKeyValueCache``.
 
-    ``attend`` writes the rows' new keys and values at their write slots and runs
-    ``paged_decode_attention`` over the pool in place. ``append`` and ``attention_mask`` give the
+    ``attend`` runs ``paged_decode_attention`` over the pool in place, which also writes the rows'
+    new keys and values at their write slots. ``append`` and ``attention_mask`` give the
     same attention as gathered keys and a mask over every block-table column (for a layer that
     attends itself; the engine's layers go through ``attend``).
     """
@@ -334,8 +334,11 @@ class DecodeLayerView:
         sliding_window: int | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``(rows, 1, q_heads, value_dim)``: the new token of each row attends to its cached ones."""
-        self._write(key, value)
+        """``(rows, 1, q_heads, value_dim)``: the new token of each row attends to its cached ones.
+
+        The attention op writes the new keys and values itself (in its own launch on the GPU)."""
+        if key.shape[1] != 1:
+            raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
         out = paged_decode_attention(
             query[:, 0].to(self.keys.dtype),
             self.keys,
@@ -346,6 +349,9 @@ class DecodeLayerView:
             softmax_scale=softmax_scale,
             sliding_window=sliding_window,
             sinks=sinks,
+            new_key=key[:, 0].to(self.keys.dtype),
+            new_value=value[:, 0].to(self.values.dtype),
+            write_slots=self.write_slots,
         )
         return out[:, None].to(query.dtype)
 

@@ -11,6 +11,11 @@ it finishes the row itself (sinks, normalization, cast); with several it writes 
 partial ``(acc, max, sum)`` and a combine program per (row, query head) merges the splits by their
 maxima and adds the sink to the denominator. A row's visible span is divided among the splits in the
 kernel, from its length on the device, so no host ever reads a length.
+
+With a write (``new_key``, ``new_value``, ``write_slots``), the first split of each (row, kv head)
+stores the row's new key and value into the pool, and every program of the row reads them from the
+inputs wherever its table points at the written slot: no program depends on another's store, and
+the decode step needs no separate ``index_copy_`` launches.
 """
 
 import torch
@@ -48,9 +53,11 @@ def _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS: tl.constexpr):
 @triton.jit
 def _attend_block(
     q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s, sv_d,
-    qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    qk_scale, write_slot, new_k, new_v, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WRITE: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over positions ``n0 .. n0 + BLOCK_N`` (those below ``end``)."""
+    """One online-softmax step over positions ``n0 .. n0 + BLOCK_N`` (those below ``end``); with
+    ``HAS_WRITE`` the row's written slot takes its new key and value (the pool's may be unwritten)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(table_row + pos // PAGE_SIZE, mask=valid, other=0)
@@ -62,6 +69,10 @@ def _attend_block(
     v = tl.load(
         v_base + slot[:, None] * sv_s + dv[None, :] * sv_d, mask=valid[:, None] & dv_mask[None, :], other=0.0
     )
+    if HAS_WRITE:
+        written = slot == write_slot
+        k = tl.where(written[None, :], new_k[:, None], k)
+        v = tl.where(written[:, None], new_v[None, :], v)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -78,11 +89,13 @@ def _attend_block(
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, out_ptr, part_ptr, max_ptr, sum_ptr,
+    new_k_ptr, new_v_ptr, write_ptr,
     q_heads, group, window, qk_scale,
-    sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h,
+    sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h, snk_r, snk_h, snv_r, snv_h,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WRITE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,6 +124,15 @@ def _paged_decode_split_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * sk_h
     v_base = v_ptr + kv_head.to(tl.int64) * sv_h
+    write_slot = tl.full((), -1, tl.int64)
+    new_k = tl.zeros((BLOCK_D,), k_ptr.dtype.element_ty)
+    new_v = tl.zeros((BLOCK_DV,), v_ptr.dtype.element_ty)
+    if HAS_WRITE:
+        # the row's new key and value (contiguous last dims): the written slot reads them from here,
+        # and the first split stores them into the pool after its loop
+        write_slot = tl.load(write_ptr + row).to(tl.int64)
+        new_k = tl.load(new_k_ptr + row.to(tl.int64) * snk_r + kv_head * snk_h + d, mask=d_mask, other=0.0)
+        new_v = tl.load(new_v_ptr + row.to(tl.int64) * snv_r + kv_head * snv_h + dv, mask=dv_mask, other=0.0)
     table_row = table_ptr + row.to(tl.int64) * st_r
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -118,8 +140,13 @@ def _paged_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s,
-            sv_d, qk_scale, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
+            sv_d, qk_scale, write_slot, new_k, new_v, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_WRITE,
         )  # fmt: skip
+    if HAS_WRITE:  # the first split stores (the other splits' masks are empty)
+        k_first = d_mask & (d * 0 + split == 0)
+        v_first = dv_mask & (dv * 0 + split == 0)
+        tl.store(k_base + write_slot * sk_s + d * sk_d, new_k, mask=k_first)
+        tl.store(v_base + write_slot * sv_s + dv * sv_d, new_v, mask=v_first)
     if NUM_SPLITS == 1:
         out = _finish(acc, m_i, l_i, _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS), length)
         tl.store(
@@ -176,6 +203,10 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
 
 
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def paged_decode_attention_kernel(
     inputs: PagedDecodeInputs, num_splits: int, block_n: int, *, num_warps: int = 4, num_stages: int = 2
 ) -> torch.Tensor:
@@ -198,18 +229,25 @@ def paged_decode_attention_kernel(
     sums = torch.empty_like(maxima)
     sink_arg = sinks if sinks is not None else maxima
     block_dv = next_power_of_2(value_dim)
+    # without a write the new-token arguments are never read: any tensor of the right kind stands in
+    new_key = query if inputs.new_key is None else _unit_last_stride(inputs.new_key)
+    new_value = query if inputs.new_value is None else _unit_last_stride(inputs.new_value)
+    write_slots = lengths if inputs.write_slots is None else inputs.write_slots
     _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
+        new_key, new_value, write_slots,
         q_heads, group, sliding_window or 0, inputs.softmax_scale * _LOG2E,
         query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
+        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         **launch_options(
             HEAD_DIM=head_dim, VALUE_DIM=value_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
             HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
             BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
-            UPCAST=interpreted(), PRECISION=_precision(query), num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreted(), PRECISION=_precision(query), HAS_WRITE=inputs.writes,
+            num_warps=num_warps, num_stages=num_stages,
         ),
     )  # fmt: skip
     if num_splits > 1:

@@ -98,7 +98,10 @@ def paged_decode_attention_triton(
         sms = multiprocessor_count(inputs.query.device)
         num_splits = splits_for(inputs.rows * inputs.kv_heads, inputs.capacity, block_n, multiprocessors=sms)
     if torch.compiler.is_compiling():
-        i = inputs
+        # the custom op mutates nothing (a mutating one would have its pool functionalized): the
+        # compiled step writes with index_copy_, which Inductor fuses with its neighbours
+        inputs.write()
+        i = inputs.without_write()
         return _paged_decode_attention(
             i.query, i.key_cache, i.value_cache, i.block_table, i.lengths, i.sinks,
             i.page_size, i.softmax_scale, i.sliding_window, num_splits, block_n,
