@@ -164,11 +164,11 @@ def test_a_write_that_does_not_fit_is_refused(change: dict[str, torch.Tensor | N
 def test_the_kernel_writes_at_qwen3_shapes_on_gpu(rows: int) -> None:
     """Qwen3-0.6B's heads (16 query, 8 kv, 128 wide), bf16, lengths 1 to 20 and one idle row (only
     one: idle rows share a scratch slot, where the last writer is unspecified); the GPU's splits."""
+    lengths = [0] + [1 + (7 * row) % 20 for row in range(1, rows)]
+    cpu = _decode_step(lengths, kv_heads=8, head_dim=128, value_dim=128)
     step = {
-        name: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.cuda()
-        for name, t in _decode_step([0] + [1 + (7 * row) % 20 for row in range(1, rows)], kv_heads=8, head_dim=128,
-                                    value_dim=128).items()
-    }  # fmt: skip
+        name: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.cuda() for name, t in cpu.items()
+    }
     got = _fused(step, KernelBackend.TRITON)
     expected = _written_then_attended(step)
     torch.testing.assert_close(got[0].float(), expected[0].float(), rtol=1e-2, atol=1e-2)
