@@ -90,7 +90,7 @@ def _few_rows_tile(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=_one_row_configs(), key=["n", "k"])
+@triton.autotune(configs=_one_row_configs(), key=["n", "k"], cache_results=True)
 @triton.jit
 def _one_row_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w,
@@ -100,7 +100,7 @@ def _one_row_kernel(
 
 
 # BLOCK_M in the key: rows padded to 32 or 64 (a direct launch; the op stops at 16) tune apart
-@triton.autotune(configs=_few_rows_configs(), key=["n", "k", "BLOCK_M"])
+@triton.autotune(configs=_few_rows_configs(), key=["n", "k", "BLOCK_M"], cache_results=True)
 @triton.jit
 def _few_rows_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_x, stride_w, stride_y,
@@ -113,7 +113,7 @@ def _few_rows_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(configs=_one_row_configs(), key=["n0", "n1", "n2", "k"])
+@triton.autotune(configs=_one_row_configs(), key=["n0", "n1", "n2", "k"], cache_results=True)
 @triton.jit
 def _one_row_group_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
@@ -145,7 +145,7 @@ def _one_row_group_kernel(
         )
 
 
-@triton.autotune(configs=_few_rows_configs(), key=["n0", "n1", "n2", "k", "BLOCK_M"])
+@triton.autotune(configs=_few_rows_configs(), key=["n0", "n1", "n2", "k", "BLOCK_M"], cache_results=True)
 @triton.jit
 def _few_rows_group_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,

@@ -20,7 +20,7 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
 
 
-@triton.autotune(configs=_configs(), key=["n_cols"])
+@triton.autotune(configs=_configs(), key=["n_cols"], cache_results=True)
 @triton.jit
 def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -32,7 +32,7 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n_
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["n_cols"])
+@triton.autotune(configs=_configs(), key=["n_cols"], cache_results=True)
 @triton.jit
 def _swiglu_backward_kernel(
     dout_ptr,
