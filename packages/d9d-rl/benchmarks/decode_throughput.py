@@ -165,6 +165,7 @@ def _d9d_engine(
     decode_ahead: bool,
     compile_prefill: bool | None,
     prefill_graphs: bool | None,
+    fused_pool_write: bool,
     admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -181,6 +182,7 @@ def _d9d_engine(
         decode_ahead=decode_ahead,
         compile_prefill=compile_prefill,
         prefill_graphs=prefill_graphs,
+        fused_pool_write=fused_pool_write,
         admission_wait_steps=admission_wait_steps,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
@@ -287,6 +289,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         few_rows_linear_group: bool = group,
         compile_prefill: bool | None = prefill,
         graphed_prefills: bool | None = prefill_graphs,
+        fused_pool_write: bool = args.fused_pool_write != "off",
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -300,6 +303,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             decode_ahead=decode_ahead,
             compile_prefill=compile_prefill,
             prefill_graphs=graphed_prefills,
+            fused_pool_write=fused_pool_write,
             admission_wait_steps=args.admission_wait_steps,
         )
 
@@ -327,6 +331,11 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
     elif args.prefill_graphs == "both":
         label = "without prefill_graphs (eager single prefills)"
         engines["variant"], runs["variant"] = engine_with(few_rows, ahead, group, prefill, False)
+    elif args.fused_pool_write == "both":
+        label = "without fused_pool_write (index_copy_ writes)"
+        engines["variant"], runs["variant"] = engine_with(
+            few_rows, ahead, group, prefill, prefill_graphs, False
+        )
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -454,7 +463,11 @@ def main() -> None:
         help="EmbeddedEngineConfig.few_rows_linear (auto: None, on for CUDA); both: the engine with "
         "it and a second engine without it (cuBLAS), alternating, each row followed by the second's figures",
     )
-    for switch, default in (("few-rows-linear-group", "on"), ("decode-ahead", "on")):
+    for switch, default in (
+        ("few-rows-linear-group", "on"),
+        ("decode-ahead", "on"),
+        ("fused-pool-write", "off"),
+    ):
         field = switch.replace("-", "_")
         parser.add_argument(
             f"--{switch}",
@@ -511,11 +524,12 @@ def main() -> None:
         args.few_rows_linear_group,
         args.compile_prefill,
         args.prefill_graphs,
+        args.fused_pool_write,
     ]
     if switches.count("both") > 1:
         parser.error(
-            "--few-rows-linear, --decode-ahead, --few-rows-linear-group, --compile-prefill and "
-            "--prefill-graphs: 'both' adds a second engine, pass it to one of them"
+            "--few-rows-linear, --decode-ahead, --few-rows-linear-group, --compile-prefill, "
+            "--prefill-graphs and --fused-pool-write: 'both' adds a second engine, pass it to one of them"
         )
     if args.sides != "both" and "both" in switches:
         parser.error("a 'both' switch compares two engines beside transformers: it needs --sides both")

@@ -33,8 +33,10 @@ def _sequence(index: int, tokens: list[int], blocks: list[int]) -> SequenceState
     )
 
 
-def test_static_step_equals_the_gathering_path() -> None:
-    """One decode step of ragged rows (in buffer rows 3, 1, 0; row 2 idle) against ``forward_paged``."""
+@pytest.mark.parametrize("fused_pool_write", [False, True], ids=["index-copy", "fused-write"])
+def test_static_step_equals_the_gathering_path(fused_pool_write: bool) -> None:
+    """One decode step of ragged rows (in buffer rows 3, 1, 0; row 2 idle) against ``forward_paged``;
+    the pool written by ``index_copy_`` or by the attention op."""
     model = tiny_model()  # layer 1 has a window of 4 positions: the longest row sees past it
     caches = [
         PagedKVCache.empty(model, num_blocks=12, page_size=2, device=torch.device("cpu")) for _ in range(2)
@@ -50,7 +52,7 @@ def test_static_step_equals_the_gathering_path() -> None:
     news = PagedBatch(
         tokens=[s.tokens[-1:] for s in sequences], starts=[s.cached for s in sequences], blocks=prompts.blocks
     )
-    step = StaticDecodeStep(model, caches[0], max_rows=4, max_blocks=6)
+    step = StaticDecodeStep(model, caches[0], max_rows=4, max_blocks=6, fused_pool_write=fused_pool_write)
     slots = DecodeSlots(4, pad_token_id=0)
     # a step before: two rows that then finish and two that stay in their buffer rows
     step.load(slots.plan([_sequence(0, [1], [8]), sequences[0], _sequence(1, [1], [10]), sequences[2]]))
@@ -84,8 +86,11 @@ def test_rows_keep_their_buffer_row_and_only_new_blocks_are_sent() -> None:
     assert second.lengths == [6, 0, 4, 5]
 
 
+@pytest.mark.parametrize("fused_write", [False, True], ids=["index-copy", "fused-write"])
 @pytest.mark.parametrize(("window", "sinks"), [(None, False), (3, False), (None, True)])
-def test_paged_attention_equals_sdpa_over_the_gathered_view(window: int | None, sinks: bool) -> None:
+def test_paged_attention_equals_sdpa_over_the_gathered_view(
+    window: int | None, sinks: bool, fused_write: bool
+) -> None:
     torch.manual_seed(0)
     keys, values = torch.randn(2, 24, 2, 8).unbind(0)
     table = torch.tensor([[3, 1, 5], [0, 0, 0], [2, 4, 0]], dtype=torch.int32)
@@ -97,6 +102,7 @@ def test_paged_attention_equals_sdpa_over_the_gathered_view(window: int | None, 
         write_slots=torch.tensor([5 * 4 + 0, 0, 4 * 4 + 0]),  # at position length - 1; idle: a free block
         block_table=table,
         lengths=lengths,
+        fused_write=fused_write,
     )
     query, key, value = torch.randn(3, 3, 1, 4, 8).unbind(0)
     key, value = key[:, :, :2], value[:, :, :2]

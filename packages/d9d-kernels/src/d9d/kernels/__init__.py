@@ -11,6 +11,7 @@ from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._paged_attention import paged_decode_attention
+from d9d.kernels._qk_norm_rope import qk_norm_rope
 from d9d.kernels._rms_norm import rms_norm
 from d9d.kernels._rope import RopeLayout, apply_rope
 from d9d.kernels._shared_input_linear import shared_input_linear
@@ -41,6 +42,7 @@ __all__ = [
     "moe_permute",
     "moe_unpermute",
     "paged_decode_attention",
+    "qk_norm_rope",
     "rms_norm",
     "shared_input_linear",
     "swiglu",

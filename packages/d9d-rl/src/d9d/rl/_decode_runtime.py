@@ -133,6 +133,7 @@ class DecodeRuntime:
             max_blocks=config.blocks_for(config.max_context),
             compiled=compiled,
             few_rows_linear=few_rows_linear,
+            fused_pool_write=config.fused_pool_write,
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None

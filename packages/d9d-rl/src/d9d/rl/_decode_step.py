@@ -75,6 +75,7 @@ class StaticDecodeStep:
         compiled: ``compile_decode_rows``'s function, shared by the steps of one engine (its
             graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
         few_rows_linear: How the model part's linears run.
+        fused_pool_write: The attention writes the new keys and values in its own launch.
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class StaticDecodeStep:
         max_blocks: int,
         compiled: DecodeFunction | None = None,
         few_rows_linear: FewRowsLinears = "off",
+        fused_pool_write: bool = False,
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -101,6 +103,7 @@ class StaticDecodeStep:
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
         self._compiled = compiled
         self._few_rows_linear: FewRowsLinears = few_rows_linear
+        self._fused_pool_write = fused_pool_write
         if compiled is not None:
             for tensor in (*cache.keys, *cache.values):
                 # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
@@ -185,15 +188,17 @@ class StaticDecodeStep:
         )
         if self._compiled is None:
             return decode_rows(
-                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear, *state
-            )
+                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
+                self._fused_pool_write, *state,
+            )  # fmt: skip
         for tensor in state:
             # one graph serves every row count above one (a size of 1 is always specialized)
             maybe_mark_dynamic(tensor, 0)
         try:
             return self._compiled(
-                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear, *state
-            )
+                self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
+                self._fused_pool_write, *state,
+            )  # fmt: skip
         except (TorchDynamoException, FailOnRecompileLimitHit) as error:
             raise RuntimeError(
                 f"compiling the engine's decode step ({rows} rows) with torch.compile failed: {error}. "
@@ -208,6 +213,7 @@ DecodeFunction = Callable[
         list[torch.Tensor],
         int,
         FewRowsLinears,
+        bool,
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
@@ -225,6 +231,7 @@ def decode_rows(
     values: list[torch.Tensor],
     page_size: int,
     few_rows_linear: FewRowsLinears,
+    fused_pool_write: bool,
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
@@ -241,6 +248,7 @@ def decode_rows(
         few_rows_linear: ``"each"``: run the layers and the head under ``FewRowsLinearMode`` (their
             products of at most 16 rows through d9d-kernels' ``few_rows_linear``); ``"grouped"``:
             q/k/v and gate/up in one launch each too; ``"off"``: ``F.linear``.
+        fused_pool_write: The attention op writes the new keys and values (``DecodeLayerView``).
         input_ids: ``(rows,)`` int64, each row's new token.
         lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
         table: ``(rows, columns)`` int32 block table.
@@ -280,6 +288,7 @@ def decode_rows(
                 write_slots=write_slots_out,
                 block_table=table,
                 lengths=lengths,
+                fused_write=fused_pool_write,
             )
             hidden = layer(hidden, position_embeddings, None, kv_cache=view)
         return lm_head.compute_logits(norm(hidden))[:, 0].float()
@@ -305,8 +314,9 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
 class DecodeLayerView:
     """One layer's pool during a decode step: d9d-kernels' ``AttendingKeyValueCache``.
 
-    ``attend`` runs ``paged_decode_attention`` over the pool in place, which also writes the rows'
-    new keys and values at their write slots. ``append`` and ``attention_mask`` give the
+    ``attend`` writes the rows' new keys and values at their write slots and runs
+    ``paged_decode_attention`` over the pool in place (with ``fused_write``, the attention op does
+    the write in its own launch). ``append`` and ``attention_mask`` give the
     same attention as gathered keys and a mask over every block-table column (for a layer that
     attends itself; the engine's layers go through ``attend``).
     """
@@ -317,6 +327,7 @@ class DecodeLayerView:
     write_slots: torch.Tensor
     block_table: torch.Tensor
     lengths: torch.Tensor
+    fused_write: bool = False
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if key.shape[1] != 1:
@@ -336,9 +347,13 @@ class DecodeLayerView:
     ) -> torch.Tensor:
         """``(rows, 1, q_heads, value_dim)``: the new token of each row attends to its cached ones.
 
-        The attention op writes the new keys and values itself (in its own launch on the GPU)."""
-        if key.shape[1] != 1:
+        With ``fused_write`` the attention op writes the new keys and values itself (in its own
+        launch on the GPU); otherwise two ``index_copy_`` calls write them first."""
+        if not self.fused_write:
+            self._write(key, value)
+        elif key.shape[1] != 1:
             raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
+        fused = self.fused_write
         out = paged_decode_attention(
             query[:, 0].to(self.keys.dtype),
             self.keys,
@@ -349,9 +364,9 @@ class DecodeLayerView:
             softmax_scale=softmax_scale,
             sliding_window=sliding_window,
             sinks=sinks,
-            new_key=key[:, 0].to(self.keys.dtype),
-            new_value=value[:, 0].to(self.values.dtype),
-            write_slots=self.write_slots,
+            new_key=key[:, 0].to(self.keys.dtype) if fused else None,
+            new_value=value[:, 0].to(self.values.dtype) if fused else None,
+            write_slots=self.write_slots if fused else None,
         )
         return out[:, None].to(query.dtype)
 

@@ -70,6 +70,11 @@ class EmbeddedEngineConfig(BaseModel):
             eager prefills (``compile_prefill`` off); at the Qwen3-0.6B width, batch 64 and
             completions to 2048 on an H200 the prefills took 0.30 s of a call instead of 2.58 s.
             True without CUDA graphs is refused.
+        fused_pool_write: In the decode step, let the attention kernel write the rows' new keys
+            and values into the pool (d9d-kernels' ``paged_decode_attention(new_key=...,
+            write_slots=...)``) instead of two ``index_copy_`` launches per layer (57 launches and
+            156 us of a 64-row Qwen3-0.6B step on an H200). Off by default: interpreter-tested,
+            not yet run on a GPU.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
             host about the same whether it runs one prompt or several (a few hundred kernel
@@ -92,6 +97,7 @@ class EmbeddedEngineConfig(BaseModel):
     few_rows_linear_group: bool = True
     decode_ahead: bool = True
     prefill_graphs: bool | None = None
+    fused_pool_write: bool = False
     admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")

@@ -12,6 +12,25 @@ from d9d.kernels._triton.launch import launch_options, next_power_of_2
 
 
 @triton.jit
+def rotation_planes(c_row, s_row, half_dim, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each rotation plane's two element offsets within a head, their mask, and one position's
+    cosines and sines at both (fp32)."""
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < half_dim
+    if INTERLEAVED:
+        first = 2 * d
+        second = 2 * d + 1
+    else:
+        first = d
+        second = d + half_dim
+    c1 = tl.load(c_row + first, mask=d_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + second, mask=d_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + first, mask=d_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + second, mask=d_mask, other=0.0).to(tl.float32)
+    return first, second, d_mask, c1, c2, s1, s2
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     cos_ptr,
@@ -36,21 +55,9 @@ def _rope_kernel(
     b = (pid // seq_len).to(tl.int64)
     s = (pid % seq_len).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < half_dim
-    # Element offsets of the two members of each rotation plane within a head.
-    if INTERLEAVED:
-        first = 2 * d
-        second = 2 * d + 1
-    else:
-        first = d
-        second = d + half_dim
-    c_row = cos_ptr + b * sc_b + s * sc_s
-    s_row = sin_ptr + b * ss_b + s * ss_s
-    c1 = tl.load(c_row + first, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + second, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row + first, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + second, mask=d_mask, other=0.0).to(tl.float32)
+    first, second, d_mask, c1, c2, s1, s2 = rotation_planes(
+        cos_ptr + b * sc_b + s * sc_s, sin_ptr + b * ss_b + s * ss_s, half_dim, INTERLEAVED, BLOCK_D
+    )
     if BACKWARD:
         # The transpose of the rotation: swap the sines of the two members and negate them.
         s1, s2 = -s2, -s1

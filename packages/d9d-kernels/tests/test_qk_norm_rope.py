@@ -1,0 +1,107 @@
+"""qk_norm_rope: the fused kernel against rms_norm then apply_rope, and the paths that stay separate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from d9d.kernels import KernelBackend, apply_rope, qk_norm_rope, rms_norm
+
+_INTERPRETER = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+_REFERENCE = KernelBackend.REFERENCE
+
+
+def _operands(
+    dtype: torch.dtype, *, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seq: int = 3
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(q_heads * 10 + head_dim)
+    query = torch.randn(2, seq, q_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(2, seq, kv_heads, head_dim, generator=gen).to(dtype)
+    q_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    k_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    angles = torch.randn(2, seq, head_dim, generator=gen)
+    return query, key, q_weight, k_weight, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _separate(
+    operands: tuple[torch.Tensor, ...],
+    *,
+    zero_centered: bool = False,
+    layout: str = "half",
+    backend: KernelBackend = _REFERENCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    query, key, q_weight, k_weight, cos, sin = operands
+    out = []
+    for x, weight in ((query, q_weight), (key, k_weight)):
+        normed = rms_norm(x, weight, 1e-6, zero_centered_weight=zero_centered, backend=backend)
+        out.append(apply_rope(normed, cos, sin, layout=layout, backend=backend))  # type: ignore[arg-type]
+    return out[0], out[1]
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["scale", "one-plus-scale"])
+def test_one_launch_equals_the_norms_then_the_rotations(
+    dtype: torch.dtype, layout: str, zero_centered: bool
+) -> None:
+    operands = _operands(dtype, q_heads=6, kv_heads=2, head_dim=24)  # heads and halves not powers of two
+    with torch.no_grad():
+        fused = qk_norm_rope(
+            *operands, eps=1e-6, zero_centered_weight=zero_centered, layout=layout,  # type: ignore[arg-type]
+            backend=KernelBackend.TRITON,
+        )  # fmt: skip
+    # the separate Triton kernels (as on the GPU): the norm rounded to bf16 before the rotation in
+    # both; only the order of the fp32 sum of squares differs
+    with torch.no_grad():
+        expected = _separate(
+            operands, zero_centered=zero_centered, layout=layout, backend=KernelBackend.TRITON
+        )
+    # bf16: bit for bit in the interpreter (a norm not rounded before its rotation would differ)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.0, "atol": 0.0}
+    for got, want in zip(fused, expected, strict=True):
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+@_INTERPRETER
+def test_strided_heads_from_a_wider_projection() -> None:
+    query, key, q_weight, k_weight, cos, sin = _operands(torch.float32)
+    wide = torch.zeros(2, 3, 4, 32)
+    wide[..., :16] = query  # a head stride of 32: read in place
+    with torch.no_grad():
+        fused = qk_norm_rope(
+            wide[..., :16], key, q_weight, k_weight, cos, sin, eps=1e-6, backend=KernelBackend.TRITON
+        )
+    for got, want in zip(fused, _separate((query, key, q_weight, k_weight, cos, sin)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_with_gradients_the_separate_ops_run_and_differentiate() -> None:
+    operands = tuple(t.requires_grad_() for t in _operands(torch.float32))
+    fused = qk_norm_rope(*operands, eps=1e-6)
+    expected = _separate(operands)
+    for got, want in zip(fused, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    (fused[0].sum() + fused[1].square().sum()).backward()
+    assert all(t.grad is not None for t in operands[:4])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"key": torch.zeros(2, 3, 2, 8)}, "does not match query"),
+        ({"q_weight": torch.zeros(8)}, r"q_weight must be \(head_dim=16,\)"),
+        ({"cos": torch.zeros(2, 3, 8)}, r"cos must be \(batch, seq, head_dim\)"),
+        ({"query": torch.zeros(2, 3, 16)}, "query must be"),
+    ],
+)
+def test_operands_that_do_not_fit_are_refused(change: dict[str, torch.Tensor], message: str) -> None:
+    names = ["query", "key", "q_weight", "k_weight", "cos", "sin"]
+    operands = {**dict(zip(names, _operands(torch.float32), strict=True)), **change}
+    with pytest.raises(ValueError, match=message):
+        qk_norm_rope(**operands, eps=1e-6)
