@@ -105,3 +105,19 @@ def test_operands_that_do_not_fit_are_refused(change: dict[str, torch.Tensor], m
     operands = {**dict(zip(names, _operands(torch.float32), strict=True)), **change}
     with pytest.raises(ValueError, match=message):
         qk_norm_rope(**operands, eps=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq", [1, 512], ids=["decode", "prefill"])
+def test_qwen3_heads_on_gpu_equal_the_separate_kernels(seq: int) -> None:
+    """Qwen3-0.6B's heads (16 query, 8 kv, 128 wide), bf16, against the separate Triton kernels."""
+    operands = tuple(
+        t.cuda() for t in _operands(torch.bfloat16, q_heads=16, kv_heads=8, head_dim=128, seq=seq)
+    )
+    with torch.no_grad():
+        fused = qk_norm_rope(*operands, eps=1e-6)
+        expected = _separate(operands, backend=KernelBackend.TRITON)
+    for got, want in zip(fused, expected, strict=True):
+        # the fp32 sums of squares may add in another order: at most one bf16 step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
