@@ -83,5 +83,5 @@ def paged_decode_attention(
         from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
 
         return paged_decode_attention_triton(inputs)
-    inputs.write()
-    return paged_decode_attention_reference(inputs.without_write())
+    inputs.write()  # the reference reads the pool only
+    return paged_decode_attention_reference(inputs)

@@ -6,7 +6,7 @@ from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -92,10 +92,6 @@ class PagedDecodeInputs:
     def writes(self) -> bool:
         """Whether the call writes ``new_key`` and ``new_value`` into the pool first."""
         return self.write_slots is not None
-
-    def without_write(self) -> PagedDecodeInputs:
-        """The same call with the write left out (done by the caller)."""
-        return replace(self, new_key=None, new_value=None, write_slots=None)
 
     def write(self) -> None:
         """``index_copy_`` of the new keys and values into the pool (the paths that do not fuse it)."""

@@ -310,6 +310,11 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
     return compile_engine_region(cast(DecodeFunction, decode_rows), recompile_limit=buckets)
 
 
+def _one_new_token(key: torch.Tensor) -> None:
+    if key.shape[1] != 1:
+        raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
+
+
 @dataclass(kw_only=True, frozen=True)
 class DecodeLayerView:
     """One layer's pool during a decode step: d9d-kernels' ``AttendingKeyValueCache``.
@@ -330,8 +335,7 @@ class DecodeLayerView:
     fused_write: bool = False
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if key.shape[1] != 1:
-            raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
+        _one_new_token(key)
         self.keys.index_copy_(0, self.write_slots, key[:, 0].to(self.keys.dtype))
         self.values.index_copy_(0, self.write_slots, value[:, 0].to(self.values.dtype))
 
@@ -349,11 +353,11 @@ class DecodeLayerView:
 
         With ``fused_write`` the attention op writes the new keys and values itself (in its own
         launch on the GPU); otherwise two ``index_copy_`` calls write them first."""
-        if not self.fused_write:
-            self._write(key, value)
-        elif key.shape[1] != 1:
-            raise ValueError(f"a decode step takes one new token per row, got {key.shape[1]}")
         fused = self.fused_write
+        if fused:
+            _one_new_token(key)
+        else:
+            self._write(key, value)
         out = paged_decode_attention(
             query[:, 0].to(self.keys.dtype),
             self.keys,

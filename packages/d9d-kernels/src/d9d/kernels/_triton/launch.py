@@ -2,12 +2,19 @@
 
 from typing import Any
 
+import torch
+
 from d9d.kernels._backend import triton_interpreter_enabled
 
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n`` <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where its last dim is strided (kernels index it with ``+ d``)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def launch_options(**options: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
-from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
+from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2, unit_last_stride
 
 _LOG2E = 1.4426950408889634
 LOG2E = tl.constexpr(_LOG2E)
@@ -203,10 +203,6 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 or interpreted() else "tf32"
 
 
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def paged_decode_attention_kernel(
     inputs: PagedDecodeInputs, num_splits: int, block_n: int, *, num_warps: int = 4, num_stages: int = 2
 ) -> torch.Tensor:
@@ -230,8 +226,8 @@ def paged_decode_attention_kernel(
     sink_arg = sinks if sinks is not None else maxima
     block_dv = next_power_of_2(value_dim)
     # without a write the new-token arguments are never read: any tensor of the right kind stands in
-    new_key = query if inputs.new_key is None else _unit_last_stride(inputs.new_key)
-    new_value = query if inputs.new_value is None else _unit_last_stride(inputs.new_value)
+    new_key = query if inputs.new_key is None else unit_last_stride(inputs.new_key)
+    new_value = query if inputs.new_value is None else unit_last_stride(inputs.new_value)
     write_slots = lengths if inputs.write_slots is None else inputs.write_slots
     _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,

@@ -101,7 +101,7 @@ def paged_decode_attention_triton(
         # the custom op mutates nothing (a mutating one would have its pool functionalized): the
         # compiled step writes with index_copy_, which Inductor fuses with its neighbours
         inputs.write()
-        i = inputs.without_write()
+        i = inputs
         return _paged_decode_attention(
             i.query, i.key_cache, i.value_cache, i.block_table, i.lengths, i.sinks,
             i.page_size, i.softmax_scale, i.sliding_window, num_splits, block_n,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import launch_options, next_power_of_2
+from d9d.kernels._triton.launch import launch_options, next_power_of_2, unit_last_stride
 from d9d.kernels._triton.rope_kernels import rotation_planes
 
 
@@ -69,10 +69,6 @@ def _qk_norm_rope_kernel(
         )  # fmt: skip
 
 
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def qk_norm_rope_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -85,8 +81,8 @@ def qk_norm_rope_kernel(
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalizes and rotates ``query`` and ``key`` (shapes checked by the public op)."""
-    query, key = _unit_last_stride(query), _unit_last_stride(key)
-    cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
+    query, key = unit_last_stride(query), unit_last_stride(key)
+    cos, sin = unit_last_stride(cos), unit_last_stride(sin)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     batch, seq, q_heads, head_dim = query.shape
     k_heads = key.shape[2]

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.launch import launch_options, next_power_of_2
+from d9d.kernels._triton.launch import launch_options, next_power_of_2, unit_last_stride
 
 
 @triton.jit
@@ -77,12 +77,7 @@ def apply_rope_kernel(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backward: bool
 ) -> torch.Tensor:
     """Rotates ``x`` (or, with ``backward``, applies the transposed rotation to a gradient)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if cos.stride(-1) != 1:
-        cos = cos.contiguous()
-    if sin.stride(-1) != 1:
-        sin = sin.contiguous()
+    x, cos, sin = unit_last_stride(x), unit_last_stride(cos), unit_last_stride(sin)
     batch, seq, heads, head_dim = x.shape
     y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
     half = head_dim // 2
