@@ -466,7 +466,7 @@ def main() -> None:
     for switch, default in (
         ("few-rows-linear-group", "on"),
         ("decode-ahead", "on"),
-        ("fused-pool-write", "off"),
+        ("fused-pool-write", "on"),
     ):
         field = switch.replace("-", "_")
         parser.add_argument(

@@ -52,13 +52,14 @@ def paged_decode_attention(
             ``length - 1 - sliding_window``; None sees the whole row.
         sinks: ``(q_heads,)`` attention-sink logits (GPT-OSS): an extra softmax column with no value,
             as in ``d9d.kernels.layers.sdpa_with_sinks``.
-        new_key: ``(rows, kv_heads, head_dim)``: the rows' new keys, written into ``key_cache`` at
-            ``write_slots`` before the attention, as ``key_cache.index_copy_(0, write_slots,
-            new_key)`` would (a decode step's write). The Triton kernel does it in its own launch
-            (two launches fewer per layer): the programs of a row read its new key and value from
-            these tensors where the table points at the written slot, and one of them stores them.
-            A written slot must hold no position that another row sees (an idle row may write a
-            scratch slot no row reads). None: the pool already holds the new tokens.
+        new_key: ``(rows, kv_heads, head_dim)``: the rows' new keys, those of position
+            ``length - 1``, written into ``key_cache`` at ``write_slots`` (that position's slots)
+            before the attention, as ``key_cache.index_copy_(0, write_slots, new_key)`` would (a
+            decode step's write). The Triton kernel does it in its own launch (two launches fewer
+            per layer): the programs of a row read the pool up to the new position and take the
+            new key and value from these tensors; one of them stores them. A written slot must
+            hold no position that another row sees (an idle row may write a scratch slot no row
+            reads). None: the pool already holds the new tokens.
         new_value: ``(rows, kv_heads, value_dim)``, written into ``value_cache`` with ``new_key``.
         write_slots: ``(rows,)`` int64 or int32 slots of ``new_key`` and ``new_value``.
         backend: Which implementation runs (Triton on CUDA by default).

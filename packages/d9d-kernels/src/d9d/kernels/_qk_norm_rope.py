@@ -28,8 +28,8 @@ def qk_norm_rope(
     """``apply_rope(rms_norm(query, q_weight), cos, sin)`` and the same for ``key``, in one launch.
 
     Qwen3-style attention normalizes every query and key head before rotating it; a decode step
-    runs that as four launches per layer (two norms, two rotations) of a few kilobytes each. Not yet
-    called by ``GroupedQueryAttention``: the kernel has passed its interpreter tests, not a GPU run. Where
+    runs that as four launches per layer (two norms, two rotations) of a few kilobytes each
+    (``GroupedQueryAttention`` calls this for per-head norms of whole rotated heads). Where
     Triton runs, nothing needs a gradient, no tensor is a subclass (DTensor) and the call is not
     being compiled (inference: a decode step or a prefill), one kernel does all four: a program per
     position and tensor, the norm rounded to the output dtype before the rotation as the separate

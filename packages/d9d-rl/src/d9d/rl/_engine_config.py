@@ -73,8 +73,8 @@ class EmbeddedEngineConfig(BaseModel):
         fused_pool_write: In the decode step, let the attention kernel write the rows' new keys
             and values into the pool (d9d-kernels' ``paged_decode_attention(new_key=...,
             write_slots=...)``) instead of two ``index_copy_`` launches per layer (57 launches and
-            156 us of a 64-row Qwen3-0.6B step on an H200). Off by default: interpreter-tested,
-            not yet run on a GPU.
+            156 us of a 64-row Qwen3-0.6B step on an H200; that step took 3.08 ms with it and
+            3.14 ms without). The reference and compiled paths write with ``index_copy_`` either way.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
             host about the same whether it runs one prompt or several (a few hundred kernel
@@ -97,7 +97,7 @@ class EmbeddedEngineConfig(BaseModel):
     few_rows_linear_group: bool = True
     decode_ahead: bool = True
     prefill_graphs: bool | None = None
-    fused_pool_write: bool = False
+    fused_pool_write: bool = True
     admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")

@@ -12,10 +12,11 @@ partial ``(acc, max, sum)`` and a combine program per (row, query head) merges t
 maxima and adds the sink to the denominator. A row's visible span is divided among the splits in the
 kernel, from its length on the device, so no host ever reads a length.
 
-With a write (``new_key``, ``new_value``, ``write_slots``), the first split of each (row, kv head)
-stores the row's new key and value into the pool, and every program of the row reads them from the
-inputs wherever its table points at the written slot: no program depends on another's store, and
-the decode step needs no separate ``index_copy_`` launches.
+With a write (``new_key``, ``new_value``, ``write_slots``: a decode step's new token, at position
+``length - 1``), the programs walk the pool up to that position only; the one whose span holds it adds
+the new key and value from the inputs as one more softmax column, and the first split of each
+(row, kv head) stores them into the pool. No program depends on another's store, no tile pays for a
+per-position select, and the decode step needs no separate ``index_copy_`` launches.
 """
 
 import torch
@@ -53,11 +54,9 @@ def _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS: tl.constexpr):
 @triton.jit
 def _attend_block(
     q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s, sv_d,
-    qk_scale, write_slot, new_k, new_v, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_WRITE: tl.constexpr,
+    qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over positions ``n0 .. n0 + BLOCK_N`` (those below ``end``); with
-    ``HAS_WRITE`` the row's written slot takes its new key and value (the pool's may be unwritten)."""
+    """One online-softmax step over positions ``n0 .. n0 + BLOCK_N`` (those below ``end``)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     block = tl.load(table_row + pos // PAGE_SIZE, mask=valid, other=0)
@@ -69,10 +68,6 @@ def _attend_block(
     v = tl.load(
         v_base + slot[:, None] * sv_s + dv[None, :] * sv_d, mask=valid[:, None] & dv_mask[None, :], other=0.0
     )
-    if HAS_WRITE:
-        written = slot == write_slot
-        k = tl.where(written[None, :], new_k[:, None], k)
-        v = tl.where(written[:, None], new_v[None, :], v)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -124,25 +119,34 @@ def _paged_decode_split_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * sk_h
     v_base = v_ptr + kv_head.to(tl.int64) * sv_h
-    write_slot = tl.full((), -1, tl.int64)
-    new_k = tl.zeros((BLOCK_D,), k_ptr.dtype.element_ty)
-    new_v = tl.zeros((BLOCK_DV,), v_ptr.dtype.element_ty)
-    if HAS_WRITE:
-        # the row's new key and value (contiguous last dims): the written slot reads them from here,
-        # and the first split stores them into the pool after its loop
-        write_slot = tl.load(write_ptr + row).to(tl.int64)
-        new_k = tl.load(new_k_ptr + row.to(tl.int64) * snk_r + kv_head * snk_h + d, mask=d_mask, other=0.0)
-        new_v = tl.load(new_v_ptr + row.to(tl.int64) * snv_r + kv_head * snv_h + dv, mask=dv_mask, other=0.0)
     table_row = table_ptr + row.to(tl.int64) * st_r
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    pool_end = end
+    if HAS_WRITE:  # the new position's slot may still be stale: it comes from the inputs below
+        pool_end = tl.minimum(end, length - 1)
+    for n0 in range(start, pool_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s,
-            sv_d, qk_scale, write_slot, new_k, new_v, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_WRITE,
+            q, m_i, l_i, acc, k_base, v_base, table_row, n0, pool_end, d, dv, d_mask, dv_mask, sk_s, sk_d,
+            sv_s, sv_d, qk_scale, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
         )  # fmt: skip
-    if HAS_WRITE:  # the first split stores (the other splits' masks are empty)
+    if HAS_WRITE:
+        # the new position as one more column, in the split whose span holds it; then the first
+        # split stores the new key and value (the other splits' masks are empty)
+        write_slot = tl.load(write_ptr + row).to(tl.int64)
+        new_k = tl.load(new_k_ptr + row.to(tl.int64) * snk_r + kv_head * snk_h + d, mask=d_mask, other=0.0)
+        new_v = tl.load(new_v_ptr + row.to(tl.int64) * snv_r + kv_head * snv_h + dv, mask=dv_mask, other=0.0)
+        holds_new = (length - 1 >= start) & (length - 1 < end)
+        score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * qk_scale
+        score = tl.where(holds_new, score, float("-inf"))
+        m_new = tl.maximum(m_i, score)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(score - m_safe)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
+        m_i = m_new
         k_first = d_mask & (d * 0 + split == 0)
         v_first = dv_mask & (dv * 0 + split == 0)
         tl.store(k_base + write_slot * sk_s + d * sk_d, new_k, mask=k_first)

@@ -6,8 +6,9 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from d9d.kernels import RopeLayout, shared_input_linear
+from d9d.kernels import RopeLayout, qk_norm_rope, shared_input_linear
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
 from d9d.kernels.layers._attention_sinks import SinkAttentionBackend
@@ -30,7 +31,9 @@ class GroupedQueryAttention(nn.Module):
         num_heads: Query heads (global).
         num_kv_heads: Key/value heads (global); must divide ``num_heads``.
         head_dim: Per-head size; ``hidden_size // num_heads`` when None.
-        qk_norm: RMS-normalize queries and keys before RoPE.
+        qk_norm: RMS-normalize queries and keys before RoPE. With ``qk_norm_scope="head"`` and a
+            rotation of the whole head, both norms and both rotations are one ``qk_norm_rope`` call
+            (one launch in inference on a GPU; the separate ops otherwise).
         qk_norm_scope: What one q/k norm spans: ``"head"``, every head alone with one norm of
             ``head_dim`` shared by all heads (Qwen3); ``"all_heads"``, the whole projection of all
             heads at once with a weight per channel (OLMo 2). Under column-sharded projections
@@ -153,15 +156,9 @@ class GroupedQueryAttention(nn.Module):
         batch, seq, _ = hidden_states.shape
         head_shape = (batch, seq, -1, self.head_dim)
         query, key, value = shared_input_linear(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
-        if self.q_norm is not None and self.k_norm is not None:
-            if self.qk_norm_scope == "head":
-                query, key = query.view(head_shape), key.view(head_shape)
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = query.view(head_shape), key.view(head_shape)
         value = value.view(head_shape)
         cos, sin = position_embeddings
-        query = self.rotary(query, cos, sin)
-        key = self.rotary(key, cos, sin)
+        query, key = self._normalize_and_rotate(query, key, cos, sin, head_shape)
         if kv_cache is not None:
             attended = attend_cached(
                 query,
@@ -195,6 +192,48 @@ class GroupedQueryAttention(nn.Module):
             document_ids=document_ids,
         )
         return self.o_proj(attended.reshape(batch, seq, -1))
+
+    def _normalize_and_rotate(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_shape: tuple[int, int, int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norms (if any) and RoPE of the projections, shaped ``(batch, seq, heads, head_dim)``."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is None or k_norm is None:
+            query, key = query.view(head_shape), key.view(head_shape)
+        elif self._fuses_qk_norm_rope(q_norm, k_norm, cos):
+            return qk_norm_rope(
+                query.view(head_shape),
+                key.view(head_shape),
+                q_norm.weight,
+                k_norm.weight,
+                cos,
+                sin,
+                eps=q_norm.eps,
+                zero_centered_weight=q_norm.zero_centered_weight,
+                layout=self.rotary.layout,
+            )
+        else:
+            if self.qk_norm_scope == "head":
+                query, key = query.view(head_shape), key.view(head_shape)
+            query, key = q_norm(query).view(head_shape), k_norm(key).view(head_shape)
+        return self.rotary(query, cos, sin), self.rotary(key, cos, sin)
+
+    def _fuses_qk_norm_rope(self, q_norm: RMSNorm, k_norm: RMSNorm, cos: torch.Tensor) -> bool:
+        """Per-head norms of whole rotated heads, as plain modules: a norm whose weight is a DTensor
+        (tensor parallelism's ``SequenceParallelNorm`` swaps in the local weight around its own
+        forward) runs as its module."""
+        return (
+            self.qk_norm_scope == "head"
+            and cos.shape[-1] == self.head_dim
+            and q_norm.eps == k_norm.eps
+            and not isinstance(q_norm.weight, DTensor)
+            and not isinstance(k_norm.weight, DTensor)
+        )
 
     def _sink_backend(self) -> SinkAttentionBackend:
         backend = self.attention_backend
