@@ -166,8 +166,8 @@ class FewRowsLinearMode(TorchFunctionMode):
 
     Args:
         backend: Passed to ``few_rows_linear`` (tests force TRITON on CPU in Triton's interpreter).
-        group_projections: Route ``shared_input_linear`` to ``few_rows_linear_group``. Off by
-            default: the group kernel has passed its interpreter tests, not yet a GPU run.
+        group_projections: Route ``shared_input_linear`` to ``few_rows_linear_group`` (the
+            rollout engine turns it on: ``EmbeddedEngineConfig.few_rows_linear_group``).
     """
 
     def __init__(
