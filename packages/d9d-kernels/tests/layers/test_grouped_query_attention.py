@@ -1,5 +1,6 @@
 """GroupedQueryAttention: packed documents and heads derived from local (sharded) projections."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -80,3 +81,28 @@ def test_all_heads_qk_norm_normalizes_the_whole_projection() -> None:
     )
     expected = layer.o_proj(attended.reshape(2, 5, 32))
     torch.testing.assert_close(layer(hidden, cos_sin), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["qwen3", "zero-centered"])
+def test_inference_takes_one_qk_norm_rope_launch_and_gives_the_training_path(zero_centered: bool) -> None:
+    """Without gradients the per-head norms and rotations are one ``qk_norm_rope`` launch; with
+    them the separate ops run. Qwen3-0.6B's heads in bf16: the two outputs agree."""
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(
+        1024, 16, 8, head_dim=128, qk_norm=True, qk_norm_zero_centered=zero_centered,
+        attention_backend=SdpaAttentionBackend(),
+    ).to("cuda", torch.bfloat16)  # fmt: skip
+    with torch.no_grad():
+        for norm in (layer.q_norm, layer.k_norm):
+            assert norm is not None
+            norm.weight.add_(0.1 * torch.randn_like(norm.weight))
+    hidden = torch.randn(2, 9, 1024, device="cuda", dtype=torch.bfloat16)
+    cos_sin = RotaryEmbedding(128).to("cuda")(
+        torch.arange(9, device="cuda").expand(2, 9), dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        fused = layer(hidden, cos_sin)
+    separate = layer(hidden.requires_grad_(), cos_sin)
+    torch.testing.assert_close(fused, separate.detach(), rtol=2e-2, atol=2e-2)
