@@ -6,7 +6,7 @@ import torch
 
 from d9d.kernels._backend import KernelBackend, use_triton
 from d9d.kernels._rms_norm import rms_norm
-from d9d.kernels._rope import RopeLayout, apply_rope
+from d9d.kernels._rope import RopeLayout, apply_rope, check_rotated
 
 _OP = "qk_norm_rope"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -84,12 +84,10 @@ def _check(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    for name, t in (("query", query), ("key", key)):
-        if t.dim() != 4:
-            raise ValueError(f"{_OP}: {name} must be (batch, seq, heads, head_dim), got {tuple(t.shape)}")
+    check_rotated(_OP, "query", query, cos, sin)
+    if key.dim() != 4:
+        raise ValueError(f"{_OP}: key must be (batch, seq, heads, head_dim), got {tuple(key.shape)}")
     batch, seq, _, head_dim = query.shape
-    if head_dim % 2 != 0:
-        raise ValueError(f"{_OP}: head_dim={head_dim} must be even")
     if (key.shape[0], key.shape[1], key.shape[3]) != (batch, seq, head_dim):
         raise ValueError(
             f"{_OP}: key {tuple(key.shape)} does not match query {tuple(query.shape)} in batch, seq, head_dim"
@@ -97,9 +95,3 @@ def _check(
     for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(t.shape) != (head_dim,):
             raise ValueError(f"{_OP}: {name} must be (head_dim={head_dim},), got {tuple(t.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (batch, seq, head_dim):
-            raise ValueError(
-                f"{_OP}: {name} must be (batch, seq, head_dim) = {(batch, seq, head_dim)}, "
-                f"got {tuple(t.shape)}"
-            )

@@ -43,17 +43,7 @@ def apply_rope(
         ValueError: Shapes do not fit, head_dim is odd, or ``layout`` is unknown.
         RuntimeError: ``backend`` is TRITON and ``cos`` or ``sin`` requires grad.
     """
-    if x.dim() != 4:
-        raise ValueError(f"apply_rope: x must be (batch, seq, heads, head_dim), got shape {tuple(x.shape)}")
-    batch, seq, _, head_dim = x.shape
-    if head_dim % 2 != 0:
-        raise ValueError(f"apply_rope: head_dim={head_dim} must be even")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (batch, seq, head_dim):
-            raise ValueError(
-                f"apply_rope: {name} has shape {tuple(t.shape)}, expected (batch, seq, head_dim) = "
-                f"{(batch, seq, head_dim)}"
-            )
+    check_rotated("apply_rope", "x", x, cos, sin)
     if layout not in ("half", "interleaved"):
         raise ValueError(f"apply_rope: layout={layout!r} is not 'half' or 'interleaved'")
     angles_need_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
@@ -64,3 +54,19 @@ def apply_rope(
 
         return apply_rope_triton(x, cos, sin, layout == "interleaved")
     return apply_rope_reference(x, cos, sin, layout)
+
+
+def check_rotated(op: str, name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raises ValueError naming ``op`` unless ``x`` is ``(batch, seq, heads, head_dim)`` with an even
+    ``head_dim`` and ``cos`` / ``sin`` are ``(batch, seq, head_dim)``."""
+    if x.dim() != 4:
+        raise ValueError(f"{op}: {name} must be (batch, seq, heads, head_dim), got {tuple(x.shape)}")
+    batch, seq, _, head_dim = x.shape
+    if head_dim % 2 != 0:
+        raise ValueError(f"{op}: head_dim={head_dim} must be even")
+    for table_name, table in (("cos", cos), ("sin", sin)):
+        if tuple(table.shape) != (batch, seq, head_dim):
+            raise ValueError(
+                f"{op}: {table_name} must be (batch, seq, head_dim) = {(batch, seq, head_dim)}, "
+                f"got {tuple(table.shape)}"
+            )
