@@ -1,7 +1,11 @@
 """RMSNorm variants."""
 
+import os
+
+import pytest
 import torch
 
+from d9d.kernels import KernelBackend, add_rms_norm, rms_norm
 from d9d.kernels.layers import RMSNorm
 
 
@@ -15,3 +19,72 @@ def test_zero_centered_rms_norm_scales_by_one_plus_weight() -> None:
         plain.weight.copy_(1 + norm.weight)
     x = torch.randn(3, 8)
     torch.testing.assert_close(norm(x), plain(x))
+
+
+def _stream(rows: int, width: int, dtype: torch.dtype, device: str = "cpu"):
+    generator = torch.Generator().manual_seed(rows * 100 + width)
+    residual, branch = (torch.randn(rows, width, generator=generator).to(device, dtype) for _ in range(2))
+    weight = torch.randn(width, generator=generator).to(device, dtype)
+    return residual, branch, weight
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero-centered"])
+def test_one_kernel_adds_then_normalizes_the_rounded_sum(
+    rows: int, dtype: torch.dtype, zero_centered: bool
+) -> None:
+    residual, branch, weight = _stream(rows, 48, dtype)  # 48: the padded block's columns are masked
+    total, normed = add_rms_norm(
+        residual, branch, weight, 1e-5, zero_centered_weight=zero_centered, backend=KernelBackend.TRITON
+    )
+    # Triton's interpreter truncates conversions to bf16 (a unit in the last place); the GPU rounds as
+    # torch does, and its test asserts equality
+    torch.testing.assert_close(total, residual + branch, rtol=torch.finfo(dtype).eps, atol=0)
+    expected = rms_norm(
+        residual + branch, weight, 1e-5, zero_centered_weight=zero_centered, backend=KernelBackend.REFERENCE
+    )
+    torch.testing.assert_close(normed, expected)
+
+
+def test_add_rms_norm_refuses_a_branch_of_another_shape() -> None:
+    residual, branch, weight = _stream(2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"branch \(2, 4\) torch.float32 must match the residual \(2, 8\)"):
+        add_rms_norm(residual, branch[:, :4], weight)
+
+
+def test_the_layer_adds_and_normalizes_as_its_forward_with_and_without_gradients() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    residual, branch = torch.randn(3, 8), torch.randn(3, 8, requires_grad=True)
+    total, normed = norm.add_and_normalize(residual, branch)
+    normed.sum().backward()  # with gradients: the add and forward, differentiable
+    torch.testing.assert_close(total.detach(), residual + branch.detach())
+    assert branch.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        fused = norm.add_and_normalize(residual, branch)
+        torch.testing.assert_close(fused[0], residual + branch)
+        torch.testing.assert_close(fused[1], norm(residual + branch))
+    torch.testing.assert_close(normed.detach(), fused[1])
+
+
+def test_a_hooked_norm_adds_and_runs_its_forward() -> None:
+    calls: list[str] = []
+    norm = RMSNorm(8)
+    norm.register_forward_pre_hook(lambda *_: calls.append("pre-hook"))
+    with torch.no_grad():
+        norm.add_and_normalize(torch.randn(2, 8), torch.randn(2, 8))
+    assert calls == ["pre-hook"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "width"), [(1, 1024), (64, 1024), (64, 4096)])
+def test_add_rms_norm_at_decode_shapes_on_gpu(rows: int, width: int) -> None:
+    residual, branch, weight = _stream(rows, width, torch.bfloat16, "cuda")
+    total, normed = add_rms_norm(residual, branch, weight, 1e-6)
+    assert torch.equal(total, residual + branch)
+    torch.testing.assert_close(normed, rms_norm(residual + branch, weight, 1e-6))

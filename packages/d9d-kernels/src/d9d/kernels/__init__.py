@@ -5,16 +5,21 @@ Every op dispatches automatically (Triton for CUDA tensors, PyTorch elsewhere) a
 """
 
 from d9d.kernels._backend import KernelBackend
-from d9d.kernels._few_rows_linear import FewRowsLinearMode, few_rows_linear, few_rows_linear_group
+from d9d.kernels._few_rows_linear import (
+    FewRowsLinearMode,
+    few_rows_linear,
+    few_rows_linear_group,
+    few_rows_swiglu,
+)
 from d9d.kernels._grouped_mm import grouped_mm
 from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._paged_attention import paged_decode_attention
 from d9d.kernels._qk_norm_rope import qk_norm_rope
-from d9d.kernels._rms_norm import rms_norm
+from d9d.kernels._rms_norm import add_rms_norm, rms_norm
 from d9d.kernels._rope import RopeLayout, apply_rope
-from d9d.kernels._shared_input_linear import shared_input_linear
+from d9d.kernels._shared_input_linear import shared_input_linear, swiglu_projection
 from d9d.kernels._stochastic_adamw import StochasticAdamW
 from d9d.kernels._stochastic_rounding import (
     adamw_step_stochastic_,
@@ -32,11 +37,13 @@ __all__ = [
     "StochasticAdamW",
     "adamw_step_stochastic_",
     "adamw_step_stochastic_multi_",
+    "add_rms_norm",
     "apply_rope",
     "available_host_memory",
     "copy_stochastic_",
     "few_rows_linear",
     "few_rows_linear_group",
+    "few_rows_swiglu",
     "grouped_mm",
     "linear_cross_entropy",
     "moe_permute",
@@ -46,4 +53,5 @@ __all__ = [
     "rms_norm",
     "shared_input_linear",
     "swiglu",
+    "swiglu_projection",
 ]

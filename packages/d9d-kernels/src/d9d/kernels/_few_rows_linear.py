@@ -11,7 +11,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from d9d.kernels._backend import KernelBackend, use_triton
-from d9d.kernels._shared_input_linear import shared_input_linear
+from d9d.kernels._shared_input_linear import shared_input_linear, swiglu_projection
+from d9d.kernels._swiglu import swiglu
 
 _OP = "few_rows_linear"
 _ROWS_MAX = 16  # the kernels' limit (few_rows_linear_op.FEW_ROWS_MAX, imported only with Triton)
@@ -152,10 +153,66 @@ def few_rows_linear_group(
     return tuple(out.view(*input.shape[:-1], out.shape[-1]) for out in outs)
 
 
+def few_rows_swiglu(
+    input: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    *,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> torch.Tensor:
+    """``swiglu(F.linear(input, gate_weight, gate_bias), F.linear(input, up_weight, up_bias))`` in one
+    Triton launch when it can.
+
+    A decode step's feed-forward input side: each program streams both weights' rows for its
+    columns, reads each tile of ``input`` once for the two, and applies the activation before
+    storing, so neither product is written and no activation kernel follows. Each product is
+    rounded once to ``input``'s dtype before ``silu(gate) * up`` is computed in fp32, as the
+    unfused ops round. The launch takes the rows and weights ``few_rows_linear_group`` takes
+    (both biases or none); otherwise the products go through ``few_rows_linear_group`` and the
+    ``swiglu`` op. Inference only.
+
+    Args:
+        input: ``(..., k)``.
+        gate_weight: ``(n, k)``.
+        up_weight: ``(n, k)``.
+        gate_bias: ``(n,)`` or None.
+        up_bias: ``(n,)`` or None.
+        backend: As for ``few_rows_linear``.
+
+    Returns:
+        ``(..., n)`` in ``input``'s dtype.
+
+    Raises:
+        ValueError: The weights differ in shape, or a weight or bias does not fit ``input`` (as for
+            ``few_rows_linear``).
+    """
+    if gate_weight.shape != up_weight.shape:
+        raise ValueError(
+            f"few_rows_swiglu: gate weight {tuple(gate_weight.shape)} and up weight "
+            f"{tuple(up_weight.shape)} must have the same shape"
+        )
+    weights, biases = [gate_weight, up_weight], [gate_bias, up_bias]
+    if not _group_fits(input, weights, biases, backend):
+        gated, upped = few_rows_linear_group(input, weights, biases, backend=backend)
+        return swiglu(gated, upped, backend=backend)
+    from d9d.kernels._triton.few_rows_linear_op import few_rows_swiglu_triton
+
+    rows = input.reshape(-1, input.shape[-1])
+    out = few_rows_swiglu_triton(
+        rows if rows.stride(-1) == 1 else rows.contiguous(),
+        gate_weight if gate_weight.stride(-1) == 1 else gate_weight.contiguous(),
+        up_weight if up_weight.stride(-1) == 1 else up_weight.contiguous(),
+        None if gate_bias is None or up_bias is None else (gate_bias.contiguous(), up_bias.contiguous()),
+    )
+    return out.view(*input.shape[:-1], gate_weight.shape[0])
+
+
 class FewRowsLinearMode(TorchFunctionMode):
     """While active, every ``F.linear`` call (``nn.Linear`` included) goes through ``few_rows_linear``;
     with ``group_projections``, every ``shared_input_linear`` of plain ``nn.Linear`` modules goes
-    through ``few_rows_linear_group``.
+    through ``few_rows_linear_group``, and every ``swiglu_projection`` of two through ``few_rows_swiglu``.
 
     For a decode step's forward: the model's own modules run unchanged, and the products of a few
     rows take the kernel (the rest fall back to ``F.linear`` inside ``few_rows_linear``); grouped,
@@ -200,7 +257,20 @@ class FewRowsLinearMode(TorchFunctionMode):
                     return few_rows_linear_group(input, weights, biases, backend=self._backend)
             with self:  # a mode is off while it handles a call: on again, each module's linears come here
                 return tuple(linear(input) for linear in linears)
+        if func is swiglu_projection:
+            return self._swiglu_projection(*args)
         return func(*args, **kwargs)
+
+    def _swiglu_projection(self, input: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
+        if self._group and all(type(linear) is nn.Linear and not _has_hooks(linear) for linear in (gate, up)):
+            plain = cast(tuple[nn.Linear, nn.Linear], (gate, up))
+            weights = [linear.weight for linear in plain]
+            biases = [linear.bias for linear in plain]
+            if weights[0].shape == weights[1].shape and _group_fits(input, weights, biases, self._backend):
+                return few_rows_swiglu(input, *weights, *biases, backend=self._backend)
+        with self:  # the products as a group (or module by module), then the activation
+            gated, upped = shared_input_linear(input, (gate, up))
+            return swiglu(gated, upped)
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -46,3 +46,56 @@ def rms_norm(
 
         return rms_norm_triton(x, weight, eps, zero_centered_weight)
     return rms_norm_reference(x, weight, eps, zero_centered_weight)
+
+
+def add_rms_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    zero_centered_weight: bool = False,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total = residual + branch`` and ``rms_norm(total, weight, eps)``: a branch joining the
+    residual stream, and the norm of the stream that follows.
+
+    Without gradients the Triton path is one kernel (a decode step's residual add was a launch of
+    its own); ``total`` is rounded to the stream's dtype and normalized from there, as the unfused
+    ops compute it. With gradients, under ``torch.compile`` (Inductor fuses the two itself), for
+    tensor subclasses and on the reference backend it is the add and ``rms_norm``.
+
+    Args:
+        residual: The residual stream, ``(..., hidden)``.
+        branch: What joins it, of the same shape and dtype.
+        weight: Scale of shape (hidden,).
+        eps: Added to the mean square before the square root.
+        zero_centered_weight: Use ``1 + weight`` as the scale.
+        backend: Which implementation runs (Triton on CUDA by default).
+
+    Returns:
+        ``(total, normalized)``, both shaped and typed like ``residual``.
+
+    Raises:
+        ValueError: ``branch`` differs from ``residual`` in shape or dtype, or ``weight`` does not
+            match the last dim.
+    """
+    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: branch {tuple(branch.shape)} {branch.dtype} must match the residual "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (residual, branch, weight))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (residual, branch, weight))
+    if (
+        plain
+        and not needs_grad
+        and weight.dim() == 1
+        and weight.shape[0] == residual.shape[-1]
+        and use_triton(backend, "add_rms_norm", residual, branch, weight, fusible=True)
+    ):
+        from d9d.kernels._triton.rms_norm_kernels import add_rms_norm_forward
+
+        return add_rms_norm_forward(residual, branch, weight, eps, zero_centered_weight)
+    total = residual + branch
+    return total, rms_norm(total, weight, eps, zero_centered_weight=zero_centered_weight, backend=backend)

@@ -147,8 +147,10 @@ class DecoderLayer(nn.Module):
         attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
         match self.norm_layout:
             case "pre":
-                hidden_states = hidden_states + self._scaled(attended)
-                fed = self.feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
+                hidden_states, normed = self.post_attention_layernorm.add_and_normalize(
+                    hidden_states, self._scaled(attended)
+                )
+                fed = self.feed_forward(normed, token_mask)
                 return hidden_states + self._scaled(fed)
             case "post" | "sandwich":
                 hidden_states = hidden_states + self._scaled(self.post_attention_layernorm(attended))

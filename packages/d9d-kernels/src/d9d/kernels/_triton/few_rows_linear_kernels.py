@@ -22,7 +22,8 @@ import triton.language as tl
 from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
 
 
-def _one_row_configs() -> list[triton.Config]:
+def one_row_configs() -> list[triton.Config]:
+    """The row-sum kernels' tiles (shared with ``few_rows_swiglu_kernels``)."""
     if interpreted():
         return [triton.Config({"BLOCK_N": 8, "BLOCK_K": 32}, num_warps=1)]
     tiles = ((4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512))
@@ -90,7 +91,7 @@ def _few_rows_tile(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=_one_row_configs(), key=["n", "k"], cache_results=True)
+@triton.autotune(configs=one_row_configs(), key=["n", "k"], cache_results=True)
 @triton.jit
 def _one_row_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w,
@@ -113,7 +114,7 @@ def _few_rows_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(configs=_one_row_configs(), key=["n0", "n1", "n2", "k"], cache_results=True)
+@triton.autotune(configs=one_row_configs(), key=["n0", "n1", "n2", "k"], cache_results=True)
 @triton.jit
 def _one_row_group_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,

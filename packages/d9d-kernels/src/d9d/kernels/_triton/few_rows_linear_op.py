@@ -115,3 +115,56 @@ def few_rows_linear_group_triton(
     )
     outs = _few_rows_linear_group(x, *padded, *padded_biases)
     return list(outs[:count])
+
+
+def _launch_swiglu(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    if not group_takes_one_launch(x.shape[0], [gate_weight, up_weight]):
+        from d9d.kernels._triton.swiglu_kernels import swiglu_forward
+
+        b_gate, b_up = biases if biases is not None else (None, None)
+        return swiglu_forward(F.linear(x, gate_weight, b_gate), F.linear(x, up_weight, b_up))
+    from d9d.kernels._triton.few_rows_swiglu_kernels import few_rows_swiglu_kernel
+
+    return few_rows_swiglu_kernel(x, gate_weight, up_weight, biases)
+
+
+@torch.library.custom_op("d9d_kernels::few_rows_swiglu", mutates_args=())
+def _few_rows_swiglu(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    biases = None if gate_bias is None or up_bias is None else (gate_bias, up_bias)
+    return _launch_swiglu(x, gate_weight, up_weight, biases)
+
+
+@_few_rows_swiglu.register_fake
+def _few_rows_swiglu_fake(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], gate_weight.shape[0]))
+
+
+def few_rows_swiglu_triton(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``(m, n)`` ``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one launch; see
+    ``d9d.kernels.few_rows_swiglu``. The custom op under torch.compile, a direct launch in eager mode."""
+    if torch.compiler.is_compiling():
+        b_gate, b_up = biases if biases is not None else (None, None)
+        return _few_rows_swiglu(x, gate_weight, up_weight, b_gate, b_up)
+    return _launch_swiglu(x, gate_weight, up_weight, biases)

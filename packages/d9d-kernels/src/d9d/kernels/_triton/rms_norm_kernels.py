@@ -71,6 +71,41 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
+def _add_rms_norm_kernel(
+    residual_ptr,
+    branch_ptr,
+    w_ptr,
+    total_ptr,
+    y_ptr,
+    stride_residual,
+    stride_branch,
+    n_rows,
+    n_cols,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=mask, other=0.0)
+    branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
+    # the sum rounded to the stream's dtype, as the unfused add stores it, and normalized from there
+    total = (residual.to(tl.float32) + branch.to(tl.float32)).to(total_ptr.dtype.element_ty)
+    out = rows[:, None] * n_cols + cols[None, :]
+    tl.store(total_ptr + out, total, mask=mask)
+    x = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_backward_kernel(
     dy_ptr,
     x_ptr,
@@ -162,6 +197,38 @@ def rms_norm_forward(
             ),
         )
     return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def add_rms_norm_forward(
+    residual: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(residual + branch, rms_norm(residual + branch))`` from one kernel (no autograd)."""
+    r2, b2 = _rows(residual), _rows(branch)
+    n_rows, n_cols = r2.shape
+    total = torch.empty((n_rows, n_cols), dtype=residual.dtype, device=residual.device)
+    y = torch.empty_like(total)
+    block = next_power_of_2(n_cols)
+    rows = tile_rows(block)
+    if n_rows > 0:
+        _add_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            r2,
+            b2,
+            weight,
+            total,
+            y,
+            r2.stride(0),
+            b2.stride(0),
+            n_rows,
+            n_cols,
+            eps,
+            **launch_options(
+                ZERO_CENTERED=zero_centered_weight,
+                ROWS=rows,
+                BLOCK=block,
+                num_warps=warps_for_block(rows * block),
+            ),
+        )
+    return total.view(residual.shape), y.view(residual.shape)
 
 
 def rms_norm_backward(

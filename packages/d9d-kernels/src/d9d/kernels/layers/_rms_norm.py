@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from d9d.kernels import rms_norm
+from d9d.kernels import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -39,6 +39,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalizes ``x`` of shape ``(..., hidden_size)``."""
         return rms_norm(x, self.weight, self.eps, zero_centered_weight=self.zero_centered_weight)
+
+    def add_and_normalize(
+        self, residual: torch.Tensor, branch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + branch, self(residual + branch))``: a branch joins the residual stream, then
+        this norm of the stream.
+
+        Without gradients, with no hooks on this module (tensor parallelism's swap in local
+        weights around ``forward``) and no ``forward`` of a subclass, the two are one
+        ``add_rms_norm`` kernel; otherwise the add and ``forward``.
+        """
+        hooks: int = len(self._forward_hooks) + len(self._forward_pre_hooks)  # pyright: ignore
+        hooked = hooks > 0
+        if torch.is_grad_enabled() or hooked or type(self).forward is not RMSNorm.forward:
+            total = residual + branch
+            return total, self(total)
+        return add_rms_norm(
+            residual, branch, self.weight, self.eps, zero_centered_weight=self.zero_centered_weight
+        )
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_weight={self.zero_centered_weight}"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.kernels import shared_input_linear, swiglu
+from d9d.kernels import shared_input_linear, swiglu, swiglu_projection
 from d9d.kernels.layers._init import init_linear_
 from d9d.kernels.layers._recomputed_activation import recompute_when_saved
 
@@ -55,7 +55,13 @@ class SwiGLU(nn.Module):
             init_linear_(linear, self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``."""
+        """Maps ``(..., hidden_size)`` to ``(..., hidden_size)``.
+
+        Without gradients a SwiGLU's input side is one ``swiglu_projection`` call, which a decode
+        step's ``FewRowsLinearMode`` computes in one launch.
+        """
+        if self.activation == "silu" and not torch.is_grad_enabled():
+            return self.down_proj(swiglu_projection(x, self.gate_proj, self.up_proj))
         gate, up = shared_input_linear(x, (self.gate_proj, self.up_proj))
         activation = self._gated(gate, up)
         with recompute_when_saved(activation, lambda: self._gated(gate.detach(), up.detach())):
