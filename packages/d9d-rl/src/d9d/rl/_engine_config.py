@@ -52,7 +52,8 @@ class EmbeddedEngineConfig(BaseModel):
             through ``shared_input_linear``): a one-row decode step at Qwen3-0.6B widths took
             1.24 ms with a launch per linear and 1.07 ms grouped on an H200. The groups take buckets
             of up to 64 rows (at 64 rows one launch for q/k/v was 2.02x cuBLAS's three at that
-            width), where the single products are back on cuBLAS. False: a launch per linear.
+            width), where the single products are back on cuBLAS. A SwiGLU's gate/up launch also
+            applies the activation (``few_rows_swiglu``). False: a launch per linear.
         decode_ahead: While every running row decodes and none can be admitted or needs a
             block that is not free, launch the next decode step before reading the current step's
             tokens on the host: the next step takes them on the device, and the host's reading,
