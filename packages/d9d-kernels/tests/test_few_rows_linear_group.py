@@ -11,6 +11,8 @@ from torch import nn
 
 from d9d.kernels import FewRowsLinearMode, KernelBackend, few_rows_linear_group, shared_input_linear
 
+from ._modules import ScaledLinear
+
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
 )
@@ -107,17 +109,6 @@ def test_without_a_mode_the_modules_run_themselves() -> None:
     assert torch.equal(out[0], first(x)) and torch.equal(out[1], second(x))
 
 
-class _Scaled(nn.Module):
-    """A replacement of an ``nn.Linear`` (as LoRA's or FP8's are): the mode must call it."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 2 * self.linear(x)
-
-
 @_INTERPRETER
 def test_mode_groups_plain_linears_and_calls_the_others() -> None:
     torch.manual_seed(0)
@@ -128,7 +119,7 @@ def test_mode_groups_plain_linears_and_calls_the_others() -> None:
         expected = tuple(linear(x) for linear in (q, k, v))
         with FewRowsLinearMode(backend=_TRITON, group_projections=True):
             grouped = shared_input_linear(x, (q, k, v))
-            replaced = shared_input_linear(x, (q, _Scaled(k)))
+            replaced = shared_input_linear(x, (q, ScaledLinear(k)))
             k.register_forward_pre_hook(lambda *_: calls.append("pre-hook"))
             hooked = shared_input_linear(x, (q, k, v))
     for out, reference in zip(grouped, expected, strict=True):
@@ -202,7 +193,7 @@ def test_linears_the_mode_does_not_group_still_take_the_kernel(group_projections
     """A mode is off while it handles a call: the modules it hands back must run with it on again."""
     torch.manual_seed(0)
     gate, up = nn.Linear(40, 24, bias=False), nn.Linear(40, 24, bias=False)
-    linears = (gate, up) if not group_projections else (gate, _Scaled(up))  # grouped: a replaced module
+    linears = (gate, up) if not group_projections else (gate, ScaledLinear(up))  # grouped: a replaced module
     compiled, eager, graph, x = _compile_gate_up(linears, group_projections=group_projections)
     torch.testing.assert_close(compiled, eager)
     with torch.no_grad():

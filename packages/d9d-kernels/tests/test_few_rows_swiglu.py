@@ -18,6 +18,8 @@ from d9d.kernels import (
 )
 from d9d.kernels.layers import SwiGLU
 
+from ._modules import ScaledLinear
+
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
 )
@@ -75,20 +77,9 @@ def test_inputs_the_launch_cannot_take_go_through_the_group_and_the_activation()
         few_rows_swiglu(x, gate, up[:4], backend=_TRITON)
 
 
-class _Scaled(nn.Module):
-    """A replacement of an ``nn.Linear`` (as LoRA's or FP8's are): the mode must call it."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 2 * self.linear(x)
-
-
 def test_without_a_mode_the_modules_and_the_activation_run() -> None:
     torch.manual_seed(0)
-    gate, up = nn.Linear(16, 8), _Scaled(nn.Linear(16, 8))
+    gate, up = nn.Linear(16, 8), ScaledLinear(nn.Linear(16, 8))
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(swiglu_projection(x, gate, up), F.silu(gate(x)) * up(x))
@@ -118,7 +109,7 @@ def test_a_feed_forward_under_the_mode_takes_one_launch_for_its_input_side(repla
     with torch.no_grad():
         expected = module(x)
     if replaced:  # a LoRA-like module: the group cannot take it, the modules run
-        module.up_proj = _Scaled(module.up_proj)  # pyright: ignore[reportAttributeAccessIssue]
+        module.up_proj = ScaledLinear(module.up_proj)  # pyright: ignore[reportAttributeAccessIssue]
         with torch.no_grad():
             expected = module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
     with torch.no_grad(), FewRowsLinearMode(backend=_TRITON, group_projections=True):

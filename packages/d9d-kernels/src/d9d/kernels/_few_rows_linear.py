@@ -264,10 +264,15 @@ class FewRowsLinearMode(TorchFunctionMode):
     def _swiglu_projection(self, input: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
         if self._group and all(type(linear) is nn.Linear and not _has_hooks(linear) for linear in (gate, up)):
             plain = cast(tuple[nn.Linear, nn.Linear], (gate, up))
-            weights = [linear.weight for linear in plain]
-            biases = [linear.bias for linear in plain]
-            if weights[0].shape == weights[1].shape and _group_fits(input, weights, biases, self._backend):
-                return few_rows_swiglu(input, *weights, *biases, backend=self._backend)
+            if plain[0].weight.shape == plain[1].weight.shape:  # the op decides launch or fall-back
+                return few_rows_swiglu(
+                    input,
+                    plain[0].weight,
+                    plain[1].weight,
+                    plain[0].bias,
+                    plain[1].bias,
+                    backend=self._backend,
+                )
         with self:  # the products as a group (or module by module), then the activation
             gated, upped = shared_input_linear(input, (gate, up))
             return swiglu(gated, upped)

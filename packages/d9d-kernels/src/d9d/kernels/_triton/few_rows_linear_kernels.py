@@ -35,16 +35,22 @@ def one_row_configs() -> list[triton.Config]:
     ]
 
 
-def _few_rows_configs() -> list[triton.Config]:
+def dot_configs(tiles: tuple[tuple[int, int], ...], stages: tuple[int, ...]) -> list[triton.Config]:
+    """The ``tl.dot`` kernels' tiles: each ``(BLOCK_N, BLOCK_K)`` at 4 and 8 warps and each stage count
+    (one small tile in the interpreter; shared with ``few_rows_swiglu_kernels``)."""
     if interpreted():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=1)]
-    tiles = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for n, k in tiles
         for w in (4, 8)
-        for s in (3, 5)
+        for s in stages
     ]
+
+
+def _few_rows_configs() -> list[triton.Config]:
+    tiles = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+    return dot_configs(tiles, stages=(3, 5))
 
 
 @triton.jit

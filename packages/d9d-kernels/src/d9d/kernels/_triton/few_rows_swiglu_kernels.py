@@ -17,20 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels._triton.few_rows_linear_kernels import one_row_configs
+from d9d.kernels._triton.few_rows_linear_kernels import dot_configs, one_row_configs
 from d9d.kernels._triton.launch import interpreted, launch_options, next_power_of_2
 
 
 def _few_rows_configs() -> list[triton.Config]:
-    if interpreted():
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=1)]
-    tiles = ((16, 128), (16, 256), (32, 128), (32, 256), (64, 64), (64, 128))
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k in tiles
-        for w in (4, 8)
-        for s in (3, 4)
-    ]
+    # each program holds two weights' tiles: no 512-wide inner tiles
+    return dot_configs(((16, 128), (16, 256), (32, 128), (32, 256), (64, 64), (64, 128)), stages=(3, 4))
 
 
 @triton.jit
