@@ -58,11 +58,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def gpu_kernel_ms(fn: Callable[[], object], iters: int = 5) -> float:
+def gpu_kernel_ms(
+    fn: Callable[[], object],
+    iters: int = 5,
+    *,
+    before: Callable[[], object] | None = None,
+    kernels: str | None = None,
+) -> float:
     """Milliseconds of GPU work (kernels, copies, memsets) per call of ``fn``, from the profiler.
 
     Unlike wall time between CUDA events, this excludes the host's launch and autograd overhead,
-    which dominates small memory-bound ops when they run alone.
+    which dominates small memory-bound ops when they run alone. ``before`` runs ahead of every call
+    (e.g. a write that flushes the L2 cache); ``kernels`` counts only the GPU work whose name
+    contains it (then ``before``'s work is left out).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -70,9 +78,15 @@ def gpu_kernel_ms(fn: Callable[[], object], iters: int = 5) -> float:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            if before is not None:
+                before()
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    total_us = sum(
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and (kernels is None or kernels in e.name)
+    )
     return total_us / 1e3 / iters
 
 

@@ -7,21 +7,26 @@ contiguous copy with ``keys[read]``, then SDPA with a bool mask and ``enable_gqa
 GPU time of each (profiler, median wall time beside it), their ratio, and the kernel's achieved
 bandwidth: bytes = keys + values read once + query and output, against the H200's 4.8 TB/s.
 
-Then a ragged sweep, the rollout engine's case: every row's length drawn from ``--ragged LOW HIGH``
-(seeded) in a block table as wide as ``HIGH``, the kernel's GPU time for each split count of
-``--splits`` (programs per (row, kv head)) beside the count ``splits_for`` picks, so a change of the
-heuristic can be decided from one call; ``--tiles`` adds launch shapes of the split kernel
-(``BLOCK_N x warps x stages``) to time beside the default.
+Then a ragged sweep, the rollout engine's case: rows part-way through their completions (a
+``LOW``-token prompt and a completion drawn from 64 to ``HIGH - LOW`` tokens, ``--ragged LOW HIGH``;
+``--uniform-ragged``: lengths uniform over ``LOW .. HIGH``), seeded, in a block table as wide as
+``HIGH``, each row writing its new key and value. It gives the kernel's GPU time for each split
+count of ``--splits`` (programs per (row, kv head)) beside the count ``splits_for`` picks, each with
+the rows started in order and longest first (``row_order``), so a change of the heuristic can be
+decided from one call; ``--tiles`` adds launch shapes of the split kernel (``BLOCK_N x warps x
+stages``) to time beside the default. Each time is the median of ``--repeats`` rounds that
+alternate the launches, the L2 cache flushed before every call.
 
 Run: python packages/d9d-kernels/benchmarks/bench_paged_attention.py --out DIR
      (--quick: tiny shapes on CPU; with TRITON_INTERPRET=1 the kernel runs in Triton's interpreter)
-     ... --ragged-only --batches 64 256 --ragged 512 2560 --splits 1 2 3 4 6 8 --tiles 64x4x3 128x8x2
+     ... --ragged-only --batches 64 256 --ragged 512 2560 --splits 1 2 3 4 5 --tiles 64x4x3 128x8x2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -194,24 +199,45 @@ def run(settings: Settings) -> list[Row]:
     return rows
 
 
-def ragged_pool(shape: Shape, batch: int, low: int, high: int, device: str) -> PagedDecodeInputs:
-    """A decode step's inputs over a pool whose rows hold ``low .. high`` tokens (seeded draws)."""
+def ragged_pool(
+    shape: Shape, batch: int, low: int, high: int, device: str, *, rollout: bool, seed: int = 0
+) -> PagedDecodeInputs:
+    """A decode step's inputs over a pool whose rows hold ``low .. high`` tokens (seeded draws).
+
+    ``rollout``: each row is a ``low``-token prompt part-way through a completion drawn from 64 to
+    ``high - low`` tokens (uniformly along it), as the rows of a continuously batched rollout are;
+    otherwise lengths are uniform over ``low .. high``. Each row writes its new key and value, as a
+    decode step does.
+    """
     blocks = -(-high // PAGE_SIZE)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    lengths = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if rollout:
+        completion = torch.randint(64, max(65, high - low + 1), (batch,), generator=gen)
+        lengths = (low + (torch.rand(batch, generator=gen) * completion).long()).to(torch.int32)
+    else:
+        lengths = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
     table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
+    positions = lengths.long() - 1
+    write_slots = table.gather(1, (positions // PAGE_SIZE)[:, None])[:, 0].long() * PAGE_SIZE
     slots = batch * blocks * PAGE_SIZE
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def heads(rows: int, count: int) -> torch.Tensor:
+        return torch.randn(rows, count, shape.head_dim, device=device, dtype=dtype)
+
     return PagedDecodeInputs(
-        query=torch.randn(batch, shape.q_heads, shape.head_dim, device=device, dtype=dtype),
-        key_cache=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=dtype),
-        value_cache=torch.randn(slots, shape.kv_heads, shape.head_dim, device=device, dtype=dtype),
+        query=heads(batch, shape.q_heads),
+        key_cache=heads(slots, shape.kv_heads),
+        value_cache=heads(slots, shape.kv_heads),
         block_table=table.to(device),
         lengths=lengths.to(device),
         page_size=PAGE_SIZE,
         softmax_scale=shape.head_dim**-0.5,
         sliding_window=None,
         sinks=None,
+        new_key=heads(batch, shape.kv_heads),
+        new_value=heads(batch, shape.kv_heads),
+        write_slots=(write_slots + positions % PAGE_SIZE).to(device),
     )
 
 
@@ -232,45 +258,91 @@ class Tile:
         return f"{self.block_n}x{self.num_warps}x{self.num_stages}"
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One way to launch the kernel: its tile, its split count, rows started longest first or not."""
+
+    tile: Tile
+    splits: int
+    longest_first: bool
+
+
 def ragged_sweep(
-    shape: Shape, batches: list[int], low: int, high: int, splits: list[int], tiles: list[Tile], device: str
+    shape: Shape,
+    batches: list[int],
+    low: int,
+    high: int,
+    splits: list[int],
+    tiles: list[Tile],
+    device: str,
+    *,
+    rollout: bool,
+    repeats: int,
 ) -> None:
-    """Prints the kernel's GPU time per launch tile and split count at ragged lengths (CPU: checks
-    the splits and tiles agree)."""
+    """Prints the kernel's GPU time per launch tile, split count and row order at ragged lengths, the
+    median of ``repeats`` rounds that alternate the launches, with the L2 cache flushed before every
+    call (a decode step's other kernels evict the pool from it). On CPU it checks the launches agree."""
     from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
     from d9d.kernels._triton.paged_attention_op import block_size, splits_for
 
-    print(f"\n### ragged lengths {low}..{high}, {shape.name} heads, page {PAGE_SIZE}")
-    columns = "tile (BLOCK_N x warps x stages) | splits | picked | kernel GPU ms | GB/s | % of 4.8 TB/s"
-    print(f"| batch | {columns} | max abs diff to the default |")
-    print("|---|---|---|---|---|---|---|---|")
+    kind = "rollout rows" if rollout else "uniform"
+    print(f"\n### ragged lengths {low}..{high} ({kind}), {shape.name} heads, page {PAGE_SIZE}, L2 flushed")
+    columns = "tile (BLOCK_N x warps x stages) | splits | longest first | picked | kernel GPU us | spread"
+    print(f"| batch | mean length | {columns} | GB/s | % of 4.8 TB/s | max abs diff to the default |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    flush = torch.empty(512 * 2**20 if device == "cuda" else 1, dtype=torch.uint8, device=device)
     for batch in batches:
-        inputs = ragged_pool(shape, batch, low, high, device)
+        inputs = ragged_pool(shape, batch, low, high, device, rollout=rollout)
+        ordered = PagedDecodeInputs(
+            **{**inputs.__dict__, "row_order": torch.argsort(inputs.lengths, descending=True).to(torch.int32)}
+        )
         kv_bytes = (
             int(inputs.lengths.sum()) * shape.kv_heads * 2 * shape.head_dim * inputs.key_cache.element_size()
         )
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
         default = Tile(block_size(inputs.query.dtype), 4, 2)
         picked = splits_for(batch * shape.kv_heads, inputs.capacity, default.block_n, multiprocessors=sms)
-        reference = paged_decode_attention_kernel(inputs, 1, default.block_n)
-        for tile in dict.fromkeys([default, *tiles]):
-            for count in sorted({*splits, picked}):
+        launches = [
+            Launch(tile, count, first)
+            for tile in dict.fromkeys([default, *tiles])
+            for count in sorted({*splits, picked})
+            for first in (False, True)
+        ]
 
-                def launch(x: PagedDecodeInputs = inputs, n: int = count, t: Tile = tile) -> torch.Tensor:
-                    return paged_decode_attention_kernel(
-                        x, n, t.block_n, num_warps=t.num_warps, num_stages=t.num_stages
-                    )
+        def run(
+            launch: Launch, x: PagedDecodeInputs = inputs, y: PagedDecodeInputs = ordered
+        ) -> torch.Tensor:
+            t = launch.tile
+            return paged_decode_attention_kernel(
+                y if launch.longest_first else x, launch.splits, t.block_n, num_warps=t.num_warps,
+                num_stages=t.num_stages,
+            )  # fmt: skip
 
-                diff = (launch() - reference).float().abs().max().item()
-                ms = gpu_kernel_ms(launch) if device == "cuda" else None
-                gbs = kv_bytes / (ms * 1e-3) / 1e9 if ms else None
-                mark = "yes" if count == picked and tile == default else ""
-                print(
-                    f"| {batch} | {tile} | {count} | {mark} | {_cell(ms)} | {_cell(gbs, 0)} | "
-                    f"{_cell(100 * gbs / H200_GBS if gbs else None, 1)} | {diff:.4f} |",
-                    flush=True,
+        reference = run(Launch(default, 1, False))
+        diffs = {launch: (run(launch) - reference).float().abs().max().item() for launch in launches}
+        times: dict[Launch, list[float]] = {launch: [] for launch in launches}
+        for _ in range(repeats if device == "cuda" else 0):
+            for launch in launches:
+                times[launch].append(
+                    1e3
+                    * gpu_kernel_ms(lambda a=launch: run(a), 10, before=flush.zero_, kernels="paged_decode")
                 )
-        del inputs
+        mean = float(inputs.lengths.float().mean())
+        for launch in launches:
+            us = statistics.median(times[launch]) if times[launch] else None
+            spread = f"{min(times[launch]):.1f}-{max(times[launch]):.1f}" if times[launch] else "n/a"
+            gbs = kv_bytes / (us * 1e-6) / 1e9 if us else None
+            share = 100 * gbs / H200_GBS if gbs else None
+            mark = (
+                "yes" if launch.splits == picked and launch.tile == default and launch.longest_first else ""
+            )
+            print(
+                f"| {batch} | {mean:.0f} | {launch.tile} | {launch.splits} | "
+                f"{'yes' if launch.longest_first else ''} | {mark} | {_cell(us, 1)} | {spread} | "
+                f"{_cell(gbs, 0)} | {_cell(share, 1)} | {diffs[launch]:.4f} |",
+                flush=True,
+            )
+        del inputs, ordered
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -286,6 +358,13 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     parser.add_argument("--ragged-only", action="store_true", help="skip the uniform-length sweep")
     parser.add_argument(
+        "--uniform-ragged",
+        action="store_true",
+        help="ragged lengths uniform over LOW..HIGH, not rollout rows (a LOW-token prompt part-way "
+        "through a completion of 64..HIGH-LOW tokens)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds of the ragged sweep")
+    parser.add_argument(
         "--tiles",
         type=Tile.parse,
         nargs="+",
@@ -298,7 +377,7 @@ def main() -> None:
     if settings.smoke:
         if triton_interpreter_enabled():
             tiny = Shape(name="tiny", q_heads=4, kv_heads=2, head_dim=16)
-            ragged_sweep(tiny, [3], 5, 70, [1, 3], [Tile(16, 2, 1)], settings.device)
+            ragged_sweep(tiny, [3], 5, 70, [1, 3], [Tile(16, 2, 1)], settings.device, rollout=True, repeats=1)
         if not args.ragged_only:
             run(settings)
         return
@@ -306,7 +385,10 @@ def main() -> None:
     if not args.ragged_only:
         run(settings)
     for shape in (Shape(name="Qwen3-0.6B", q_heads=16, kv_heads=8, head_dim=128),):
-        ragged_sweep(shape, args.batches, *args.ragged, args.splits, args.tiles, settings.device)
+        ragged_sweep(
+            shape, args.batches, *args.ragged, args.splits, args.tiles, settings.device,
+            rollout=not args.uniform_ragged, repeats=args.repeats,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class _Paged:
     block_table: torch.Tensor
     lengths: torch.Tensor
     sinks: torch.Tensor | None
+    row_order: torch.Tensor | None = None
 
 
 def _paged(case: _Case, dtype: torch.dtype = torch.float32, device: str = "cpu") -> _Paged:
@@ -107,7 +108,7 @@ def _call(
     return paged_decode_attention(
         paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths,
         page_size=case.page_size, softmax_scale=scale, sliding_window=case.window, sinks=paged.sinks,
-        backend=backend,
+        row_order=paged.row_order, backend=backend,
     )  # fmt: skip
 
 
@@ -170,6 +171,8 @@ def _bad(paged: _Paged, **changes: torch.Tensor | None) -> _Paged:
         ({"lengths": torch.zeros(3, dtype=torch.int32)}, "lengths must be"),
         ({"sinks": torch.zeros(2)}, "sinks must be"),  # one per kv head, not per query head
         ({"query": torch.zeros(2, 4, 16, dtype=torch.bfloat16)}, "share one floating dtype"),
+        ({"row_order": torch.tensor([1, 0])}, "row_order must be int32"),  # int64
+        ({"row_order": torch.zeros(3, dtype=torch.int32)}, "row_order must be"),  # 3 rows, not 2
     ],
 )
 def test_bad_inputs_raise_naming_the_tensor(change: dict[str, torch.Tensor], message: str) -> None:
@@ -226,8 +229,13 @@ def test_triton_kernel_matches_reference_in_interpreter(case: _Case, num_splits:
 
     paged = _paged(case)
     scale = case.head_dim**-0.5
-    out = paged_decode_attention_triton(_inputs(case, paged, scale), num_splits=num_splits)
+    inputs = _inputs(case, paged, scale)
+    out = paged_decode_attention_triton(inputs, num_splits=num_splits)
     torch.testing.assert_close(out, _call(case, paged, scale), rtol=1e-5, atol=1e-5)
+    # the rows' programs started longest first: the same values, in row order
+    order = torch.argsort(paged.lengths, descending=True).to(torch.int32)
+    ordered = PagedDecodeInputs(**{**inputs.__dict__, "row_order": order})
+    assert torch.equal(paged_decode_attention_triton(ordered, num_splits=num_splits), out)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -244,10 +252,10 @@ def test_backend_triton_runs_the_kernel_with_its_own_split_count() -> None:
 @pytest.mark.parametrize(
     ("rows", "capacity", "splits"),
     [
-        (1, 4096, 33),  # one row of 8 kv heads on 132 SMs: 264 programs wanted, 33 per (row, head)
+        (1, 4096, 50),  # one row of 8 kv heads on 132 SMs: 396 programs wanted, 50 per (row, head)
         (1, 128, 2),  # a short table: no split smaller than one 64-position step
-        (16, 4096, 4),  # 128 (row, head) pairs fill most of the GPU: the floor of four splits
-        (64, 4096, 4),  # a full batch still splits four ways: ragged rows balance over the SMs
+        (16, 4096, 4),  # 128 (row, head) pairs: three programs per SM want four splits
+        (64, 4096, 3),  # a full batch still splits three ways: ragged rows balance over the SMs
     ],
 )
 def test_split_count_fills_the_gpu_from_static_sizes(rows: int, capacity: int, splits: int) -> None:
@@ -279,6 +287,8 @@ def test_triton_kernel_at_qwen3_8b_shapes(rows: int) -> None:
     out = _call(case, paged, 128**-0.5)
     exact = _call(case, paged, 128**-0.5, backend=KernelBackend.REFERENCE)
     torch.testing.assert_close(out.float(), exact.float(), rtol=1e-2, atol=1e-2)
+    order = torch.argsort(paged.lengths, descending=True).to(torch.int32)
+    assert torch.equal(_call(case, _bad(paged, row_order=order), 128**-0.5), out)
 
 
 @pytest.mark.gpu
@@ -307,7 +317,9 @@ def test_custom_op_for_torch_compile_equals_eager_path_and_has_a_fake() -> None:
     args = (paged.query, paged.key_cache, paged.value_cache, paged.block_table, paged.lengths, paged.sinks)
     custom_op: Any = torch.ops.d9d_kernels.paged_decode_attention
     eager = paged_decode_attention_triton(_inputs(case, paged, 0.25), num_splits=2)
-    assert torch.equal(custom_op(*args, 4, 0.25, 4, 2, 16), eager)
+    assert torch.equal(custom_op(*args, None, 4, 0.25, 4, 2, 16), eager)
+    order = torch.tensor([1, 0], dtype=torch.int32)
+    assert torch.equal(custom_op(*args, order, 4, 0.25, 4, 2, 16), eager)
     with FakeTensorMode() as mode:
-        fake = custom_op(*(mode.from_tensor(t) for t in args[:5]), None, 4, 0.25, 4, 2, 16)
+        fake = custom_op(*(mode.from_tensor(t) for t in args[:5]), None, None, 4, 0.25, 4, 2, 16)
     assert fake.shape == (2, case.q_heads, 8)

@@ -31,6 +31,8 @@ class PagedDecodeInputs:
             or None (the pool already holds them).
         new_value: ``(rows, kv_heads, value_dim)``, with ``new_key``.
         write_slots: ``(rows,)`` int64 or int32 pool slots of ``new_key`` and ``new_value``.
+        row_order: ``(rows,)`` int32 permutation of the rows: the order their programs start in, or
+            None (row order).
     """
 
     query: torch.Tensor
@@ -45,6 +47,7 @@ class PagedDecodeInputs:
     new_key: torch.Tensor | None = None
     new_value: torch.Tensor | None = None
     write_slots: torch.Tensor | None = None
+    row_order: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -133,8 +136,9 @@ class PagedDecodeInputs:
             raise ValueError(
                 f"{_OP}: block_table must be (rows={rows}, max_blocks), got {tuple(self.block_table.shape)}"
             )
-        if tuple(self.lengths.shape) != (rows,):
-            raise ValueError(f"{_OP}: lengths must be (rows={rows},), got {tuple(self.lengths.shape)}")
+        for name, t in (("lengths", self.lengths), ("row_order", self.row_order)):
+            if t is not None and tuple(t.shape) != (rows,):
+                raise ValueError(f"{_OP}: {name} must be (rows={rows},), got {tuple(t.shape)}")
 
     def _check_types(self) -> None:
         query, key_cache, value_cache, sinks = self.query, self.key_cache, self.value_cache, self.sinks
@@ -147,11 +151,13 @@ class PagedDecodeInputs:
                 f"{_OP}: query, key_cache and value_cache must share one floating dtype, got {query.dtype}, "
                 f"{key_cache.dtype}, {value_cache.dtype}"
             )
-        for name, t in (("block_table", self.block_table), ("lengths", self.lengths)):
+        indices = [("block_table", self.block_table), ("lengths", self.lengths)]
+        indices += [("row_order", self.row_order)] if self.row_order is not None else []
+        for name, t in indices:
             if t.dtype != torch.int32:
                 raise ValueError(f"{_OP}: {name} must be int32, got {t.dtype}")
-        tensors = [("key_cache", key_cache), ("value_cache", value_cache), ("block_table", self.block_table)]
-        tensors += [("lengths", self.lengths)] + ([("sinks", sinks)] if sinks is not None else [])
+        tensors = [("key_cache", key_cache), ("value_cache", value_cache), *indices]
+        tensors += [("sinks", sinks)] if sinks is not None else []
         for name, t in tensors:
             if t.device != query.device:
                 raise ValueError(f"{_OP}: {name} is on {t.device}, query on {query.device}")

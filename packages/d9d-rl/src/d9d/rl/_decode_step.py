@@ -257,8 +257,8 @@ def decode_rows(
             scratch block's first slot if idle).
     """
     backbone = model.model
-    lm_head, norm = model.lm_head, backbone.norm
-    if lm_head is None or norm is None:
+    lm_head = model.lm_head
+    if lm_head is None or backbone.norm is None:
         raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
     positions = (lengths.long() - 1).clamp_min(0)
     slots = (
@@ -269,6 +269,8 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
+    # the attention starts the longest rows' programs first (one sort per step for every layer)
+    row_order = torch.argsort(lengths, descending=True).to(torch.int32)
     linears: AbstractContextManager[object]
     match few_rows_linear:
         case "off":
@@ -277,21 +279,22 @@ def decode_rows(
             linears = FewRowsLinearMode()
         case "grouped":
             linears = FewRowsLinearMode(group_projections=True)
+    views = [
+        DecodeLayerView(
+            keys=layer_keys,
+            values=layer_values,
+            page_size=page_size,
+            write_slots=write_slots_out,
+            block_table=table,
+            lengths=lengths,
+            fused_write=fused_pool_write,
+            row_order=row_order,
+        )
+        for layer_keys, layer_values in zip(keys, values, strict=True)
+    ]
     with linears:
-        for index, (layer, position_embeddings) in enumerate(
-            zip(backbone.decoder_layers(), tables, strict=True)
-        ):
-            view = DecodeLayerView(
-                keys=keys[index],
-                values=values[index],
-                page_size=page_size,
-                write_slots=write_slots_out,
-                block_table=table,
-                lengths=lengths,
-                fused_write=fused_pool_write,
-            )
-            hidden = layer(hidden, position_embeddings, None, kv_cache=view)
-        return lm_head.compute_logits(norm(hidden))[:, 0].float()
+        normed = backbone.decode_cached(hidden, tables, views)
+        return lm_head.compute_logits(normed)[:, 0].float()
 
 
 def compile_decode_rows(max_rows: int) -> DecodeFunction:
@@ -333,6 +336,7 @@ class DecodeLayerView:
     block_table: torch.Tensor
     lengths: torch.Tensor
     fused_write: bool = False
+    row_order: torch.Tensor | None = None
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         _one_new_token(key)
@@ -371,6 +375,7 @@ class DecodeLayerView:
             new_key=key[:, 0].to(self.keys.dtype) if fused else None,
             new_value=value[:, 0].to(self.values.dtype) if fused else None,
             write_slots=self.write_slots if fused else None,
+            row_order=self.row_order,
         )
         return out[:, None].to(query.dtype)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -16,6 +16,7 @@ from d9d.hf._decoder._stage import StageLayout
 from d9d.kernels.layers import (
     AttentionBackend,
     AttentionBackendName,
+    KeyValueCache,
     MoELayer,
     RMSNorm,
     RotaryEmbedding,
@@ -237,3 +238,29 @@ class DecoderBackbone(nn.Module):
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return hidden_states
+
+    def decode_cached(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[KeyValueCache],
+    ) -> torch.Tensor:
+        """``forward`` of new tokens over each layer's KV cache (incremental decoding, no gradients
+        needed), the final norm included: each layer's last residual add is left to the next
+        layer's input norm or the final norm, which adds it in its own kernel
+        (``DecoderLayer.decode_deferred``).
+
+        Args:
+            hidden_states: ``(batch, new, hidden)`` embedded new tokens.
+            position_embeddings: Each layer's ``(cos, sin)`` tables (``position_embeddings``).
+            kv_caches: Each layer's cache, in ``decoder_layers`` order.
+        """
+        if self.norm is None:
+            raise RuntimeError("decode_cached needs the final norm (the last pipeline stage)")
+        layers = self.decoder_layers()
+        stream, branch = hidden_states, None
+        for layer, tables, cache in zip(layers, position_embeddings, kv_caches, strict=True):
+            stream, branch = layer.decode_deferred(stream, branch, tables, cache)
+        if branch is None:
+            return self.norm(stream)
+        return self.norm.add_and_normalize(stream, branch)[1]

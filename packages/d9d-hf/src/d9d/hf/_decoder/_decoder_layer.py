@@ -144,15 +144,14 @@ class DecoderLayer(nn.Module):
         override keeps this signature and computes from ``attend`` and ``feed_forward``.
         """
         normed = hidden_states if self.input_layernorm is None else self.input_layernorm(hidden_states)
-        attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
         match self.norm_layout:
             case "pre":
-                hidden_states, normed = self.post_attention_layernorm.add_and_normalize(
-                    hidden_states, self._scaled(attended)
+                stream, branch = self._attend_and_feed(
+                    hidden_states, normed, position_embeddings, document_ids, kv_cache, token_mask
                 )
-                fed = self.feed_forward(normed, token_mask)
-                return hidden_states + self._scaled(fed)
+                return stream + branch
             case "post" | "sandwich":
+                attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
                 hidden_states = hidden_states + self._scaled(self.post_attention_layernorm(attended))
                 before = self.pre_feedforward_layernorm
                 fed = self.feed_forward(
@@ -164,6 +163,51 @@ class DecoderLayer(nn.Module):
                         f"norm_layout={self.norm_layout!r} without a post_feedforward_layernorm"
                     )
                 return hidden_states + self._scaled(after(fed))
+
+    def decode_deferred(
+        self,
+        stream: torch.Tensor,
+        branch: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KeyValueCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This layer over ``kv_cache`` with the residual adds at its ends left to the norms beside them.
+
+        The input is ``stream + branch`` (``stream`` alone when ``branch`` is None) and so is the
+        output ``(stream, branch)``. In the "pre" layout the input norm adds the incoming branch
+        in its own kernel (``RMSNorm.add_and_normalize``) and the feed-forward's output comes back
+        unadded, for the next layer's input norm or the final norm to add: a decode step saves a
+        launch per layer. Another layout, a family's own ``block`` or hooks on this layer (FSDP's)
+        add the branch first, run the layer as ``forward`` does and return no branch.
+        """
+        norm = self.input_layernorm
+        plain = type(self).block is DecoderLayer.block and not (
+            self._forward_hooks or self._forward_pre_hooks
+        )
+        if norm is None or self.norm_layout != "pre" or not plain:
+            hidden = stream if branch is None else stream + branch
+            output: torch.Tensor = self(hidden, position_embeddings, None, kv_cache)
+            return output, None
+        if branch is None:
+            normed = norm(stream)
+        else:
+            stream, normed = norm.add_and_normalize(stream, branch)
+        return self._attend_and_feed(stream, normed, position_embeddings, None, kv_cache, None)
+
+    def _attend_and_feed(
+        self,
+        stream: torch.Tensor,
+        normed: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+        kv_cache: KeyValueCache | None,
+        token_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The "pre" layout after the input norm: the stream with the attention added, and the
+        feed-forward's scaled output still to add to it."""
+        attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
+        stream, normed = self.post_attention_layernorm.add_and_normalize(stream, self._scaled(attended))
+        return stream, self._scaled(self.feed_forward(normed, token_mask))
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         """``branch`` times ``residual_multiplier`` (unchanged at 1)."""

@@ -12,6 +12,9 @@ partial ``(acc, max, sum)`` and a combine program per (row, query head) merges t
 maxima and adds the sink to the denominator. A row's visible span is divided among the splits in the
 kernel, from its length on the device, so no host ever reads a length.
 
+Programs start row by row, in ``row_order`` where given: longest rows first, the short rows' programs
+fill the SMs at the end instead of a long row's programs running on alone.
+
 With a write (``new_key``, ``new_value``, ``write_slots``: a decode step's new token, at position
 ``length - 1``), the programs walk the pool up to that position only; the one whose span holds it adds
 the new key and value from the inputs as one more softmax column, and the first split of each
@@ -84,17 +87,21 @@ def _attend_block(
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, out_ptr, part_ptr, max_ptr, sum_ptr,
-    new_k_ptr, new_v_ptr, write_ptr,
+    new_k_ptr, new_v_ptr, write_ptr, order_ptr,
     q_heads, group, window, qk_scale,
     sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h, snk_r, snk_h, snv_r, snv_h,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WRITE: tl.constexpr,
+    HAS_WRITE: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # the kv heads vary fastest in the launch order: the programs running together read neighbouring
+    # bytes of the same slots (7% faster at 64 rows than rows fastest); then the splits, then the rows
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    if HAS_ORDER:
+        row = tl.load(order_ptr + row)
     length = tl.load(lengths_ptr + row)
     low = 0
     if HAS_WINDOW:
@@ -208,7 +215,12 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def paged_decode_attention_kernel(
-    inputs: PagedDecodeInputs, num_splits: int, block_n: int, *, num_warps: int = 4, num_stages: int = 2
+    inputs: PagedDecodeInputs,
+    num_splits: int,
+    block_n: int,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Launches the split kernel (and, for ``num_splits > 1``, the combine kernel); see the module.
 
@@ -233,9 +245,10 @@ def paged_decode_attention_kernel(
     new_key = query if inputs.new_key is None else unit_last_stride(inputs.new_key)
     new_value = query if inputs.new_value is None else unit_last_stride(inputs.new_value)
     write_slots = lengths if inputs.write_slots is None else inputs.write_slots
-    _paged_decode_split_kernel[(rows, kv_heads, num_splits)](
+    row_order = lengths if inputs.row_order is None else inputs.row_order
+    _paged_decode_split_kernel[(kv_heads, num_splits, rows)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
-        new_key, new_value, write_slots,
+        new_key, new_value, write_slots, row_order,
         q_heads, group, sliding_window or 0, inputs.softmax_scale * _LOG2E,
         query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -247,7 +260,7 @@ def paged_decode_attention_kernel(
             BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
             UPCAST=interpreted(), PRECISION=_precision(query), HAS_WRITE=inputs.writes,
-            num_warps=num_warps, num_stages=num_stages,
+            HAS_ORDER=inputs.row_order is not None, num_warps=num_warps, num_stages=num_stages,
         ),
     )  # fmt: skip
     if num_splits > 1:
