@@ -15,7 +15,6 @@ from d9d.kernels._shared_input_linear import shared_input_linear, swiglu_project
 from d9d.kernels._swiglu import swiglu
 
 _OP = "few_rows_linear"
-_ROWS_MAX = 16  # the kernels' limit (few_rows_linear_op.FEW_ROWS_MAX, imported only with Triton)
 _GROUP_ROWS_MAX = 64  # a group's (few_rows_linear_op.FEW_ROWS_GROUP_MAX)
 _GROUP_MAX = 3  # weights per launch (few_rows_linear_kernels.GROUP_MAX)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

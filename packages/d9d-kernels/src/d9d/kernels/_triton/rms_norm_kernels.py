@@ -41,6 +41,16 @@ def tile_rows(block: int) -> int:
 
 
 @triton.jit
+def _normalized(x, w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED: tl.constexpr):
+    """``(y, rstd)``: fp32 rows ``x`` of a tile normalized and scaled, and their inverse RMS."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    return x * rstd[:, None] * w[None, :], rstd
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr,
     w_ptr,
@@ -61,11 +71,7 @@ def _rms_norm_forward_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    y = x * rstd[:, None] * w[None, :]
+    y, rstd = _normalized(x, w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -96,12 +102,7 @@ def _add_rms_norm_kernel(
     total = (residual.to(tl.float32) + branch.to(tl.float32)).to(total_ptr.dtype.element_ty)
     out = rows[:, None] * n_cols + cols[None, :]
     tl.store(total_ptr + out, total, mask=mask)
-    x = total.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    y = x * rstd[:, None] * w[None, :]
+    y, _ = _normalized(total.to(tl.float32), w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED)
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
