@@ -252,10 +252,10 @@ def test_backend_triton_runs_the_kernel_with_its_own_split_count() -> None:
 @pytest.mark.parametrize(
     ("rows", "capacity", "splits"),
     [
-        (1, 4096, 50),  # one row of 8 kv heads on 132 SMs: 396 programs wanted, 50 per (row, head)
+        (1, 4096, 33),  # one row of 8 kv heads on 132 SMs: 264 programs wanted, 33 per (row, head)
         (1, 128, 2),  # a short table: no split smaller than one 64-position step
-        (16, 4096, 4),  # 128 (row, head) pairs: three programs per SM want four splits
-        (64, 4096, 3),  # a full batch still splits three ways: ragged rows balance over the SMs
+        (16, 4096, 4),  # 128 (row, head) pairs fill most of the GPU: the floor of four splits
+        (64, 4096, 4),  # a full batch still splits four ways: ragged rows balance over the SMs
     ],
 )
 def test_split_count_fills_the_gpu_from_static_sizes(rows: int, capacity: int, splits: int) -> None:
@@ -323,3 +323,16 @@ def test_custom_op_for_torch_compile_equals_eager_path_and_has_a_fake() -> None:
     with FakeTensorMode() as mode:
         fake = custom_op(*(mode.from_tensor(t) for t in args[:5]), None, None, 4, 0.25, 4, 2, 16)
     assert fake.shape == (2, case.q_heads, 8)
+
+
+def test_more_rows_than_the_launch_grid_takes_raise_before_any_launch() -> None:
+    from d9d.kernels._triton.paged_attention_kernels import paged_decode_attention_kernel
+
+    rows = 65536  # one past CUDA's limit on the grid's z dimension, where the rows are
+    inputs = PagedDecodeInputs(
+        query=torch.zeros(rows, 1, 16), key_cache=torch.zeros(4, 1, 16), value_cache=torch.zeros(4, 1, 16),
+        block_table=torch.zeros(rows, 1, dtype=torch.int32), lengths=torch.zeros(rows, dtype=torch.int32),
+        page_size=4, softmax_scale=0.25, sliding_window=None, sinks=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="65536 rows exceed"):
+        paged_decode_attention_kernel(inputs, 1, 16)

@@ -269,8 +269,6 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
-    # the attention starts the longest rows' programs first (one sort per step for every layer)
-    row_order = torch.argsort(lengths, descending=True).to(torch.int32)
     linears: AbstractContextManager[object]
     match few_rows_linear:
         case "off":
@@ -288,7 +286,6 @@ def decode_rows(
             block_table=table,
             lengths=lengths,
             fused_write=fused_pool_write,
-            row_order=row_order,
         )
         for layer_keys, layer_values in zip(keys, values, strict=True)
     ]
@@ -336,7 +333,6 @@ class DecodeLayerView:
     block_table: torch.Tensor
     lengths: torch.Tensor
     fused_write: bool = False
-    row_order: torch.Tensor | None = None
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         _one_new_token(key)
@@ -375,7 +371,6 @@ class DecodeLayerView:
             new_key=key[:, 0].to(self.keys.dtype) if fused else None,
             new_value=value[:, 0].to(self.values.dtype) if fused else None,
             write_slots=self.write_slots if fused else None,
-            row_order=self.row_order,
         )
         return out[:, None].to(query.dtype)
 

@@ -12,12 +12,12 @@ from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._triton.launch import interpreted
 
 # Programs per SM the split count aims at: enough to hide a program's tail behind another's loads.
-_PROGRAMS_PER_SM = 3
+_PROGRAMS_PER_SM = 2
 # Splits every row gets at least (as its capacity allows): rows of unequal lengths (a rollout's) leave
-# SMs idle behind the longest rows with one program each. At 64 and 256 rollout rows on the H200,
-# started longest first, three splits were the fastest of one to five (exp: 20-25% less time than
-# one; bench_paged_attention.py --ragged-only).
-_MIN_SPLITS = 3
+# SMs idle behind the longest rows with one program each; at 64 ragged rows four splits were ~10%
+# faster on the H200 (bench_paged_attention.py --ragged-only). With the rows started longest first
+# (row_order) three were faster than four; the rollout engine does not pass an order yet.
+_MIN_SPLITS = 4
 # More splits than this only adds combine work; 64 already gives 128-token splits of an 8k context.
 _MAX_SPLITS = 64
 
@@ -31,7 +31,7 @@ def block_size(dtype: torch.dtype) -> int:
 
 def splits_for(programs: int, capacity: int, block_n: int, *, multiprocessors: int) -> int:
     """How many programs share one (row, kv head): enough to give every SM work on short batches, and
-    at least three, so that rows of unequal lengths balance over the SMs.
+    at least four, so that rows of unequal lengths balance over the SMs.
 
     Taken from static sizes only (``programs = rows * kv_heads`` and the block table's ``capacity =
     max_blocks * page_size`` positions per row, never a row's length), so the launch is the same on
