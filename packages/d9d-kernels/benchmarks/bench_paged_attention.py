@@ -301,11 +301,16 @@ def ragged_sweep(
         )
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
         default = Tile(block_size(inputs.query.dtype), 4, 2)
-        picked = splits_for(batch * shape.kv_heads, inputs.capacity, default.block_n, multiprocessors=sms)
+        picked = {
+            first: splits_for(
+                batch * shape.kv_heads, inputs.capacity, default.block_n, multiprocessors=sms, ordered=first
+            )
+            for first in (False, True)
+        }
         launches = [
             Launch(tile, count, first)
             for tile in dict.fromkeys([default, *tiles])
-            for count in sorted({*splits, picked})
+            for count in sorted({*splits, *picked.values()})
             for first in (False, True)
         ]
 
@@ -333,9 +338,7 @@ def ragged_sweep(
             spread = f"{min(times[launch]):.1f}-{max(times[launch]):.1f}" if times[launch] else "n/a"
             gbs = kv_bytes / (us * 1e-6) / 1e9 if us else None
             share = 100 * gbs / H200_GBS if gbs else None
-            mark = (
-                "yes" if launch.splits == picked and launch.tile == default and launch.longest_first else ""
-            )
+            mark = "yes" if launch.splits == picked[launch.longest_first] and launch.tile == default else ""
             print(
                 f"| {batch} | {mean:.0f} | {launch.tile} | {launch.splits} | "
                 f"{'yes' if launch.longest_first else ''} | {mark} | {_cell(us, 1)} | {spread} | "

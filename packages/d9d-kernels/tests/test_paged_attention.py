@@ -264,6 +264,13 @@ def test_split_count_fills_the_gpu_from_static_sizes(rows: int, capacity: int, s
     assert splits_for(rows * 8, capacity, 64, multiprocessors=132) == splits
 
 
+def test_rows_started_longest_first_split_three_ways_at_a_full_batch() -> None:
+    from d9d.kernels._triton.paged_attention_op import splits_for
+
+    assert splits_for(64 * 8, 4096, 64, multiprocessors=132, ordered=True) == 3
+    assert splits_for(8, 4096, 64, multiprocessors=132, ordered=True) == 33  # short batches as before
+
+
 def _qwen3_8b_decode(rows: int, device: str) -> tuple[_Case, _Paged]:
     """32 query / 8 kv heads of 128, 16-token pages, 2k-token contexts, one idle row, on ``device``."""
     lengths = (*(97 * row % 2048 + 1 for row in range(rows - 1)), 0)

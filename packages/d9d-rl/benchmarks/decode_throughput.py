@@ -166,6 +166,7 @@ def _d9d_engine(
     compile_prefill: bool | None,
     prefill_graphs: bool | None,
     fused_pool_write: bool,
+    longest_rows_first: bool,
     admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -183,6 +184,7 @@ def _d9d_engine(
         compile_prefill=compile_prefill,
         prefill_graphs=prefill_graphs,
         fused_pool_write=fused_pool_write,
+        longest_rows_first=longest_rows_first,
         admission_wait_steps=admission_wait_steps,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
@@ -290,6 +292,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         compile_prefill: bool | None = prefill,
         graphed_prefills: bool | None = prefill_graphs,
         fused_pool_write: bool = args.fused_pool_write != "off",
+        longest_rows_first: bool = args.longest_rows_first != "off",
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -304,6 +307,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             compile_prefill=compile_prefill,
             prefill_graphs=graphed_prefills,
             fused_pool_write=fused_pool_write,
+            longest_rows_first=longest_rows_first,
             admission_wait_steps=args.admission_wait_steps,
         )
 
@@ -335,6 +339,11 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         label = "without fused_pool_write (index_copy_ writes)"
         engines["variant"], runs["variant"] = engine_with(
             few_rows, ahead, group, prefill, prefill_graphs, False
+        )
+    elif args.longest_rows_first == "both":
+        label = "without longest_rows_first (attention rows in order)"
+        engines["variant"], runs["variant"] = engine_with(
+            few_rows, ahead, group, prefill, prefill_graphs, args.fused_pool_write != "off", False
         )
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
@@ -467,6 +476,7 @@ def main() -> None:
         ("few-rows-linear-group", "on"),
         ("decode-ahead", "on"),
         ("fused-pool-write", "on"),
+        ("longest-rows-first", "off"),
     ):
         field = switch.replace("-", "_")
         parser.add_argument(
@@ -525,11 +535,13 @@ def main() -> None:
         args.compile_prefill,
         args.prefill_graphs,
         args.fused_pool_write,
+        args.longest_rows_first,
     ]
     if switches.count("both") > 1:
         parser.error(
             "--few-rows-linear, --decode-ahead, --few-rows-linear-group, --compile-prefill, "
-            "--prefill-graphs and --fused-pool-write: 'both' adds a second engine, pass it to one of them"
+            "--prefill-graphs, --fused-pool-write and --longest-rows-first: 'both' adds a second engine, "
+            "pass it to one of them"
         )
     if args.sides != "both" and "both" in switches:
         parser.error("a 'both' switch compares two engines beside transformers: it needs --sides both")

@@ -33,10 +33,14 @@ def _sequence(index: int, tokens: list[int], blocks: list[int]) -> SequenceState
     )
 
 
-@pytest.mark.parametrize("fused_pool_write", [False, True], ids=["index-copy", "fused-write"])
-def test_static_step_equals_the_gathering_path(fused_pool_write: bool) -> None:
+@pytest.mark.parametrize(
+    ("fused_pool_write", "longest_rows_first"),
+    [(False, False), (True, False), (True, True)],
+    ids=["index-copy", "fused-write", "fused-write-longest-first"],
+)
+def test_static_step_equals_the_gathering_path(fused_pool_write: bool, longest_rows_first: bool) -> None:
     """One decode step of ragged rows (in buffer rows 3, 1, 0; row 2 idle) against ``forward_paged``;
-    the pool written by ``index_copy_`` or by the attention op."""
+    the pool written by ``index_copy_`` or by the attention op, whose rows may start longest first."""
     model = tiny_model()  # layer 1 has a window of 4 positions: the longest row sees past it
     caches = [
         PagedKVCache.empty(model, num_blocks=12, page_size=2, device=torch.device("cpu")) for _ in range(2)
@@ -52,7 +56,14 @@ def test_static_step_equals_the_gathering_path(fused_pool_write: bool) -> None:
     news = PagedBatch(
         tokens=[s.tokens[-1:] for s in sequences], starts=[s.cached for s in sequences], blocks=prompts.blocks
     )
-    step = StaticDecodeStep(model, caches[0], max_rows=4, max_blocks=6, fused_pool_write=fused_pool_write)
+    step = StaticDecodeStep(
+        model,
+        caches[0],
+        max_rows=4,
+        max_blocks=6,
+        fused_pool_write=fused_pool_write,
+        longest_rows_first=longest_rows_first,
+    )
     slots = DecodeSlots(4, pad_token_id=0)
     # a step before: two rows that then finish and two that stay in their buffer rows
     step.load(slots.plan([_sequence(0, [1], [8]), sequences[0], _sequence(1, [1], [10]), sequences[2]]))
@@ -166,15 +177,23 @@ def test_cuda_graphs_on_a_cpu_device_are_refused() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_replayed_graphs_decode_as_the_eager_step() -> None:
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"cuda_graphs": False},  # the eager step
+        {"cuda_graphs": True, "longest_rows_first": True},  # the lengths' sort captured with the step
+    ],
+    ids=["eager", "longest-rows-first"],
+)
+def test_replayed_graphs_decode_as_another_step(other: dict[str, bool]) -> None:
     sampling = SamplingParams(max_tokens=12, temperature=0.0, samples_per_prompt=3)
     results = []
-    for graphs in (True, False):
-        config = EmbeddedEngineConfig(max_rows=8, page_size=4, max_context=64, cuda_graphs=graphs)
+    for switches in ({"cuda_graphs": True}, other):
+        config = EmbeddedEngineConfig(max_rows=8, page_size=4, max_context=64, **switches)
         engine = EmbeddedRolloutEngine(tiny_model().cuda(), config=config)
         results.append(engine.generate_capped(PROMPTS, sampling, [12, 3, 9, 5, 12, 1]))
         stats = engine.last_stats
-        assert stats is not None and (stats.graph_buckets != ()) == graphs
+        assert stats is not None and (stats.graph_buckets != ()) == switches["cuda_graphs"]
     assert [c.token_ids for c in results[0]] == [c.token_ids for c in results[1]]
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=1e-5)

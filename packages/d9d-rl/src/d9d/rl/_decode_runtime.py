@@ -134,6 +134,7 @@ class DecodeRuntime:
             compiled=compiled,
             few_rows_linear=few_rows_linear,
             fused_pool_write=config.fused_pool_write,
+            longest_rows_first=config.longest_rows_first,
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None

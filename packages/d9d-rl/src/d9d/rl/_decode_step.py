@@ -76,6 +76,7 @@ class StaticDecodeStep:
             graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
         few_rows_linear: How the model part's linears run.
         fused_pool_write: The attention writes the new keys and values in its own launch.
+        longest_rows_first: The attention starts the longest rows' programs first.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class StaticDecodeStep:
         compiled: DecodeFunction | None = None,
         few_rows_linear: FewRowsLinears = "off",
         fused_pool_write: bool = False,
+        longest_rows_first: bool = False,
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -104,6 +106,7 @@ class StaticDecodeStep:
         self._compiled = compiled
         self._few_rows_linear: FewRowsLinears = few_rows_linear
         self._fused_pool_write = fused_pool_write
+        self._longest_rows_first = longest_rows_first
         if compiled is not None:
             for tensor in (*cache.keys, *cache.values):
                 # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
@@ -189,7 +192,7 @@ class StaticDecodeStep:
         if self._compiled is None:
             return decode_rows(
                 self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
-                self._fused_pool_write, *state,
+                self._fused_pool_write, self._longest_rows_first, *state,
             )  # fmt: skip
         for tensor in state:
             # one graph serves every row count above one (a size of 1 is always specialized)
@@ -197,7 +200,7 @@ class StaticDecodeStep:
         try:
             return self._compiled(
                 self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
-                self._fused_pool_write, *state,
+                self._fused_pool_write, self._longest_rows_first, *state,
             )  # fmt: skip
         except (TorchDynamoException, FailOnRecompileLimitHit) as error:
             raise RuntimeError(
@@ -213,6 +216,7 @@ DecodeFunction = Callable[
         list[torch.Tensor],
         int,
         FewRowsLinears,
+        bool,
         bool,
         torch.Tensor,
         torch.Tensor,
@@ -232,6 +236,7 @@ def decode_rows(
     page_size: int,
     few_rows_linear: FewRowsLinears,
     fused_pool_write: bool,
+    longest_rows_first: bool,
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
@@ -249,6 +254,8 @@ def decode_rows(
             products of at most 16 rows through d9d-kernels' ``few_rows_linear``); ``"grouped"``:
             q/k/v and gate/up in one launch each too; ``"off"``: ``F.linear``.
         fused_pool_write: The attention op writes the new keys and values (``DecodeLayerView``).
+        longest_rows_first: The attention op starts the longest rows' programs first (one sort
+            of ``lengths`` for every layer: ``paged_decode_attention(row_order=...)``).
         input_ids: ``(rows,)`` int64, each row's new token.
         lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
         table: ``(rows, columns)`` int32 block table.
@@ -269,6 +276,7 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
+    row_order = torch.argsort(lengths, descending=True).to(torch.int32) if longest_rows_first else None
     linears: AbstractContextManager[object]
     match few_rows_linear:
         case "off":
@@ -286,6 +294,7 @@ def decode_rows(
             block_table=table,
             lengths=lengths,
             fused_write=fused_pool_write,
+            row_order=row_order,
         )
         for layer_keys, layer_values in zip(keys, values, strict=True)
     ]
@@ -333,6 +342,7 @@ class DecodeLayerView:
     block_table: torch.Tensor
     lengths: torch.Tensor
     fused_write: bool = False
+    row_order: torch.Tensor | None = None
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         _one_new_token(key)
@@ -371,6 +381,7 @@ class DecodeLayerView:
             new_key=key[:, 0].to(self.keys.dtype) if fused else None,
             new_value=value[:, 0].to(self.values.dtype) if fused else None,
             write_slots=self.write_slots if fused else None,
+            row_order=self.row_order,
         )
         return out[:, None].to(query.dtype)
 

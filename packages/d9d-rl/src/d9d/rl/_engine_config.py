@@ -76,6 +76,12 @@ class EmbeddedEngineConfig(BaseModel):
             write_slots=...)``) instead of two ``index_copy_`` launches per layer (57 launches and
             156 us of a 64-row Qwen3-0.6B step on an H200; that step took 3.08 ms with it and
             3.14 ms without). The reference and compiled paths write with ``index_copy_`` either way.
+        longest_rows_first: In the decode step, start the attention's programs with the longest
+            rows (one sort of the rows' lengths per step for all layers; d9d-kernels'
+            ``paged_decode_attention(row_order=...)``), so that no long row runs on alone at the
+            end. The kernel alone took 0.5-2% less time at 64 and 256 rollout rows on an H200
+            (2-4% with three splits, which the heuristic does not pick yet). Off until the whole
+            step has been measured with it.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
             host about the same whether it runs one prompt or several (a few hundred kernel
@@ -99,6 +105,7 @@ class EmbeddedEngineConfig(BaseModel):
     decode_ahead: bool = True
     prefill_graphs: bool | None = None
     fused_pool_write: bool = True
+    longest_rows_first: bool = False
     admission_wait_steps: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")

@@ -15,9 +15,11 @@ from d9d.kernels._triton.launch import interpreted
 _PROGRAMS_PER_SM = 2
 # Splits every row gets at least (as its capacity allows): rows of unequal lengths (a rollout's) leave
 # SMs idle behind the longest rows with one program each; at 64 ragged rows four splits were ~10%
-# faster on the H200 (bench_paged_attention.py --ragged-only). With the rows started longest first
-# (row_order) three were faster than four; the rollout engine does not pass an order yet.
+# faster on the H200 (bench_paged_attention.py --ragged-only).
 _MIN_SPLITS = 4
+# The floor with the rows started longest first (row_order): at 64 and 256 rollout rows on the H200
+# three splits were the fastest of one to five, 2-4% faster than four in row order.
+_MIN_SPLITS_ORDERED = 3
 # More splits than this only adds combine work; 64 already gives 128-token splits of an 8k context.
 _MAX_SPLITS = 64
 
@@ -29,15 +31,21 @@ def block_size(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
-def splits_for(programs: int, capacity: int, block_n: int, *, multiprocessors: int) -> int:
+def splits_for(
+    programs: int, capacity: int, block_n: int, *, multiprocessors: int, ordered: bool = False
+) -> int:
     """How many programs share one (row, kv head): enough to give every SM work on short batches, and
-    at least four, so that rows of unequal lengths balance over the SMs.
+    at least four (three with the rows started longest first: ``ordered``), so that rows of unequal
+    lengths balance over the SMs.
 
     Taken from static sizes only (``programs = rows * kv_heads`` and the block table's ``capacity =
     max_blocks * page_size`` positions per row, never a row's length), so the launch is the same on
     every decode step and a CUDA graph replays it. No split is narrower than one ``block_n`` step.
     """
-    wanted = max(_MIN_SPLITS, -(-_PROGRAMS_PER_SM * multiprocessors // max(1, programs)))
+    wanted = max(
+        _MIN_SPLITS_ORDERED if ordered else _MIN_SPLITS,
+        -(-_PROGRAMS_PER_SM * multiprocessors // max(1, programs)),
+    )
     useful = -(-capacity // block_n)
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
@@ -100,7 +108,10 @@ def paged_decode_attention_triton(
     block_n = block_size(inputs.query.dtype)
     if num_splits is None:
         sms = multiprocessor_count(inputs.query.device)
-        num_splits = splits_for(inputs.rows * inputs.kv_heads, inputs.capacity, block_n, multiprocessors=sms)
+        num_splits = splits_for(
+            inputs.rows * inputs.kv_heads, inputs.capacity, block_n, multiprocessors=sms,
+            ordered=inputs.row_order is not None,
+        )  # fmt: skip
     if torch.compiler.is_compiling():
         # the custom op mutates nothing (a mutating one would have its pool functionalized): the
         # compiled step writes with index_copy_, which Inductor fuses with its neighbours
