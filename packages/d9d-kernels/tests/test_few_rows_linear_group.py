@@ -11,7 +11,7 @@ from torch import nn
 
 from d9d.kernels import FewRowsLinearMode, KernelBackend, few_rows_linear_group, shared_input_linear
 
-from ._modules import ScaledLinear
+from ._modules import ScaledLinear, compile_capturing_graph
 
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
@@ -131,11 +131,6 @@ def test_mode_groups_plain_linears_and_calls_the_others() -> None:
 
 def _compile_gate_up(linears: tuple[nn.Module, nn.Module], *, group_projections: bool):
     """``gate * up`` of one input under the mode, compiled in one graph: (compiled, eager, graph text)."""
-    graphs: list[str] = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
-        graphs.append(str(graph.graph))
-        return graph
 
     def step(x: torch.Tensor) -> torch.Tensor:
         with FewRowsLinearMode(backend=_TRITON, group_projections=group_projections):
@@ -143,9 +138,9 @@ def _compile_gate_up(linears: tuple[nn.Module, nn.Module], *, group_projections:
             return a * b
 
     x = torch.randn(2, 40)
+    compiled, graph = compile_capturing_graph(step, x)
     with torch.no_grad():
-        compiled = torch.compile(step, fullgraph=True, backend=backend)(x)
-        return compiled, step(x), graphs[0], x
+        return compiled, step(x), graph, x
 
 
 @_INTERPRETER

@@ -18,7 +18,7 @@ from d9d.kernels import (
 )
 from d9d.kernels.layers import SwiGLU
 
-from ._modules import ScaledLinear
+from ._modules import ScaledLinear, compile_capturing_graph
 
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
@@ -86,18 +86,11 @@ def test_without_a_mode_the_modules_and_the_activation_run() -> None:
 
 
 def _compiled_feed_forward(module: SwiGLU, x: torch.Tensor) -> tuple[torch.Tensor, str]:
-    graphs: list[str] = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
-        graphs.append(str(graph.graph))
-        return graph
-
     def step(x: torch.Tensor) -> torch.Tensor:
         with FewRowsLinearMode(backend=_TRITON, group_projections=True):
             return module(x)
 
-    with torch.no_grad():
-        return torch.compile(step, fullgraph=True, backend=backend)(x), graphs[0]
+    return compile_capturing_graph(step, x)
 
 
 @_INTERPRETER
