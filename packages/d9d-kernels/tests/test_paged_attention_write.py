@@ -14,38 +14,11 @@ import torch
 
 from d9d.kernels import KernelBackend, paged_decode_attention
 
+from ._modules import PAGE, paged_decode_step
+
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
 )
-PAGE = 4
-BLOCKS = 5  # per row
-
-
-def _decode_step(
-    lengths: list[int], *, kv_heads: int = 2, head_dim: int = 16, value_dim: int = 16
-) -> dict[str, torch.Tensor]:
-    """A pool of shuffled blocks holding stale values, and each row's new token (at ``length - 1``;
-    an idle row, length 0, writes into a spare block no row reads)."""
-    gen = torch.Generator().manual_seed(len(lengths) * 100 + head_dim)
-    rows = len(lengths)
-    num_blocks = rows * BLOCKS + 2
-    order = torch.randperm(num_blocks, generator=gen)
-    table = order[: rows * BLOCKS].view(rows, BLOCKS)
-    spare = int(order[-1]) * PAGE
-    slots = [
-        int(table[row, (length - 1) // PAGE]) * PAGE + (length - 1) % PAGE if length > 0 else spare
-        for row, length in enumerate(lengths)
-    ]
-    return {
-        "query": torch.randn(rows, 2 * kv_heads, head_dim, generator=gen),
-        "key_cache": torch.randn(num_blocks * PAGE, kv_heads, head_dim, generator=gen),
-        "value_cache": torch.randn(num_blocks * PAGE, kv_heads, value_dim, generator=gen),
-        "block_table": table.to(torch.int32),
-        "lengths": torch.tensor(lengths, dtype=torch.int32),
-        "new_key": 3 * torch.randn(rows, kv_heads, head_dim, generator=gen),
-        "new_value": 3 * torch.randn(rows, kv_heads, value_dim, generator=gen),
-        "write_slots": torch.tensor(slots, dtype=torch.int64),
-    }
 
 
 def _written_then_attended(step: dict[str, torch.Tensor], **options: object) -> tuple[torch.Tensor, ...]:
@@ -79,7 +52,7 @@ def _assert_same(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ..
 
 
 def test_the_reference_writes_then_attends() -> None:
-    step = _decode_step([7, 1, 20, 0, 13])
+    step = paged_decode_step([7, 1, 20, 0, 13])
     _assert_same(_fused(step, KernelBackend.REFERENCE), _written_then_attended(step))
 
 
@@ -100,7 +73,7 @@ def test_the_kernel_stores_the_new_tokens_and_attends_to_them(
     from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
     from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
 
-    step = _decode_step(lengths)
+    step = paged_decode_step(lengths)
     keys, values = step["key_cache"].clone(), step["value_cache"].clone()
     inputs = PagedDecodeInputs(
         query=step["query"], key_cache=keys, value_cache=values, block_table=step["block_table"],
@@ -115,7 +88,7 @@ def test_the_kernel_stores_the_new_tokens_and_attends_to_them(
 
 @_INTERPRETER
 def test_the_kernel_takes_int32_slots_and_strided_new_tokens() -> None:
-    step = _decode_step([5, 12], value_dim=8)
+    step = paged_decode_step([5, 12], value_dim=8)
     step["write_slots"] = step["write_slots"].to(torch.int32)
     wide = torch.randn(2, 2, 32)
     wide[..., ::2] = step["new_key"]
@@ -125,7 +98,7 @@ def test_the_kernel_takes_int32_slots_and_strided_new_tokens() -> None:
 
 @_INTERPRETER
 def test_compiled_calls_write_with_index_copy_and_attend_through_the_custom_op() -> None:
-    step = _decode_step([9, 4, 0])
+    step = paged_decode_step([9, 4, 0])
 
     def attend(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return paged_decode_attention(
@@ -149,7 +122,7 @@ def test_compiled_calls_write_with_index_copy_and_attend_through_the_custom_op()
     ],
 )
 def test_a_write_that_does_not_fit_is_refused(change: dict[str, torch.Tensor | None], message: str) -> None:
-    step: dict[str, torch.Tensor | None] = {**_decode_step([3, 5]), **change}
+    step: dict[str, torch.Tensor | None] = {**paged_decode_step([3, 5]), **change}
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(
             step["query"], step["key_cache"], step["value_cache"], step["block_table"], step["lengths"],  # type: ignore[arg-type]
@@ -165,7 +138,7 @@ def test_the_kernel_writes_at_qwen3_shapes_on_gpu(rows: int) -> None:
     """Qwen3-0.6B's heads (16 query, 8 kv, 128 wide), bf16, lengths 1 to 20 and one idle row (only
     one: idle rows share a scratch slot, where the last writer is unspecified); the GPU's splits."""
     lengths = [0] + [1 + (7 * row) % 20 for row in range(1, rows)]
-    cpu = _decode_step(lengths, kv_heads=8, head_dim=128, value_dim=128)
+    cpu = paged_decode_step(lengths, kv_heads=8, head_dim=128, value_dim=128)
     step = {
         name: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.cuda() for name, t in cpu.items()
     }

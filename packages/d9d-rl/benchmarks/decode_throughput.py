@@ -167,6 +167,7 @@ def _d9d_engine(
     prefill_graphs: bool | None,
     fused_pool_write: bool,
     longest_rows_first: bool,
+    fused_qk_norm_rope: bool,
     admission_wait_steps: int,
 ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
     torch.manual_seed(0)
@@ -185,6 +186,7 @@ def _d9d_engine(
         prefill_graphs=prefill_graphs,
         fused_pool_write=fused_pool_write,
         longest_rows_first=longest_rows_first,
+        fused_qk_norm_rope=fused_qk_norm_rope,
         admission_wait_steps=admission_wait_steps,
     )
     engine = EmbeddedRolloutEngine(model.to(dtype), config=config)
@@ -293,6 +295,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         graphed_prefills: bool | None = prefill_graphs,
         fused_pool_write: bool = args.fused_pool_write != "off",
         longest_rows_first: bool = args.longest_rows_first != "off",
+        fused_qk_norm_rope: bool = args.fused_qk_norm_rope != "off",
     ) -> tuple[EmbeddedRolloutEngine, Callable[[], object]]:
         return _d9d_engine(
             fields,
@@ -308,6 +311,7 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
             prefill_graphs=graphed_prefills,
             fused_pool_write=fused_pool_write,
             longest_rows_first=longest_rows_first,
+            fused_qk_norm_rope=fused_qk_norm_rope,
             admission_wait_steps=args.admission_wait_steps,
         )
 
@@ -345,6 +349,9 @@ def _point(args: argparse.Namespace, width: str, batch: int, device: torch.devic
         engines["variant"], runs["variant"] = engine_with(
             few_rows, ahead, group, prefill, prefill_graphs, args.fused_pool_write != "off", False
         )
+    elif args.fused_qk_norm_rope == "both":
+        label = "without fused_qk_norm_rope (a qk_norm_rope launch per layer)"
+        engines["variant"], runs["variant"] = engine_with(few_rows, ahead, fused_qk_norm_rope=False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     decode_seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefill_seconds: list[float] = []
@@ -477,6 +484,7 @@ def main() -> None:
         ("decode-ahead", "on"),
         ("fused-pool-write", "on"),
         ("longest-rows-first", "off"),
+        ("fused-qk-norm-rope", "off"),
     ):
         field = switch.replace("-", "_")
         parser.add_argument(
@@ -536,12 +544,18 @@ def main() -> None:
         args.prefill_graphs,
         args.fused_pool_write,
         args.longest_rows_first,
+        args.fused_qk_norm_rope,
     ]
     if switches.count("both") > 1:
         parser.error(
             "--few-rows-linear, --decode-ahead, --few-rows-linear-group, --compile-prefill, "
-            "--prefill-graphs, --fused-pool-write and --longest-rows-first: 'both' adds a second engine, "
+            "--prefill-graphs, --fused-pool-write, --longest-rows-first and --fused-qk-norm-rope: 'both' "
+            "adds a second engine, "
             "pass it to one of them"
+        )
+    if args.fused_qk_norm_rope != "off" and args.fused_pool_write != "on":
+        parser.error(
+            "--fused-qk-norm-rope needs --fused-pool-write on (the kernel writes the normalized keys)"
         )
     if args.sides != "both" and "both" in switches:
         parser.error("a 'both' switch compares two engines beside transformers: it needs --sides both")

@@ -15,7 +15,7 @@ from d9d.kernels.layers import sdpa_with_sinks
 from d9d.rl import EmbeddedEngineConfig, EmbeddedRolloutEngine, SamplingParams
 from d9d.rl._decode_runtime import _DeviceTimer  # pyright: ignore[reportPrivateUsage]
 from d9d.rl._decode_slots import DecodeSlots, bucket_for
-from d9d.rl._decode_step import DecodeLayerView, StaticDecodeStep
+from d9d.rl._decode_step import DecodeAttention, DecodeLayerView, StaticDecodeStep
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._scheduler import SequenceState
 
@@ -34,14 +34,24 @@ def _sequence(index: int, tokens: list[int], blocks: list[int]) -> SequenceState
 
 
 @pytest.mark.parametrize(
-    ("fused_pool_write", "longest_rows_first"),
-    [(False, False), (True, False), (True, True)],
-    ids=["index-copy", "fused-write", "fused-write-longest-first"],
+    "attention",
+    [
+        DecodeAttention(),
+        DecodeAttention(fused_pool_write=True),
+        DecodeAttention(fused_pool_write=True, longest_rows_first=True),
+        DecodeAttention(fused_pool_write=True, fused_qk_norm_rope=True),
+    ],
+    ids=["index-copy", "fused-write", "fused-write-longest-first", "fused-write-qk-norm-rope"],
 )
-def test_static_step_equals_the_gathering_path(fused_pool_write: bool, longest_rows_first: bool) -> None:
+def test_static_step_equals_the_gathering_path(attention: DecodeAttention) -> None:
     """One decode step of ragged rows (in buffer rows 3, 1, 0; row 2 idle) against ``forward_paged``;
-    the pool written by ``index_copy_`` or by the attention op, whose rows may start longest first."""
+    the pool written by ``index_copy_`` or by the attention op, whose rows may start longest first
+    and which may apply the q/k norms and rotation itself."""
     model = tiny_model()  # layer 1 has a window of 4 positions: the longest row sees past it
+    with torch.no_grad():  # norms that are not all ones, so that their weights are checked too
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
     caches = [
         PagedKVCache.empty(model, num_blocks=12, page_size=2, device=torch.device("cpu")) for _ in range(2)
     ]
@@ -61,8 +71,7 @@ def test_static_step_equals_the_gathering_path(fused_pool_write: bool, longest_r
         caches[0],
         max_rows=4,
         max_blocks=6,
-        fused_pool_write=fused_pool_write,
-        longest_rows_first=longest_rows_first,
+        attention=attention,
     )
     slots = DecodeSlots(4, pad_token_id=0)
     # a step before: two rows that then finish and two that stay in their buffer rows
@@ -182,8 +191,9 @@ def test_cuda_graphs_on_a_cpu_device_are_refused() -> None:
     [
         {"cuda_graphs": False},  # the eager step
         {"cuda_graphs": True, "longest_rows_first": True},  # the lengths' sort captured with the step
+        {"cuda_graphs": True, "fused_qk_norm_rope": True},  # the q/k norms inside the attention kernel
     ],
-    ids=["eager", "longest-rows-first"],
+    ids=["eager", "longest-rows-first", "fused-qk-norm-rope"],
 )
 def test_replayed_graphs_decode_as_another_step(other: dict[str, bool]) -> None:
     sampling = SamplingParams(max_tokens=12, temperature=0.0, samples_per_prompt=3)

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from d9d.kernels.layers import AttendingKeyValueCache, GroupedQueryAttention, RotaryEmbedding
+from d9d.kernels import QKNormRope
+from d9d.kernels.layers import (
+    AttendingKeyValueCache,
+    GroupedQueryAttention,
+    NormalizingKeyValueCache,
+    RotaryEmbedding,
+)
 
 
 @dataclass(kw_only=True)
@@ -99,3 +105,56 @@ def test_a_cache_that_attends_itself_gets_the_layers_attention() -> None:
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
     assert cache.calls == [(attention.softmax_scale, 3, False)] * 6
+
+
+@dataclass(kw_only=True)
+class _NormalizingCache(_AttendingCache):
+    """A ``NormalizingKeyValueCache``: records the q/k norms handed to it, then applies them itself."""
+
+    takes_qk_norm_rope: bool = True
+    handed: list[QKNormRope] = field(default_factory=list[QKNormRope])
+
+    def attend_normalizing(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        qk_norm_rope: QKNormRope,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        self.handed.append(qk_norm_rope)
+        query, key = qk_norm_rope.apply(query, key)
+        return self.attend(
+            query, key, value, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
+        )
+
+
+@pytest.mark.parametrize("takes", [True, False], ids=["takes-the-norms", "declines-them"])
+def test_a_cache_that_normalizes_gets_the_projections_and_the_norms(takes: bool) -> None:
+    """Per-head q/k norms (Qwen3) go to a cache that takes them with the unnormalized projections; a
+    cache that declines them gets the normalized, rotated queries and keys through ``attend``."""
+    torch.manual_seed(0)
+    attention = GroupedQueryAttention(32, 4, 2, qk_norm=True, attention_backend="eager")
+    with torch.no_grad():
+        for norm in (attention.q_norm, attention.k_norm):
+            assert norm is not None
+            norm.weight.uniform_(0.5, 1.5)
+    assert isinstance(_NormalizingCache(), NormalizingKeyValueCache)
+    assert not isinstance(_AttendingCache(), NormalizingKeyValueCache)
+    hidden = torch.randn(2, 5, 32)
+    cos, sin = RotaryEmbedding(8, theta=10_000.0)(torch.arange(5).expand(2, 5), dtype=hidden.dtype)
+    cache = _NormalizingCache(takes_qk_norm_rope=takes)
+    with torch.no_grad():
+        whole = attention(hidden, (cos, sin))
+        steps = [
+            attention(hidden[:, t : t + 1], (cos[:, t : t + 1], sin[:, t : t + 1]), kv_cache=cache)
+            for t in range(5)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert len(cache.handed) == (5 if takes else 0) and len(cache.calls) == 5
+    if takes:
+        assert cache.handed[0].q_weight is attention.q_norm.weight  # type: ignore[union-attr]
+        assert cache.handed[0].eps == attention.q_norm.eps  # type: ignore[union-attr]

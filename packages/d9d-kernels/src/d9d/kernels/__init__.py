@@ -16,7 +16,7 @@ from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._paged_attention import paged_decode_attention
-from d9d.kernels._qk_norm_rope import qk_norm_rope
+from d9d.kernels._qk_norm_rope import QKNormRope, qk_norm_rope
 from d9d.kernels._rms_norm import add_rms_norm, rms_norm
 from d9d.kernels._rope import RopeLayout, apply_rope
 from d9d.kernels._shared_input_linear import shared_input_linear, swiglu_projection
@@ -33,6 +33,7 @@ __all__ = [
     "FewRowsLinearMode",
     "HostStateOffload",
     "KernelBackend",
+    "QKNormRope",
     "RopeLayout",
     "StochasticAdamW",
     "adamw_step_stochastic_",

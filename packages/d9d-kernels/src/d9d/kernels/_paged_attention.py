@@ -6,6 +6,7 @@ import torch
 
 from d9d.kernels._backend import KernelBackend, use_triton
 from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
+from d9d.kernels._qk_norm_rope import QKNormRope
 from d9d.kernels._reference.paged_attention import paged_decode_attention_reference
 
 _OP = "paged_decode_attention"
@@ -26,6 +27,7 @@ def paged_decode_attention(
     new_value: torch.Tensor | None = None,
     write_slots: torch.Tensor | None = None,
     row_order: torch.Tensor | None = None,
+    qk_norm_rope: QKNormRope | None = None,
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> torch.Tensor:
     """Attention of one new query token per row over that row's keys and values in a paged pool.
@@ -69,6 +71,12 @@ def paged_decode_attention(
             on alone at the end: 0.5-2% less kernel time at 64 and 256 rollout rows on an H200,
             2-4% with three splits against rows in order with four. The outputs stay in row order
             and do not change; None starts the rows in order.
+        qk_norm_rope: Per-head RMSNorm, then the rotation, still to apply to ``query`` and
+            ``new_key`` (Qwen3-style attention), with ``cos`` and ``sin`` ``(rows, head_dim)``
+            rotating the whole head; needs the write. The Triton kernel applies them as each program
+            loads its queries and the new key (one launch fewer per layer than ``qk_norm_rope``
+            before the call), rounding as ``qk_norm_rope`` rounds; the pool stores the normalized,
+            rotated keys. None: ``query`` and ``new_key`` are final.
         backend: Which implementation runs (Triton on CUDA by default).
 
     Returns:
@@ -77,7 +85,8 @@ def paged_decode_attention(
 
     Raises:
         ValueError: A tensor's rank, shape, dtype or device does not fit the others, ``page_size``
-            does not divide the pool, or ``sliding_window`` is below 1.
+            does not divide the pool, ``sliding_window`` is below 1, or ``qk_norm_rope`` comes
+            without the write.
         RuntimeError: ``backend`` is TRITON where the kernels cannot run (no Triton, no CUDA device
             outside the interpreter).
     """
@@ -85,11 +94,13 @@ def paged_decode_attention(
         query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, lengths=lengths,
         page_size=page_size, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
         new_key=new_key, new_value=new_value, write_slots=write_slots, row_order=row_order,
+        qk_norm_rope=qk_norm_rope,
     )  # fmt: skip
     inputs.check()
     if use_triton(backend, _OP, *inputs.floats):
         from d9d.kernels._triton.paged_attention_op import paged_decode_attention_triton
 
         return paged_decode_attention_triton(inputs)
+    inputs = inputs.normalized(KernelBackend.REFERENCE)
     inputs.write()  # the reference reads the pool only
     return paged_decode_attention_reference(inputs)

@@ -6,9 +6,12 @@ from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from d9d.kernels._backend import KernelBackend
+from d9d.kernels._qk_norm_rope import QKNormRope
 
 _OP = "paged_decode_attention"
 
@@ -33,6 +36,8 @@ class PagedDecodeInputs:
         write_slots: ``(rows,)`` int64 or int32 pool slots of ``new_key`` and ``new_value``.
         row_order: ``(rows,)`` int32 permutation of the rows: the order their programs start in, or
             None (row order).
+        qk_norm_rope: The per-head norms and rotation still to apply to ``query`` and ``new_key``
+            (``cos`` and ``sin`` ``(rows, head_dim)``), or None (both already normalized and rotated).
     """
 
     query: torch.Tensor
@@ -48,6 +53,7 @@ class PagedDecodeInputs:
     new_value: torch.Tensor | None = None
     write_slots: torch.Tensor | None = None
     row_order: torch.Tensor | None = None
+    qk_norm_rope: QKNormRope | None = None
 
     @property
     def rows(self) -> int:
@@ -87,14 +93,31 @@ class PagedDecodeInputs:
     @property
     def floats(self) -> tuple[torch.Tensor, ...]:
         """The floating tensors: query, caches and sinks where given."""
-        return (self.query, self.key_cache, self.value_cache) + (
-            (self.sinks,) if self.sinks is not None else ()
+        prologue = self.qk_norm_rope
+        return (
+            (self.query, self.key_cache, self.value_cache)
+            + ((self.sinks,) if self.sinks is not None else ())
+            + (
+                (prologue.q_weight, prologue.k_weight, prologue.cos, prologue.sin)
+                if prologue is not None
+                else ()
+            )
         )
 
     @property
     def writes(self) -> bool:
         """Whether the call writes ``new_key`` and ``new_value`` into the pool first."""
         return self.write_slots is not None
+
+    def normalized(self, backend: KernelBackend) -> PagedDecodeInputs:
+        """These inputs with ``qk_norm_rope`` applied to ``query`` and ``new_key`` (by ``backend``), for
+        the paths that do not fuse it into the attention; themselves without one."""
+        prologue, new_key = self.qk_norm_rope, self.new_key
+        if prologue is None or new_key is None:
+            return self
+        tables = replace(prologue, cos=prologue.cos[:, None], sin=prologue.sin[:, None])
+        query, key = tables.apply(self.query[:, None], new_key[:, None], backend=backend)
+        return replace(self, query=query[:, 0], new_key=key[:, 0], qk_norm_rope=None)
 
     def write(self) -> None:
         """``index_copy_`` of the new keys and values into the pool (the paths that do not fuse it)."""
@@ -108,6 +131,7 @@ class PagedDecodeInputs:
         self._check_shapes()
         self._check_types()
         self._check_write()
+        self._check_qk_norm_rope()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"{_OP}: sliding_window={self.sliding_window} must be at least 1")
 
@@ -188,5 +212,31 @@ class PagedDecodeInputs:
                 f"{tuple(slots.shape)}"
             )
         for name, t in (("new_key", new_key), ("new_value", new_value), ("write_slots", slots)):
+            if t.device != self.query.device:
+                raise ValueError(f"{_OP}: {name} is on {t.device}, query on {self.query.device}")
+
+    def _check_qk_norm_rope(self) -> None:
+        prologue = self.qk_norm_rope
+        if prologue is None:
+            return
+        if self.new_key is None:
+            raise ValueError(
+                f"{_OP}: qk_norm_rope needs new_key, new_value and write_slots (the call normalizes and "
+                "rotates the new keys before it stores them)"
+            )
+        head_dim = self.head_dim
+        if head_dim % 2 != 0:
+            raise ValueError(f"{_OP}: qk_norm_rope needs an even head_dim, got {head_dim}")
+        expected = {
+            "qk_norm_rope.q_weight": (prologue.q_weight, (head_dim,)),
+            "qk_norm_rope.k_weight": (prologue.k_weight, (head_dim,)),
+            "qk_norm_rope.cos": (prologue.cos, (self.rows, head_dim)),
+            "qk_norm_rope.sin": (prologue.sin, (self.rows, head_dim)),
+        }
+        for name, (t, shape) in expected.items():
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise ValueError(
+                    f"{_OP}: {name} must be a floating {shape} tensor, got {t.dtype} {tuple(t.shape)}"
+                )
             if t.device != self.query.device:
                 raise ValueError(f"{_OP}: {name} is on {t.device}, query on {self.query.device}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from d9d.kernels._backend import KernelBackend, use_triton
@@ -74,6 +76,51 @@ def qk_norm_rope(
         apply_rope(normed_query, cos, sin, layout=layout, backend=backend),
         apply_rope(normed_key, cos, sin, layout=layout, backend=backend),
     )
+
+
+@dataclass(kw_only=True, frozen=True)
+class QKNormRope:
+    """``qk_norm_rope``'s weights, tables and options, for an op that applies it itself.
+
+    ``GroupedQueryAttention`` hands this, with the unnormalized queries and keys, to a key/value
+    cache that takes the norms and the rotation into its attention (``NormalizingKeyValueCache``;
+    ``paged_decode_attention(qk_norm_rope=...)`` does it inside the attention kernel).
+
+    Attributes:
+        q_weight: ``(head_dim,)``, the query norm's scale.
+        k_weight: ``(head_dim,)``, the key norm's scale.
+        cos: The positions' cosines over the whole head: ``(batch, seq, head_dim)`` for ``apply``,
+            ``(rows, head_dim)`` for ``paged_decode_attention``.
+        sin: Same shape as ``cos``.
+        eps: Added to the mean square before the square root.
+        zero_centered_weight: Scale by ``1 + weight``.
+        layout: Which elements form a rotation pair.
+    """
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    eps: float
+    zero_centered_weight: bool = False
+    layout: RopeLayout = "half"
+
+    def apply(
+        self, query: torch.Tensor, key: torch.Tensor, *, backend: KernelBackend = KernelBackend.AUTO
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk_norm_rope`` of ``(batch, seq, heads, head_dim)`` queries and keys with these arguments."""
+        return qk_norm_rope(
+            query,
+            key,
+            self.q_weight,
+            self.k_weight,
+            self.cos,
+            self.sin,
+            eps=self.eps,
+            zero_centered_weight=self.zero_centered_weight,
+            layout=self.layout,
+            backend=backend,
+        )
 
 
 def _check(

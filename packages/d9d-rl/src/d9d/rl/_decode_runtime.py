@@ -13,7 +13,7 @@ import torch
 from d9d.hf import DecoderCausalLM
 from d9d.rl._decode_graphs import GraphedDecodeStep
 from d9d.rl._decode_slots import DecodeSlots
-from d9d.rl._decode_step import DecodeFunction, FewRowsLinears, StaticDecodeStep
+from d9d.rl._decode_step import DecodeAttention, DecodeFunction, FewRowsLinears, StaticDecodeStep
 from d9d.rl._engine_config import EmbeddedEngineConfig
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, PrefillFunction, forward_paged
 from d9d.rl._prefill_graphs import GRAPHED_MAX_WIDTH, GraphedPrefill, StaticPrefill, width_bucket
@@ -133,8 +133,11 @@ class DecodeRuntime:
             max_blocks=config.blocks_for(config.max_context),
             compiled=compiled,
             few_rows_linear=few_rows_linear,
-            fused_pool_write=config.fused_pool_write,
-            longest_rows_first=config.longest_rows_first,
+            attention=DecodeAttention(
+                fused_pool_write=config.fused_pool_write,
+                longest_rows_first=config.longest_rows_first,
+                fused_qk_norm_rope=config.fused_qk_norm_rope,
+            ),
         )
         self._slots = DecodeSlots(config.max_rows, pad_token_id=pad_token_id)
         self._graphs = GraphedDecodeStep(self._step) if cuda_graphs else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
@@ -27,7 +27,7 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 )
 
 from d9d.hf import DecoderCausalLM
-from d9d.kernels import FewRowsLinearMode, paged_decode_attention
+from d9d.kernels import FewRowsLinearMode, QKNormRope, paged_decode_attention
 from d9d.rl._engine_compile import compile_engine_region
 from d9d.rl._kv_cache import PagedKVCache
 
@@ -64,6 +64,23 @@ class DecodeUpdate:
     table_blocks: list[int]
 
 
+@dataclass(kw_only=True, frozen=True)
+class DecodeAttention:
+    """How a decode step's attention op runs (``EmbeddedEngineConfig``'s switches of the same names).
+
+    Attributes:
+        fused_pool_write: It writes the rows' new keys and values into the pool in its own launch.
+        longest_rows_first: It starts the longest rows' programs first (one sort of the lengths per
+            step for every layer: ``paged_decode_attention(row_order=...)``).
+        fused_qk_norm_rope: It applies the layers' per-head q/k norms and rotation itself
+            (``paged_decode_attention(qk_norm_rope=...)``; only with ``fused_pool_write``).
+    """
+
+    fused_pool_write: bool = False
+    longest_rows_first: bool = False
+    fused_qk_norm_rope: bool = False
+
+
 class StaticDecodeStep:
     """The state buffers of ``max_rows`` rows and the decode forward over the first ``rows`` of them.
 
@@ -75,8 +92,7 @@ class StaticDecodeStep:
         compiled: ``compile_decode_rows``'s function, shared by the steps of one engine (its
             graphs outlive a pool); every step then reads all ``max_blocks`` columns. None: eager.
         few_rows_linear: How the model part's linears run.
-        fused_pool_write: The attention writes the new keys and values in its own launch.
-        longest_rows_first: The attention starts the longest rows' programs first.
+        attention: How the attention op runs.
     """
 
     def __init__(
@@ -88,8 +104,7 @@ class StaticDecodeStep:
         max_blocks: int,
         compiled: DecodeFunction | None = None,
         few_rows_linear: FewRowsLinears = "off",
-        fused_pool_write: bool = False,
-        longest_rows_first: bool = False,
+        attention: DecodeAttention | None = None,
     ) -> None:
         if model.lm_head is None or model.model.norm is None:
             raise RuntimeError("generation needs the whole model (first and last pipeline stage)")
@@ -105,8 +120,7 @@ class StaticDecodeStep:
         self._staging = torch.empty(0, dtype=torch.int32, device=device)
         self._compiled = compiled
         self._few_rows_linear: FewRowsLinears = few_rows_linear
-        self._fused_pool_write = fused_pool_write
-        self._longest_rows_first = longest_rows_first
+        self._attention = attention or DecodeAttention()
         if compiled is not None:
             for tensor in (*cache.keys, *cache.values):
                 # the pool's size is dynamic: a later pool of another size reuses the compiled graphs
@@ -192,7 +206,7 @@ class StaticDecodeStep:
         if self._compiled is None:
             return decode_rows(
                 self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
-                self._fused_pool_write, self._longest_rows_first, *state,
+                self._attention, *state,
             )  # fmt: skip
         for tensor in state:
             # one graph serves every row count above one (a size of 1 is always specialized)
@@ -200,7 +214,7 @@ class StaticDecodeStep:
         try:
             return self._compiled(
                 self._model, cache.keys, cache.values, cache.page_size, self._few_rows_linear,
-                self._fused_pool_write, self._longest_rows_first, *state,
+                self._attention, *state,
             )  # fmt: skip
         except (TorchDynamoException, FailOnRecompileLimitHit) as error:
             raise RuntimeError(
@@ -216,8 +230,7 @@ DecodeFunction = Callable[
         list[torch.Tensor],
         int,
         FewRowsLinears,
-        bool,
-        bool,
+        DecodeAttention,
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
@@ -235,8 +248,7 @@ def decode_rows(
     values: list[torch.Tensor],
     page_size: int,
     few_rows_linear: FewRowsLinears,
-    fused_pool_write: bool,
-    longest_rows_first: bool,
+    attention: DecodeAttention,
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
@@ -253,9 +265,7 @@ def decode_rows(
         few_rows_linear: ``"each"``: run the layers and the head under ``FewRowsLinearMode`` (their
             products of at most 16 rows through d9d-kernels' ``few_rows_linear``); ``"grouped"``:
             q/k/v and gate/up in one launch each too; ``"off"``: ``F.linear``.
-        fused_pool_write: The attention op writes the new keys and values (``DecodeLayerView``).
-        longest_rows_first: The attention op starts the longest rows' programs first (one sort
-            of ``lengths`` for every layer: ``paged_decode_attention(row_order=...)``).
+        attention: How the attention op runs (``DecodeLayerView``).
         input_ids: ``(rows,)`` int64, each row's new token.
         lengths: ``(rows,)`` int32, each row's tokens including the new one; 0: idle.
         table: ``(rows, columns)`` int32 block table.
@@ -276,7 +286,9 @@ def decode_rows(
     write_slots_out.copy_(torch.where(lengths > 0, slots, scratch))
     hidden = backbone.embed(input_ids[:, None])
     tables = backbone.position_embeddings(positions_out[:, None], dtype=hidden.dtype)
-    row_order = torch.argsort(lengths, descending=True).to(torch.int32) if longest_rows_first else None
+    row_order = (
+        torch.argsort(lengths, descending=True).to(torch.int32) if attention.longest_rows_first else None
+    )
     linears: AbstractContextManager[object]
     match few_rows_linear:
         case "off":
@@ -293,8 +305,9 @@ def decode_rows(
             write_slots=write_slots_out,
             block_table=table,
             lengths=lengths,
-            fused_write=fused_pool_write,
+            fused_write=attention.fused_pool_write,
             row_order=row_order,
+            fused_qk_norm_rope=attention.fused_qk_norm_rope,
         )
         for layer_keys, layer_values in zip(keys, values, strict=True)
     ]
@@ -326,13 +339,14 @@ def _one_new_token(key: torch.Tensor) -> None:
 
 @dataclass(kw_only=True, frozen=True)
 class DecodeLayerView:
-    """One layer's pool during a decode step: d9d-kernels' ``AttendingKeyValueCache``.
+    """One layer's pool during a decode step: d9d-kernels' ``NormalizingKeyValueCache``.
 
     ``attend`` writes the rows' new keys and values at their write slots and runs
     ``paged_decode_attention`` over the pool in place (with ``fused_write``, the attention op does
-    the write in its own launch). ``append`` and ``attention_mask`` give the
-    same attention as gathered keys and a mask over every block-table column (for a layer that
-    attends itself; the engine's layers go through ``attend``).
+    the write in its own launch; with ``fused_qk_norm_rope`` too, ``attend_normalizing`` takes the
+    layer's per-head q/k norms and rotation into that launch). ``append`` and ``attention_mask``
+    give the same attention as gathered keys and a mask over every block-table column (for a layer
+    that attends itself; the engine's layers go through ``attend``).
     """
 
     keys: torch.Tensor
@@ -343,6 +357,13 @@ class DecodeLayerView:
     lengths: torch.Tensor
     fused_write: bool = False
     row_order: torch.Tensor | None = None
+    fused_qk_norm_rope: bool = False
+
+    @property
+    def takes_qk_norm_rope(self) -> bool:
+        """Whether the attention op applies the q/k norms and rotation (only with its write: the
+        pool must store the normalized keys)."""
+        return self.fused_qk_norm_rope and self.fused_write
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         _one_new_token(key)
@@ -363,6 +384,43 @@ class DecodeLayerView:
 
         With ``fused_write`` the attention op writes the new keys and values itself (in its own
         launch on the GPU); otherwise two ``index_copy_`` calls write them first."""
+        return self._attend(
+            query, key, value, None, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
+        )
+
+    def attend_normalizing(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        qk_norm_rope: QKNormRope,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attend`` with the per-head q/k norms and the rotation applied by the attention op
+        (``paged_decode_attention(qk_norm_rope=...)``) to the projected ``query`` and ``key``."""
+        if not self.takes_qk_norm_rope:
+            raise RuntimeError(
+                "this decode step's attention does not apply the q/k norms (takes_qk_norm_rope)"
+            )
+        tables = replace(qk_norm_rope, cos=qk_norm_rope.cos[:, 0], sin=qk_norm_rope.sin[:, 0])
+        return self._attend(
+            query, key, value, tables, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
+        )
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        qk_norm_rope: QKNormRope | None,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         fused = self.fused_write
         if fused:
             _one_new_token(key)
@@ -382,6 +440,7 @@ class DecodeLayerView:
             new_value=value[:, 0].to(self.values.dtype) if fused else None,
             write_slots=self.write_slots if fused else None,
             row_order=self.row_order,
+            qk_norm_rope=qk_norm_rope,
         )
         return out[:, None].to(query.dtype)
 

@@ -79,8 +79,14 @@ class EmbeddedEngineConfig(BaseModel):
         longest_rows_first: In the decode step, start the attention's programs with the longest
             rows (one sort of the rows' lengths per step for all layers; d9d-kernels'
             ``paged_decode_attention(row_order=...)``), so that no long row runs on alone at the
-            end. The kernel alone took 0.5-2% less time at 64 and 256 rollout rows on an H200
-            (2-4% with three splits, which the heuristic does not pick yet). Off until the whole
+            end. The kernel alone took 0.5-2% less time at 64 and 256 rollout rows on an H200,
+            2-4% with the three splits the heuristic gives ordered rows. Off until the whole step
+            has been measured with it.
+        fused_qk_norm_rope: In the decode step, let the attention kernel apply the layers' per-head
+            q/k norms and rotation (Qwen3's; d9d-kernels' ``paged_decode_attention(qk_norm_rope=...)``)
+            to the queries and the new keys it loads, instead of a ``qk_norm_rope`` launch per layer
+            before it (about 1.9 us each in a 64-row Qwen3-0.6B step on an H200). Needs
+            ``fused_pool_write``. Layers without such norms are unaffected. Off until the whole
             step has been measured with it.
         admission_wait_steps: How many forwards a freed slot may stay empty while prompts wait,
             so that the prompts admitted in that window prefill together. A prefill costs the
@@ -106,7 +112,17 @@ class EmbeddedEngineConfig(BaseModel):
     prefill_graphs: bool | None = None
     fused_pool_write: bool = True
     longest_rows_first: bool = False
+    fused_qk_norm_rope: bool = False
     admission_wait_steps: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _qk_norm_rope_with_the_write(self) -> EmbeddedEngineConfig:
+        if self.fused_qk_norm_rope and not self.fused_pool_write:
+            raise ValueError(
+                "fused_qk_norm_rope needs fused_pool_write: the attention kernel normalizes and rotates "
+                "the new keys before it writes them into the pool"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pool_holds_one_row(self) -> EmbeddedEngineConfig:

@@ -20,6 +20,11 @@ With a write (``new_key``, ``new_value``, ``write_slots``: a decode step's new t
 the new key and value from the inputs as one more softmax column, and the first split of each
 (row, kv head) stores them into the pool. No program depends on another's store, no tile pays for a
 per-position select, and the decode step needs no separate ``index_copy_`` launches.
+
+With a prologue (``qk_norm_rope``: Qwen3's per-head norms, then the rotation), the query heads and the
+new key arrive as projected: each program normalizes and rotates what it loads, rounding the norm and
+the result to the input dtype as ``qk_norm_rope`` does, so the pool stores and the softmax sees what
+the separate launch would have given.
 """
 
 import torch
@@ -56,6 +61,40 @@ def _sink_logits(sinks_ptr, heads, h_mask, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _rotation_partners(d, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Each element's partner in its rotation plane and the sign of its sine term:
+    ``y[d] = x[d] * cos[d] + sign[d] * x[partner[d]] * sin[d]``."""
+    if INTERLEAVED:
+        odd = d % 2
+        return d + 1 - 2 * odd, tl.where(odd == 0, -1.0, 1.0)
+    half = HEAD_DIM // 2
+    first = d < half
+    return tl.where(first, d + half, d - half), tl.where(first, -1.0, 1.0)
+
+
+@triton.jit
+def _normalized_rotated(
+    x_ptrs, partner_ptrs, mask, w_ptr, cos, sin, d, partner, sign, d_mask, eps,
+    HEAD_DIM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm over the last axis of the ``(heads, BLOCK_D)`` tile at ``x_ptrs``, then the rotation
+    (``partner_ptrs``: the same tile at the partners' offsets); the norm rounded to the input dtype
+    before the rotation, the result in the input dtype."""
+    dtype = x_ptrs.dtype.element_ty
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+        w_partner = w_partner + 1.0
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+    normed = (x * rstd[:, None] * w[None, :]).to(dtype).to(tl.float32)
+    normed_partner = (x_partner * rstd[:, None] * w_partner[None, :]).to(dtype).to(tl.float32)
+    return (normed * cos[None, :] + sign[None, :] * normed_partner * sin[None, :]).to(dtype)
+
+
+@triton.jit
 def _attend_block(
     q, m_i, l_i, acc, k_base, v_base, table_row, n0, end, d, dv, d_mask, dv_mask, sk_s, sk_d, sv_s, sv_d,
     qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -88,13 +127,15 @@ def _attend_block(
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, out_ptr, part_ptr, max_ptr, sum_ptr,
-    new_k_ptr, new_v_ptr, write_ptr, order_ptr,
-    q_heads, group, window, qk_scale,
+    new_k_ptr, new_v_ptr, write_ptr, order_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+    q_heads, group, window, qk_scale, eps,
     sq_r, sq_h, sq_d, sk_s, sk_h, sk_d, sv_s, sv_h, sv_d, st_r, so_r, so_h, snk_r, snk_h, snv_r, snv_h,
+    sc_r, ss_r,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WRITE: tl.constexpr, HAS_ORDER: tl.constexpr,
+    HAS_WRITE: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_PROLOGUE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
 ):  # fmt: skip
     # the kv heads vary fastest in the launch order: the programs running together read neighbouring
     # bytes of the same slots (5-7% faster at 64 rollout rows than rows fastest, 4% at 256); then the
@@ -119,11 +160,18 @@ def _paged_decode_split_kernel(
     dv = tl.arange(0, BLOCK_DV)
     d_mask = d < HEAD_DIM
     dv_mask = dv < VALUE_DIM
-    q = tl.load(
-        q_ptr + row.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :] * sq_d,
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    q_heads_ptr = q_ptr + row.to(tl.int64) * sq_r + heads[:, None] * sq_h
+    q_mask = h_mask[:, None] & d_mask[None, :]
+    if HAS_PROLOGUE:
+        partner, sign = _rotation_partners(d, HEAD_DIM, INTERLEAVED)
+        cos = tl.load(cos_ptr + row.to(tl.int64) * sc_r + d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row.to(tl.int64) * ss_r + d, mask=d_mask, other=0.0).to(tl.float32)
+        q = _normalized_rotated(
+            q_heads_ptr + d[None, :] * sq_d, q_heads_ptr + partner[None, :] * sq_d, q_mask, qw_ptr, cos, sin,
+            d, partner, sign, d_mask, eps, HEAD_DIM, ZERO_CENTERED,
+        )  # fmt: skip
+    else:
+        q = tl.load(q_heads_ptr + d[None, :] * sq_d, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * sk_h
@@ -144,7 +192,15 @@ def _paged_decode_split_kernel(
         # the new position as one more column, in the split whose span holds it; then the first
         # split stores the new key and value (the other splits' masks are empty)
         write_slot = tl.load(write_ptr + row).to(tl.int64)
-        new_k = tl.load(new_k_ptr + row.to(tl.int64) * snk_r + kv_head * snk_h + d, mask=d_mask, other=0.0)
+        new_k_head = new_k_ptr + row.to(tl.int64) * snk_r + kv_head * snk_h
+        if HAS_PROLOGUE:
+            new_k = _normalized_rotated(
+                new_k_head + d[None, :], new_k_head + partner[None, :], d_mask[None, :], kw_ptr, cos, sin,
+                d, partner, sign, d_mask, eps, HEAD_DIM, ZERO_CENTERED,
+            )  # fmt: skip
+            new_k = tl.reshape(new_k, (BLOCK_D,))
+        else:
+            new_k = tl.load(new_k_head + d, mask=d_mask, other=0.0)
         new_v = tl.load(new_v_ptr + row.to(tl.int64) * snv_r + kv_head * snv_h + dv, mask=dv_mask, other=0.0)
         holds_new = (length - 1 >= start) & (length - 1 < end)
         score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * qk_scale
@@ -253,21 +309,34 @@ def paged_decode_attention_kernel(
     new_value = query if inputs.new_value is None else unit_last_stride(inputs.new_value)
     write_slots = lengths if inputs.write_slots is None else inputs.write_slots
     row_order = lengths if inputs.row_order is None else inputs.row_order
+    prologue = inputs.qk_norm_rope
+    # without a prologue its weights and tables are never read either
+    q_weight, k_weight = (query, query) if prologue is None else (prologue.q_weight, prologue.k_weight)
+    cos, sin = (
+        (query, query)
+        if prologue is None
+        else (unit_last_stride(prologue.cos), unit_last_stride(prologue.sin))
+    )
     _paged_decode_split_kernel[(kv_heads, num_splits, rows)](
         query, key_cache, value_cache, block_table, lengths, sink_arg, out, partial, maxima, sums,
-        new_key, new_value, write_slots, row_order,
+        new_key, new_value, write_slots, row_order, q_weight.contiguous(), k_weight.contiguous(), cos, sin,
         q_heads, group, sliding_window or 0, inputs.softmax_scale * _LOG2E,
+        prologue.eps if prologue is not None else 0.0,
         query.stride(0), query.stride(1), query.stride(2), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
+        cos.stride(0), sin.stride(0),
         **launch_options(
             HEAD_DIM=head_dim, VALUE_DIM=value_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
             HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
             BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, block_dv),
             UPCAST=interpreted(), PRECISION=_precision(query), HAS_WRITE=inputs.writes,
-            HAS_ORDER=inputs.row_order is not None, num_warps=num_warps, num_stages=num_stages,
+            HAS_ORDER=inputs.row_order is not None, HAS_PROLOGUE=prologue is not None,
+            INTERLEAVED=prologue is not None and prologue.layout == "interleaved",
+            ZERO_CENTERED=prologue is not None and prologue.zero_centered_weight,
+            num_warps=num_warps, num_stages=num_stages,
         ),
     )  # fmt: skip
     if num_splits > 1:

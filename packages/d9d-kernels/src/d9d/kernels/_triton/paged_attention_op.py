@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from d9d.kernels._backend import KernelBackend
 from d9d.kernels._paged_attention_inputs import PagedDecodeInputs
 from d9d.kernels._triton.launch import interpreted
 
@@ -114,7 +115,9 @@ def paged_decode_attention_triton(
         )  # fmt: skip
     if torch.compiler.is_compiling():
         # the custom op mutates nothing (a mutating one would have its pool functionalized): the
-        # compiled step writes with index_copy_, which Inductor fuses with its neighbours
+        # compiled step writes with index_copy_ (and normalizes and rotates with qk_norm_rope's
+        # separate ops), which Inductor fuses with their neighbours
+        inputs = inputs.normalized(KernelBackend.AUTO)
         inputs.write()
         i = inputs
         return _paged_decode_attention(

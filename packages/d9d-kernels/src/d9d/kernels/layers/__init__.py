@@ -34,7 +34,12 @@ from d9d.kernels.layers._flex_attention import FlexAttentionBackend
 from d9d.kernels.layers._grouped_experts import GroupedMatmul, GroupedSwiGLUExperts, SharedInputGroupedMatmul
 from d9d.kernels.layers._grouped_query_attention import GroupedQueryAttention
 from d9d.kernels.layers._heads import ClassificationHead, EmbeddingHead, LanguageModelHead
-from d9d.kernels.layers._key_value_cache import AttendingKeyValueCache, KeyValueCache, attend_cached
+from d9d.kernels.layers._key_value_cache import (
+    AttendingKeyValueCache,
+    KeyValueCache,
+    NormalizingKeyValueCache,
+    attend_cached,
+)
 from d9d.kernels.layers._latent_attention import MultiHeadLatentAttention, latent_attention_softmax_scale
 from d9d.kernels.layers._load_balancing import (
     load_balancing_loss,
@@ -101,6 +106,7 @@ __all__ = [
     "LongRopeScaling",
     "MoELayer",
     "MultiHeadLatentAttention",
+    "NormalizingKeyValueCache",
     "NtkRopeScaling",
     "PlainSwiGLU",
     "Pooling",

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from d9d.kernels import RopeLayout, qk_norm_rope, shared_input_linear
+from d9d.kernels import QKNormRope, RopeLayout, shared_input_linear
 from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_backend_selection import AttentionBackendName, select_attention_backend
 from d9d.kernels.layers._attention_sinks import SinkAttentionBackend
@@ -158,8 +158,14 @@ class GroupedQueryAttention(nn.Module):
         query, key, value = shared_input_linear(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
         value = value.view(head_shape)
         cos, sin = position_embeddings
-        query, key = self._normalize_and_rotate(query, key, cos, sin, head_shape)
         if kv_cache is not None:
+            # the norms and rotation go with the queries and keys, for a cache that applies them
+            # in its attention (a paged pool's decode step: one launch fewer per layer)
+            deferred = self._qk_norm_rope(cos, sin)
+            if deferred is None:
+                query, key = self._normalize_and_rotate(query, key, cos, sin, head_shape)
+            else:
+                query, key = query.view(head_shape), key.view(head_shape)
             attended = attend_cached(
                 query,
                 key,
@@ -168,8 +174,10 @@ class GroupedQueryAttention(nn.Module):
                 softmax_scale=self.softmax_scale,
                 sliding_window=self.sliding_window,
                 sinks=self.sinks,
+                qk_norm_rope=deferred,
             )
             return self.o_proj(attended.reshape(batch, seq, -1))
+        query, key = self._normalize_and_rotate(query, key, cos, sin, head_shape)
         if self.sinks is not None:
             attended = self._sink_backend().attend_with_sinks(
                 query,
@@ -205,23 +213,28 @@ class GroupedQueryAttention(nn.Module):
         q_norm, k_norm = self.q_norm, self.k_norm
         if q_norm is None or k_norm is None:
             query, key = query.view(head_shape), key.view(head_shape)
-        elif self._fuses_qk_norm_rope(q_norm, k_norm, cos):
-            return qk_norm_rope(
-                query.view(head_shape),
-                key.view(head_shape),
-                q_norm.weight,
-                k_norm.weight,
-                cos,
-                sin,
-                eps=q_norm.eps,
-                zero_centered_weight=q_norm.zero_centered_weight,
-                layout=self.rotary.layout,
-            )
+        elif (fused := self._qk_norm_rope(cos, sin)) is not None:
+            return fused.apply(query.view(head_shape), key.view(head_shape))
         else:
             if self.qk_norm_scope == "head":
                 query, key = query.view(head_shape), key.view(head_shape)
             query, key = q_norm(query).view(head_shape), k_norm(key).view(head_shape)
         return self.rotary(query, cos, sin), self.rotary(key, cos, sin)
+
+    def _qk_norm_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> QKNormRope | None:
+        """The q/k norms and the rotation as one ``QKNormRope``, where ``qk_norm_rope`` takes them."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is None or k_norm is None or not self._fuses_qk_norm_rope(q_norm, k_norm, cos):
+            return None
+        return QKNormRope(
+            q_weight=q_norm.weight,
+            k_weight=k_norm.weight,
+            cos=cos,
+            sin=sin,
+            eps=q_norm.eps,
+            zero_centered_weight=q_norm.zero_centered_weight,
+            layout=self.rotary.layout,
+        )
 
     def _fuses_qk_norm_rope(self, q_norm: RMSNorm, k_norm: RMSNorm, cos: torch.Tensor) -> bool:
         """Per-head norms of whole rotated heads, as plain modules: a norm whose weight is a DTensor

@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from d9d.kernels._qk_norm_rope import QKNormRope
 from d9d.kernels.layers._attention_sinks import sdpa_with_sinks
 
 
@@ -67,6 +68,47 @@ class AttendingKeyValueCache(KeyValueCache, Protocol):
         ...
 
 
+@runtime_checkable
+class NormalizingKeyValueCache(AttendingKeyValueCache, Protocol):
+    """An ``AttendingKeyValueCache`` that can also apply the per-head q/k norms and the rotation in
+    its attention (a paged pool: ``paged_decode_attention(qk_norm_rope=...)``, one launch fewer per
+    layer than ``qk_norm_rope`` before it)."""
+
+    @property
+    def takes_qk_norm_rope(self) -> bool:
+        """Whether ``attend_cached`` hands this cache the unnormalized queries and keys."""
+        ...
+
+    def attend_normalizing(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        qk_norm_rope: QKNormRope,
+        *,
+        softmax_scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attend`` of ``qk_norm_rope.apply(query, key)`` and ``value``, with the norms and the
+        rotation inside the attention.
+
+        Args:
+            query: ``(batch, new, q_heads, head_dim)``, projected, not yet normalized or rotated.
+            key: ``(batch, new, kv_heads, head_dim)``, likewise.
+            value: ``(batch, new, kv_heads, value_dim)``.
+            qk_norm_rope: The norms' weights and the rotation (``cos`` and ``sin`` ``(batch, new,
+                head_dim)``).
+            softmax_scale: Score multiplier.
+            sliding_window: The layer's window, by position; None for none.
+            sinks: ``(q_heads,)`` attention-sink logits; None for none.
+
+        Returns:
+            ``(batch, new, q_heads, value_dim)``.
+        """
+        ...
+
+
 def attend_cached(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -76,11 +118,14 @@ def attend_cached(
     softmax_scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries to the cache after appending ``key`` and ``value``.
 
     An ``AttendingKeyValueCache`` runs it itself (``cache.attend``); any other cache gives its
-    keys and values so far and its mask to SDPA.
+    keys and values so far and its mask to SDPA. With ``qk_norm_rope``, a
+    ``NormalizingKeyValueCache`` that ``takes_qk_norm_rope`` gets the unnormalized queries and keys
+    (``cache.attend_normalizing``); for any other cache ``qk_norm_rope.apply`` runs first.
 
     Args:
         query: ``(batch, new, q_heads, head_dim)``, rotated.
@@ -90,10 +135,24 @@ def attend_cached(
         softmax_scale: Score multiplier.
         sliding_window: The layer's window (the cache's mask applies it by position).
         sinks: ``(q_heads,)`` attention-sink logits (``sdpa_with_sinks``); None for none.
+        qk_norm_rope: The per-head norms and rotation still to apply to ``query`` and ``key`` (then
+            both are projected only); None: both are final.
 
     Returns:
         ``(batch, new, q_heads, head_dim)``.
     """
+    if qk_norm_rope is not None:
+        if isinstance(cache, NormalizingKeyValueCache) and cache.takes_qk_norm_rope:
+            return cache.attend_normalizing(
+                query,
+                key,
+                value,
+                qk_norm_rope,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                sinks=sinks,
+            )
+        query, key = qk_norm_rope.apply(query, key)
     if isinstance(cache, AttendingKeyValueCache):
         return cache.attend(
             query, key, value, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
