@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The decode step's switches that are off until a GPU measures them, in one device call (about 7 min
+# on a fresh H200): their gpu tests first, then the issue's point (Qwen3-0.6B widths, batch 64,
+# completions to 2048, two waves), the engine alone, each switch set in its own process.
+#   source .device/setup.sh && bash scripts/decode-pending.sh
+# Logs go to "$OUT" when set, else ./decode-pending-out; result.txt has the rows.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+out="${OUT:-decode-pending-out}"
+mkdir -p "$out"
+
+(cd packages/d9d-kernels && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/test_paged_attention.py tests/test_paged_attention_write.py \
+  tests/test_paged_attention_qk_norm_rope.py tests/layers/test_rms_norm.py tests/test_rms_norm_tiles.py) \
+  2>&1 | tee "$out/kernels-gpu-tests.log"
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/d9d-rl/tests/test_static_decode.py \
+  2>&1 | tee "$out/rl-gpu-tests.log"
+
+# the first process autotunes (about 200 s); the others reuse Triton's cached results
+for switches in "off off" "on off" "off on" "on on"; do
+  read -r longest qk <<<"$switches"
+  echo "== longest_rows_first=$longest fused_qk_norm_rope=$qk" | tee -a "$out/result.txt"
+  timeout 300 python3 packages/d9d-rl/benchmarks/decode_throughput.py --widths qwen3-0.6b --batches 64 \
+    --waves 2 --max-completion 2048 --repeats 2 --sides engine \
+    --longest-rows-first "$longest" --fused-qk-norm-rope "$qk" \
+    2>&1 | tee "$out/decode-$longest-$qk.log" | grep -E "qwen3-0.6b +64 " | tee -a "$out/result.txt"
+done
