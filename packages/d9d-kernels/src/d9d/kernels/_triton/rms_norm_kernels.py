@@ -41,6 +41,16 @@ def tile_rows(block: int) -> int:
 
 
 @triton.jit
+def _tile(tile, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``tile``'s row indices (int64), column indices, and masks of its rows, columns and elements."""
+    rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    return rows, cols, row_mask, col_mask, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
 def _normalized(x, w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED: tl.constexpr):
     """``(y, rstd)``: fp32 rows ``x`` of a tile normalized and scaled, and their inverse RMS."""
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
@@ -65,11 +75,7 @@ def _rms_norm_forward_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    row_mask = rows < n_rows
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    rows, cols, row_mask, col_mask, mask = _tile(tl.program_id(0), n_rows, n_cols, ROWS, BLOCK)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y, rstd = _normalized(x, w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -92,10 +98,7 @@ def _add_rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    rows, cols, _, col_mask, mask = _tile(tl.program_id(0), n_rows, n_cols, ROWS, BLOCK)
     residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=mask, other=0.0)
     branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
     # the sum rounded to the stream's dtype, as the unfused add stores it, and normalized from there
@@ -134,9 +137,7 @@ def _rms_norm_backward_kernel(
     dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for i in range(0, tiles_per_program):
         # Tiles are dealt round-robin; past the last tile every row is masked (no memory traffic).
-        rows = (pid + i * programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
+        rows, _, row_mask, _, mask = _tile(pid + i * programs, n_rows, n_cols, ROWS, BLOCK)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
