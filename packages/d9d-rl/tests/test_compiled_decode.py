@@ -76,6 +76,19 @@ def test_compiled_step_with_preemption_decodes_as_the_eager_one() -> None:
     assert stats.free_blocks_after == stats.pool_blocks == 16
 
 
+def test_steps_with_the_qk_norms_in_the_attention_decode_as_the_default_one() -> None:
+    """``fused_qk_norm_rope``: eager and compiled, the layers hand the attention op their projections
+    and q/k norms (on CPU its reference applies them); the completions are the default engine's."""
+    eager, compiled = _engines(max_rows=4, page_size=2, max_context=32, fused_qk_norm_rope=True)
+    default = EmbeddedRolloutEngine(
+        tiny_model(), config=EmbeddedEngineConfig(max_rows=4, page_size=2, max_context=32)
+    )
+    greedy = SamplingParams(temperature=0.0)
+    expected = default.generate_capped(PROMPTS, greedy, CAPS)
+    _assert_same(eager.generate_capped(PROMPTS, greedy, CAPS), expected)
+    _assert_same(compiled.generate_capped(PROMPTS, greedy, CAPS), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_step_on_cuda_with_and_without_graphs_decodes_as_the_eager_graphs() -> None:
