@@ -66,10 +66,13 @@ def _rotation_partners(d, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     ``y[d] = x[d] * cos[d] + sign[d] * x[partner[d]] * sin[d]``."""
     if INTERLEAVED:
         odd = d % 2
-        return d + 1 - 2 * odd, tl.where(odd == 0, -1.0, 1.0)
-    half = HEAD_DIM // 2
-    first = d < half
-    return tl.where(first, d + half, d - half), tl.where(first, -1.0, 1.0)
+        partner = d + 1 - 2 * odd
+        sign = tl.where(odd == 0, -1.0, 1.0)
+    else:
+        first = d < HEAD_DIM // 2
+        partner = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+        sign = tl.where(first, -1.0, 1.0)
+    return partner, sign
 
 
 @triton.jit
