@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode step's switches that are off until a GPU measures them, in one device call (about 7 min
+# The decode step's switches that are off until a GPU measures them, in one device call (an estimated 7 min
 # on a fresh H200): their gpu tests first, then the point (Qwen3-0.6B widths, batch 64,
 # completions to 2048, two waves), the engine alone, each switch set in its own process.
 #   source .device/setup.sh && bash scripts/decode-pending.sh
