@@ -88,22 +88,29 @@ class _AttendingCache(_Cache):
         return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values.repeat_interleave(2, dim=2))
 
 
+def _assert_token_by_token_equals_the_whole(
+    attention: GroupedQueryAttention, cache: _AttendingCache, *, tokens: int
+) -> None:
+    """Decoding ``tokens`` random tokens one by one through ``cache`` gives the whole-sequence forward."""
+    hidden = torch.randn(2, tokens, 32)
+    cos, sin = RotaryEmbedding(8, theta=10_000.0)(torch.arange(tokens).expand(2, tokens), dtype=hidden.dtype)
+    with torch.no_grad():
+        whole = attention(hidden, (cos, sin))
+        steps = [
+            attention(hidden[:, t : t + 1], (cos[:, t : t + 1], sin[:, t : t + 1]), kv_cache=cache)
+            for t in range(tokens)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
 def test_a_cache_that_attends_itself_gets_the_layers_attention() -> None:
     torch.manual_seed(0)
     attention = GroupedQueryAttention(32, 4, 2, sliding_window=3, attention_backend="eager")
     assert isinstance(_AttendingCache(), AttendingKeyValueCache) and not isinstance(
         _Cache(), AttendingKeyValueCache
     )
-    hidden = torch.randn(2, 6, 32)
-    cos, sin = RotaryEmbedding(8, theta=10_000.0)(torch.arange(6).expand(2, 6), dtype=hidden.dtype)
     cache = _AttendingCache()
-    with torch.no_grad():
-        whole = attention(hidden, (cos, sin))
-        steps = [
-            attention(hidden[:, t : t + 1], (cos[:, t : t + 1], sin[:, t : t + 1]), kv_cache=cache)
-            for t in range(6)
-        ]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    _assert_token_by_token_equals_the_whole(attention, cache, tokens=6)
     assert cache.calls == [(attention.softmax_scale, 3, False)] * 6
 
 
@@ -144,16 +151,8 @@ def test_a_cache_that_normalizes_gets_the_projections_and_the_norms(takes: bool)
             norm.weight.uniform_(0.5, 1.5)
     assert isinstance(_NormalizingCache(), NormalizingKeyValueCache)
     assert not isinstance(_AttendingCache(), NormalizingKeyValueCache)
-    hidden = torch.randn(2, 5, 32)
-    cos, sin = RotaryEmbedding(8, theta=10_000.0)(torch.arange(5).expand(2, 5), dtype=hidden.dtype)
     cache = _NormalizingCache(takes_qk_norm_rope=takes)
-    with torch.no_grad():
-        whole = attention(hidden, (cos, sin))
-        steps = [
-            attention(hidden[:, t : t + 1], (cos[:, t : t + 1], sin[:, t : t + 1]), kv_cache=cache)
-            for t in range(5)
-        ]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    _assert_token_by_token_equals_the_whole(attention, cache, tokens=5)
     assert len(cache.handed) == (5 if takes else 0) and len(cache.calls) == 5
     if takes:
         assert cache.handed[0].q_weight is attention.q_norm.weight  # type: ignore[union-attr]
