@@ -142,7 +142,8 @@ def attend_cached(
         ``(batch, new, q_heads, head_dim)``.
     """
     if qk_norm_rope is not None:
-        if isinstance(cache, NormalizingKeyValueCache) and cache.takes_qk_norm_rope:
+        # the flag first: a Protocol isinstance costs microseconds of host time per layer and step
+        if getattr(cache, "takes_qk_norm_rope", False) and isinstance(cache, NormalizingKeyValueCache):
             return cache.attend_normalizing(
                 query,
                 key,
