@@ -122,7 +122,7 @@ def test_paged_attention_equals_sdpa_over_the_gathered_view(
         write_slots=torch.tensor([5 * 4 + 0, 0, 4 * 4 + 0]),  # at position length - 1; idle: a free block
         block_table=table,
         lengths=lengths,
-        fused_write=fused_write,
+        attention=DecodeAttention(fused_pool_write=fused_write),
     )
     query, key, value = torch.randn(3, 3, 1, 4, 8).unbind(0)
     key, value = key[:, :, :2], value[:, :, :2]

@@ -305,9 +305,8 @@ def decode_rows(
             write_slots=write_slots_out,
             block_table=table,
             lengths=lengths,
-            fused_write=attention.fused_pool_write,
+            attention=attention,
             row_order=row_order,
-            fused_qk_norm_rope=attention.fused_qk_norm_rope,
         )
         for layer_keys, layer_values in zip(keys, values, strict=True)
     ]
@@ -342,11 +341,12 @@ class DecodeLayerView:
     """One layer's pool during a decode step: d9d-kernels' ``NormalizingKeyValueCache``.
 
     ``attend`` writes the rows' new keys and values at their write slots and runs
-    ``paged_decode_attention`` over the pool in place (with ``fused_write``, the attention op does
-    the write in its own launch; with ``fused_qk_norm_rope`` too, ``attend_normalizing`` takes the
-    layer's per-head q/k norms and rotation into that launch). ``append`` and ``attention_mask``
-    give the same attention as gathered keys and a mask over every block-table column (for a layer
-    that attends itself; the engine's layers go through ``attend``).
+    ``paged_decode_attention`` over the pool in place, as ``attention`` says (with
+    ``fused_pool_write``, the attention op does the write in its own launch; with
+    ``fused_qk_norm_rope`` too, ``attend_normalizing`` takes the layer's per-head q/k norms and
+    rotation into that launch; ``row_order`` is the step's one sort for ``longest_rows_first``).
+    ``append`` and ``attention_mask`` give the same attention as gathered keys and a mask over every
+    block-table column (for a layer that attends itself; the engine's layers go through ``attend``).
     """
 
     keys: torch.Tensor
@@ -355,15 +355,14 @@ class DecodeLayerView:
     write_slots: torch.Tensor
     block_table: torch.Tensor
     lengths: torch.Tensor
-    fused_write: bool = False
+    attention: DecodeAttention = DecodeAttention()
     row_order: torch.Tensor | None = None
-    fused_qk_norm_rope: bool = False
 
     @property
     def takes_qk_norm_rope(self) -> bool:
         """Whether the attention op applies the q/k norms and rotation (only with its write: the
         pool must store the normalized keys)."""
-        return self.fused_qk_norm_rope and self.fused_write
+        return self.attention.fused_qk_norm_rope and self.attention.fused_pool_write
 
     def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         _one_new_token(key)
@@ -382,7 +381,7 @@ class DecodeLayerView:
     ) -> torch.Tensor:
         """``(rows, 1, q_heads, value_dim)``: the new token of each row attends to its cached ones.
 
-        With ``fused_write`` the attention op writes the new keys and values itself (in its own
+        With ``attention.fused_pool_write`` the attention op writes the new keys and values itself (in its own
         launch on the GPU); otherwise two ``index_copy_`` calls write them first."""
         return self._attend(
             query, key, value, None, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks
@@ -421,7 +420,7 @@ class DecodeLayerView:
         sliding_window: int | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        fused = self.fused_write
+        fused = self.attention.fused_pool_write
         if fused:
             _one_new_token(key)
         else:
