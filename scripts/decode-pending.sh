@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The decode step's switches that are off until a GPU measures them, in one device call (an estimated 7 min
-# on a fresh H200): their gpu tests first, then the issue's point (Qwen3-0.6B widths, batch 64,
-# completions to 2048, two waves), the engine alone, each switch set in its own process.
-#   source .device/setup.sh && bash scripts/decode-pending.sh
+# The decode step's switches that are off until a GPU measures them: their gpu tests, then the
+# issue's point (Qwen3-0.6B widths, batch 64, completions to 2048, two waves), the engine alone,
+# each switch set in its own process.
+#   source .device/setup.sh && bash scripts/decode-pending.sh [PART...]
+# PART is `tests` or a switch pair `LONGEST-QK` (`off-off`, `on-off`, `off-on`, `on-on`); with no
+# PART it runs all of them (an estimated 7 min on a fresh H200, but the inner timeouts add up to
+# more than one 600 s device call). Two calls that each fit:
+#   bash scripts/decode-pending.sh tests off-off on-off     then     bash scripts/decode-pending.sh off-on on-on
 # Logs go to "$OUT" when set, else ./decode-pending-out; result.txt has the rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,19 +15,40 @@ export PYTHONUNBUFFERED=1
 out="${OUT:-decode-pending-out}"
 mkdir -p "$out"
 
-(cd packages/d9d-kernels && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_paged_attention.py tests/test_paged_attention_write.py \
-  tests/test_paged_attention_qk_norm_rope.py tests/layers/test_rms_norm.py tests/test_rms_norm_tiles.py) \
-  2>&1 | tee "$out/kernels-gpu-tests.log"
-timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/d9d-rl/tests/test_static_decode.py \
-  2>&1 | tee "$out/rl-gpu-tests.log"
+parts=("$@")
+if [ ${#parts[@]} -eq 0 ]; then
+  parts=(tests off-off on-off off-on on-on)
+fi
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests | off-off | on-off | off-on | on-on) ;;
+    *) echo "decode-pending.sh: unknown part '$part' (tests, off-off, on-off, off-on, on-on)" >&2; exit 2 ;;
+  esac
+done
 
-# the first process autotunes (about 200 s); the others reuse Triton's cached results
-for switches in "off off" "on off" "off on" "on on"; do
-  read -r longest qk <<<"$switches"
+run_tests() {
+  (cd packages/d9d-kernels && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_paged_attention.py tests/test_paged_attention_write.py \
+    tests/test_paged_attention_qk_norm_rope.py tests/layers/test_rms_norm.py tests/test_rms_norm_tiles.py) \
+    2>&1 | tee "$out/kernels-gpu-tests.log"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/d9d-rl/tests/test_static_decode.py \
+    2>&1 | tee "$out/rl-gpu-tests.log"
+}
+
+# the first engine process autotunes (about 200 s); the others reuse Triton's cached results
+# (keep TRITON_CACHE_DIR inside the working tree so a second call finds them)
+run_switches() {
+  local longest="${1%-*}" qk="${1#*-}"
   echo "== longest_rows_first=$longest fused_qk_norm_rope=$qk" | tee -a "$out/result.txt"
   timeout 300 python3 packages/d9d-rl/benchmarks/decode_throughput.py --widths qwen3-0.6b --batches 64 \
     --waves 2 --max-completion 2048 --repeats 2 --sides engine \
     --longest-rows-first "$longest" --fused-qk-norm-rope "$qk" \
     2>&1 | tee "$out/decode-$longest-$qk.log" | grep -E "qwen3-0.6b +64 " | tee -a "$out/result.txt"
+}
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests) run_tests ;;
+    *) run_switches "$part" ;;
+  esac
 done
