@@ -36,7 +36,7 @@ run_tests() {
     tests/test_paged_attention.py tests/test_paged_attention_write.py \
     tests/test_paged_attention_qk_norm_rope.py tests/layers/test_rms_norm.py tests/test_rms_norm_tiles.py) \
     2>&1 | tee "$out/kernels-gpu-tests.log"
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider packages/d9d-rl/tests/test_static_decode.py \
+  timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider packages/d9d-rl/tests/test_static_decode.py \
     2>&1 | tee "$out/rl-gpu-tests.log"
 }
 
