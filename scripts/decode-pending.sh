@@ -32,6 +32,7 @@ for part in "${parts[@]}"; do
 done
 
 run_tests() {
+  # cold, the rl test's engines autotune per shape: more than 150 s before its first test ends
   (cd packages/d9d-kernels && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_paged_attention.py tests/test_paged_attention_write.py \
     tests/test_paged_attention_qk_norm_rope.py tests/layers/test_rms_norm.py tests/test_rms_norm_tiles.py) \
