@@ -4,11 +4,11 @@
 # each switch set in its own process.
 #   source .device/setup.sh && bash scripts/decode-pending.sh [PART...]
 # PART is `tests` or a switch pair `LONGEST-QK` (`off-off`, `on-off`, `off-on`, `on-on`); with no
-# PART it runs all of them (an estimated 7 min on a fresh H200, but the inner timeouts add up to
-# 1470 s, more than one 600 s device call). By its timeouts `tests off-off` fits one call (570 s);
-# the other three reuse its autotuning and are expected to fit a second call, though their caps
-# add up to 900 s (result.txt keeps the rows that finish):
-#   bash scripts/decode-pending.sh tests off-off     then     bash scripts/decode-pending.sh on-off off-on on-on
+# PART it runs all of them. The inner timeouts are 450 s for `tests` (150 kernels, 300 rl: cold, the
+# rl test's engines autotune for minutes) and 300 s per pair, so `tests` takes its own 600 s device
+# call; then pairs on the same warm machine reuse the first pair's autotuning (about 65 s each on the
+# H100 once cached; result.txt keeps the rows that finish):
+#   bash scripts/decode-pending.sh tests     then     bash scripts/decode-pending.sh on-off off-off on-off off-off
 # Logs go to "$OUT" when set, else ./decode-pending-out; result.txt has the rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
