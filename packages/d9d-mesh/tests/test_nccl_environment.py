@@ -34,7 +34,7 @@ def test_a_users_values_win() -> None:
 
 
 def test_a_collective_one_rank_skips_ends_the_job_through_the_timeout() -> None:
-    # gloo raises in the waiting rank after the 2 s timeout; its exit makes torchrun end the rank
+    # gloo raises in the waiting rank after its 2 s timeout; its exit makes torchrun end the rank
     # that sleeps for an hour. Only the outcome is checked, not how fast the machine got there.
     command = [
         sys.executable,
