@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 def run_script_in_process(script: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """The exit status and stderr of ``python script *args``, run inside this process."""
+    if dist.is_initialized():
+        # Checked first: otherwise another test's leftover group would be blamed on the script.
+        pytest.fail(f"an earlier test in this process left a process group; {script.name} was not run")
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *args]
     sys.path.insert(0, str(script.parent))
