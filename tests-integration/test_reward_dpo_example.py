@@ -126,21 +126,24 @@ def test_the_held_out_pairs_carry_the_reference_scores_in_dpo_batches(
     assert model.head == "causal_lm" and model.pad_token_id == 0
     pairs = train_dpo.Pairs(config, model)
     context = DistributedContext(MeshParameters(), device_type="cpu")
-    assert len(pairs.train(context).pairs) == 16
-    held_out = train_dpo.held_out_data(pairs, scored=True)
-    dataset = held_out.dataset_factory(context)
-    assert len(dataset) == 8
-    batch: DPOBatch = held_out.collator([dataset[i] for i in range(4)])
-    assert batch.input_ids.shape[0] == 8 and batch.ref_log_probs is not None
-    # the reference's scores: transformers' log-softmax of the initial weights' logits, summed
-    # over each row's answer targets (chosen/rejected rows interleaved)
-    reference = AutoModelForCausalLM.from_pretrained(model.source).eval()
-    with torch.no_grad():
-        log_probs = reference(batch.input_ids).logits.double().log_softmax(dim=-1)
-    answer = batch.targets != -100
-    picked = log_probs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    want = (picked * answer).sum(dim=-1)
-    torch.testing.assert_close(batch.ref_log_probs.double(), want, rtol=1e-5, atol=1e-4)
-    unscored = train_dpo.held_out_data(pairs, scored=False)
-    unscored_data = unscored.dataset_factory(context)
-    assert unscored.collator([unscored_data[i] for i in range(4)]).ref_log_probs is None
+    try:
+        assert len(pairs.train(context).pairs) == 16
+        held_out = train_dpo.held_out_data(pairs, scored=True)
+        dataset = held_out.dataset_factory(context)
+        assert len(dataset) == 8
+        batch: DPOBatch = held_out.collator([dataset[i] for i in range(4)])
+        assert batch.input_ids.shape[0] == 8 and batch.ref_log_probs is not None
+        # the reference's scores: transformers' log-softmax of the initial weights' logits, summed
+        # over each row's answer targets (chosen/rejected rows interleaved)
+        reference = AutoModelForCausalLM.from_pretrained(model.source).eval()
+        with torch.no_grad():
+            log_probs = reference(batch.input_ids).logits.double().log_softmax(dim=-1)
+        answer = batch.targets != -100
+        picked = log_probs.gather(-1, batch.targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        want = (picked * answer).sum(dim=-1)
+        torch.testing.assert_close(batch.ref_log_probs.double(), want, rtol=1e-5, atol=1e-4)
+        unscored = train_dpo.held_out_data(pairs, scored=False)
+        unscored_data = unscored.dataset_factory(context)
+        assert unscored.collator([unscored_data[i] for i in range(4)]).ref_log_probs is None
+    finally:
+        context.close()  # no process group left behind for the tests after this one
