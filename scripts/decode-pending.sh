@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode step's switches that are off until a GPU measures them: their gpu tests, then the
+# The decode step's attention switches (longest_rows_first, on by default; fused_qk_norm_rope, off): their gpu tests, then the
 # issue's point (Qwen3-0.6B widths, batch 64, completions to 2048, two waves), the engine alone,
 # each switch set in its own process.
 #   source .device/setup.sh && bash scripts/decode-pending.sh [PART...]

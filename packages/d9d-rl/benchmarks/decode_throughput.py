@@ -483,7 +483,7 @@ def main() -> None:
         ("few-rows-linear-group", "on"),
         ("decode-ahead", "on"),
         ("fused-pool-write", "on"),
-        ("longest-rows-first", "off"),
+        ("longest-rows-first", "on"),
         ("fused-qk-norm-rope", "off"),
     ):
         field = switch.replace("-", "_")
