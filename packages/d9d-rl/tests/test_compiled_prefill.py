@@ -28,12 +28,16 @@ def _assert_same(compiled: list[Completion], eager: list[Completion]) -> None:
 def test_compiled_prefills_complete_as_eager_ones_in_two_graphs() -> None:
     """Several rows prefilled at once (ragged prompts), then single admissions as rows finish,
     then other prompt lengths, a preempted row's recomputation and the compiled decode step:
-    the same tokens and log-probs as eager prefills, and one graph for one row, one for several."""
+    the same tokens and log-probs as eager prefills, and one graph for one row, one for several.
+    ``aot_eager`` traces those graphs as Inductor's would be; Inductor's CPU code for the prefill is
+    checked by ``test_a_compiled_prefill_fills_the_pool_as_the_eager_one``."""
     torch._dynamo.reset()  # pyright: ignore[reportPrivateUsage]  # the limit counts graphs per process
     eager, compiled = (
         EmbeddedRolloutEngine(
             tiny_model(),
-            config=EmbeddedEngineConfig(max_rows=3, page_size=2, max_context=40, compile_prefill=on),
+            config=EmbeddedEngineConfig(
+                max_rows=3, page_size=2, max_context=40, compile_prefill=on, compile_backend="aot_eager"
+            ),
         )
         for on in (False, True)
     )
@@ -88,7 +92,9 @@ def test_compile_prefill_follows_compile_decode_unless_set(
 
 
 def test_first_compiled_prefills_are_timed_and_logged_once_per_pool(caplog: pytest.LogCaptureFixture) -> None:
-    config = EmbeddedEngineConfig(max_rows=3, page_size=2, max_context=40, compile_prefill=True)
+    config = EmbeddedEngineConfig(
+        max_rows=3, page_size=2, max_context=40, compile_prefill=True, compile_backend="aot_eager"
+    )
     engine = EmbeddedRolloutEngine(tiny_model(), config=config)
     greedy = SamplingParams(temperature=0.0)
     with caplog.at_level("INFO", logger="d9d.rl"):

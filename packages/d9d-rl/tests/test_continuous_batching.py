@@ -175,6 +175,8 @@ def test_bad_input_is_refused_before_generation() -> None:
         EmbeddedEngineConfig(max_rows=0)
     with pytest.raises(ValidationError, match="admission_wait_steps"):
         EmbeddedEngineConfig(admission_wait_steps=-1)
+    with pytest.raises(ValidationError, match="compile_backend"):
+        EmbeddedEngineConfig.model_validate({"compile_backend": "eager_inductor"})
     engine = EmbeddedRolloutEngine(tiny_model(), config=EmbeddedEngineConfig(max_context=5))
     with pytest.raises(ValueError, match=r"prompt 2 has 7 tokens, longer than .* max_context=5"):
         engine.generate(PROMPTS, SamplingParams())

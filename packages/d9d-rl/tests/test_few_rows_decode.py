@@ -45,13 +45,15 @@ def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool) -> No
     """On CPU the mode falls back to F.linear: the same tokens, a launch per linear or grouped, and
     the compiled step traces the mode in its one graph (a failure to trace would raise, naming
     compile_decode). One engine without the mode serves as the reference for both."""
-    # the prefills stay eager: the mode is the decode step's, and a compiled prefill only adds graphs
+    # the prefills stay eager: the mode is the decode step's, and a compiled prefill only adds graphs;
+    # aot_eager traces the step's one graph as Inductor would (test_compiled_decode.py runs Inductor)
     common = {
         "max_rows": 4,
         "page_size": 2,
         "max_context": 32,
         "compile_decode": compiled,
         "compile_prefill": False,
+        "compile_backend": "aot_eager",
     }
     without = _generate(tiny_model(), **common, few_rows_linear=False)
     for grouped in (False, True):

@@ -29,6 +29,7 @@ from torch._dynamo.exc import (  # pyright: ignore[reportPrivateUsage]
 from d9d.hf import DecoderCausalLM
 from d9d.kernels import FewRowsLinearMode, QKNormRope, paged_decode_attention
 from d9d.rl._engine_compile import compile_engine_region
+from d9d.rl._engine_config import CompileBackend
 from d9d.rl._kv_cache import PagedKVCache
 
 FewRowsLinears = Literal["off", "each", "grouped"]
@@ -315,8 +316,8 @@ def decode_rows(
         return lm_head.compute_logits(normed)[:, 0].float()
 
 
-def compile_decode_rows(max_rows: int) -> DecodeFunction:
-    """``decode_rows`` through ``torch.compile`` (Inductor, the whole step one graph), for one engine.
+def compile_decode_rows(max_rows: int, backend: CompileBackend = "inductor") -> DecodeFunction:
+    """``decode_rows`` through ``torch.compile`` (the whole step one graph), for one engine.
 
     Sizes of one row are always specialized, so the steps of one row take a graph of their own;
     the other buckets share one with the row count dynamic (and the pool's size: a rebuilt pool
@@ -326,9 +327,10 @@ def compile_decode_rows(max_rows: int) -> DecodeFunction:
 
     Args:
         max_rows: The engine's ``max_rows`` (buckets: powers of two up to it).
+        backend: ``torch.compile``'s backend (``EmbeddedEngineConfig.compile_backend``).
     """
     buckets = (max_rows - 1).bit_length() + 1
-    return compile_engine_region(cast(DecodeFunction, decode_rows), recompile_limit=buckets)
+    return compile_engine_region(cast(DecodeFunction, decode_rows), recompile_limit=buckets, backend=backend)
 
 
 def _one_new_token(key: torch.Tensor) -> None:

@@ -142,12 +142,18 @@ class EmbeddedRolloutEngine:
         )
         # one compiled region per engine: its graphs serve every pool the engine allocates
         self._compiled_decode = (
-            compile_decode_rows(self._config.max_rows) if self._config.compile_decode else None
+            compile_decode_rows(self._config.max_rows, self._config.compile_backend)
+            if self._config.compile_decode
+            else None
         )
         compile_prefill = self._config.compile_prefill
         if compile_prefill is None:
             compile_prefill = self._config.compile_decode
-        self._compiled_prefill = compile_paged_logits(self._config.max_rows) if compile_prefill else None
+        self._compiled_prefill = (
+            compile_paged_logits(self._config.max_rows, self._config.compile_backend)
+            if compile_prefill
+            else None
+        )
         prefill_graphs = self._config.prefill_graphs
         self._prefill_graphs = (
             self._cuda_graphs and not compile_prefill if prefill_graphs is None else prefill_graphs

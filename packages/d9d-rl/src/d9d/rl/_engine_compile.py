@@ -8,11 +8,15 @@ from typing import TypeVar, cast
 
 import torch
 
+from d9d.rl._engine_config import CompileBackend
+
 F = TypeVar("F", bound=Callable[..., torch.Tensor])
 
 
-def compile_engine_region(function: F, *, recompile_limit: int, dynamic: bool | None = None) -> F:
-    """``function`` through ``torch.compile`` with ``fullgraph`` (Inductor, one graph).
+def compile_engine_region(
+    function: F, *, recompile_limit: int, backend: CompileBackend, dynamic: bool | None = None
+) -> F:
+    """``function`` through ``torch.compile`` with ``fullgraph`` (one graph).
 
     On torch 2.15 and newer the region is the engine's own (``isolate_recompiles``): other
     engines' graphs do not count against ``recompile_limit``, past which Dynamo raises
@@ -22,13 +26,19 @@ def compile_engine_region(function: F, *, recompile_limit: int, dynamic: bool | 
     Args:
         function: The model function.
         recompile_limit: Graphs the region may hold.
+        backend: ``torch.compile``'s backend (``EmbeddedEngineConfig.compile_backend``).
         dynamic: ``torch.compile``'s ``dynamic`` (None: sizes become dynamic when they change or
             are marked so).
     """
     # torch.compile's typed overloads omit recompile_limit and isolate_recompiles (its definition has them)
     compile_region = cast(Callable[..., F], torch.compile)
     if "recompile_limit" not in inspect.signature(torch.compile).parameters:
-        return compile_region(function, fullgraph=True, dynamic=dynamic)
+        return compile_region(function, fullgraph=True, dynamic=dynamic, backend=backend)
     return compile_region(
-        function, fullgraph=True, dynamic=dynamic, recompile_limit=recompile_limit, isolate_recompiles=True
+        function,
+        fullgraph=True,
+        dynamic=dynamic,
+        backend=backend,
+        recompile_limit=recompile_limit,
+        isolate_recompiles=True,
     )

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CompileBackend = Literal["inductor", "aot_eager"]
+"""``torch.compile``'s backend for the engine's compiled steps (``EmbeddedEngineConfig.compile_backend``)."""
 
 
 class EmbeddedEngineConfig(BaseModel):
@@ -40,6 +45,11 @@ class EmbeddedEngineConfig(BaseModel):
             a graph each, compiled once per engine (the first prefills pay the compilation). A
             model that cannot compile in one graph stops the first prefill with an error naming
             the switch. None: the same as ``compile_decode``.
+        compile_backend: The backend of ``compile_decode`` and ``compile_prefill``. ``"inductor"``
+            generates the fused kernels. ``"aot_eager"`` traces the same one graph (Dynamo and
+            AOTAutograd, so a graph break still stops the first step) and runs its ops eagerly:
+            no speed, but it tells whether a failure or a difference comes from Inductor, and it
+            compiles in a fraction of the time (on CPU about half).
         few_rows_linear: Run the decode step's linear layers (projections, feed-forward, LM head)
             through d9d-kernels' ``few_rows_linear`` (``FewRowsLinearMode``): a Triton kernel for
             inputs of up to 16 rows, where cuBLAS's tiles leave most of the GPU idle; buckets of
@@ -106,6 +116,7 @@ class EmbeddedEngineConfig(BaseModel):
     cuda_graphs: bool | None = None
     compile_decode: bool = False
     compile_prefill: bool | None = None
+    compile_backend: CompileBackend = "inductor"
     few_rows_linear: bool | None = None
     few_rows_linear_group: bool = True
     decode_ahead: bool = True

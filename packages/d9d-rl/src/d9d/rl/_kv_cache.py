@@ -24,6 +24,7 @@ from torch.fx.experimental import _config as fx_config  # pyright: ignore[report
 
 from d9d.hf import DecoderCausalLM
 from d9d.rl._engine_compile import compile_engine_region
+from d9d.rl._engine_config import CompileBackend
 from d9d.rl._pinned_copy import to_device
 
 
@@ -246,8 +247,8 @@ def paged_logits(
     return lm_head.compute_logits(norm(last))[:, -1].float()
 
 
-def compile_paged_logits(max_rows: int) -> PrefillFunction:
-    """``paged_logits`` through ``torch.compile`` (Inductor, one graph, every size dynamic), for one engine.
+def compile_paged_logits(max_rows: int, backend: CompileBackend = "inductor") -> PrefillFunction:
+    """``paged_logits`` through ``torch.compile`` (one graph, every size dynamic), for one engine.
 
     A prefill runs the model over a batch's whole prompts once, so eagerly its time is mostly the
     host launching a few hundred small kernels one by one; compiled, the elementwise work fuses
@@ -257,10 +258,11 @@ def compile_paged_logits(max_rows: int) -> PrefillFunction:
 
     Args:
         max_rows: The engine's ``max_rows`` (more rows than one: a second graph).
+        backend: ``torch.compile``'s backend (``EmbeddedEngineConfig.compile_backend``).
     """
     graphs = 2 if max_rows > 1 else 1
     return compile_engine_region(
-        cast(PrefillFunction, paged_logits), recompile_limit=graphs + 2, dynamic=True
+        cast(PrefillFunction, paged_logits), recompile_limit=graphs + 2, backend=backend, dynamic=True
     )  # two graphs of headroom
 
 
