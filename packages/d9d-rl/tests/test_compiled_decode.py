@@ -8,7 +8,7 @@ import torch
 from rl_tiny_model import tiny_model
 from torch._dynamo.utils import counters
 
-from d9d.rl import Completion, EmbeddedEngineConfig, EmbeddedRolloutEngine, SamplingParams
+from d9d.rl import CompileBackend, Completion, EmbeddedEngineConfig, EmbeddedRolloutEngine, SamplingParams
 
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 6], [11, 12], [1, 2, 3, 4, 5], [7, 7]]
 CAPS = [5, 2, 7, 3, 6, 4]
@@ -20,7 +20,7 @@ def _graphs() -> int:
 
 
 def _engines(
-    backend: str = "inductor", **config: int | None
+    backend: CompileBackend = "inductor", **config: int | None
 ) -> tuple[EmbeddedRolloutEngine, EmbeddedRolloutEngine]:
     """An eager and a compiled engine over the same weights (sliding-window layer included); the
     prefills stay eager (``test_compiled_prefill.py`` compiles them). Inductor's CPU code is

@@ -14,7 +14,7 @@ from d9d.rl._dpo_loss import DPOLossConfig, DPOLossResult, PreferenceLoss, dpo_l
 from d9d.rl._dpo_task import METRIC_NAMES as DPO_METRIC_NAMES
 from d9d.rl._dpo_task import DPOState, DPOTask
 from d9d.rl._embedded_engine import EmbeddedRolloutEngine, EngineStats
-from d9d.rl._engine_config import EmbeddedEngineConfig
+from d9d.rl._engine_config import CompileBackend, EmbeddedEngineConfig
 from d9d.rl._grpo_task import GRPOState, GRPOTask, RolloutBatch
 from d9d.rl._kv_cache import PagedBatch, PagedKVCache, forward_paged
 from d9d.rl._losses import (
@@ -36,6 +36,7 @@ __all__ = [
     "Averaging",
     "BlockPool",
     "ColocatedRollouts",
+    "CompileBackend",
     "Completion",
     "DPOBatch",
     "DPODataProvider",

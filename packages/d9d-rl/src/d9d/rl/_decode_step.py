@@ -316,7 +316,7 @@ def decode_rows(
         return lm_head.compute_logits(normed)[:, 0].float()
 
 
-def compile_decode_rows(max_rows: int, backend: CompileBackend = "inductor") -> DecodeFunction:
+def compile_decode_rows(max_rows: int, backend: CompileBackend) -> DecodeFunction:
     """``decode_rows`` through ``torch.compile`` (the whole step one graph), for one engine.
 
     Sizes of one row are always specialized, so the steps of one row take a graph of their own;

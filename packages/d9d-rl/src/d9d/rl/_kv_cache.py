@@ -247,7 +247,7 @@ def paged_logits(
     return lm_head.compute_logits(norm(last))[:, -1].float()
 
 
-def compile_paged_logits(max_rows: int, backend: CompileBackend = "inductor") -> PrefillFunction:
+def compile_paged_logits(max_rows: int, backend: CompileBackend) -> PrefillFunction:
     """``paged_logits`` through ``torch.compile`` (one graph, every size dynamic), for one engine.
 
     A prefill runs the model over a batch's whole prompts once, so eagerly its time is mostly the
