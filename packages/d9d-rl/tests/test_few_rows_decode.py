@@ -52,13 +52,18 @@ def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool) -> No
         "max_rows": 4,
         "page_size": 2,
         "max_context": 32,
-        "compile_decode": compiled,
         "compile_prefill": False,
         "compile_backend": "aot_eager",
     }
-    without = _generate(tiny_model(), **{**common, "compile_decode": False}, few_rows_linear=False)
+    without = _generate(tiny_model(), **common, compile_decode=False, few_rows_linear=False)
     for grouped in (False, True):
-        with_mode = _generate(tiny_model(), **common, few_rows_linear=True, few_rows_linear_group=grouped)
+        with_mode = _generate(
+            tiny_model(),
+            **common,
+            compile_decode=compiled,
+            few_rows_linear=True,
+            few_rows_linear_group=grouped,
+        )
         _assert_same(with_mode, without, tolerance=0.0)
 
 
