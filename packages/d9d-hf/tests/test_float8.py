@@ -28,7 +28,7 @@ from d9d.loop import (
     TrainingConfigurator,
 )
 from d9d.mesh.testing import DistributedTestError, run_distributed
-from d9d.parallel import Float8BaseLinear
+from d9d.parallel import Float8BaseLinear, Float8GroupedMatmul
 
 float8_linear = pytest.importorskip(
     "torchao.float8.float8_linear", reason="torchao (the float8 extra) is not installed"
@@ -63,6 +63,7 @@ def _train(
     steps: int = 3,
     options: dict[str, Any] | None = None,
     checkpoint_dir: Path | None = None,
+    microbatch_size: int = 4,
 ) -> dict[str, Any]:
     config = ProjectConfig.model_validate(
         {
@@ -70,7 +71,7 @@ def _train(
             "trainer": {
                 "max_steps": steps,
                 "global_batch_size": 8,
-                "microbatch_size": 4,
+                "microbatch_size": microbatch_size,
                 "logging": {"progress_bar": False},
                 "device": "cpu",
                 **({} if peft is None else {"peft": peft}),
@@ -121,9 +122,18 @@ def _train(
                 {type(m.experts.grouped_matmul).__name__ for m in model.modules() if isinstance(m, MoELayer)}
             ),
         }
+        weight_casts = {
+            id(casts): casts
+            for m in model.modules()
+            if isinstance(m, MoELayer)
+            and isinstance(m.experts.grouped_matmul, Float8GroupedMatmul)
+            and (casts := m.experts.grouped_matmul.weight_casts) is not None
+        }
         trainer.events.subscribe(ForwardBackwardFinished, lambda event: losses.append(event.loss))
         trainer.train()
         result["losses"] = losses
+        result["weight_casts"] = [(casts.hits, casts.misses, len(casts)) for casts in weight_casts.values()]
+        result["moe_layers"] = sum(isinstance(m, MoELayer) for m in model.modules())
         if export is not None:
             trainer.export(export)
     return result
@@ -157,6 +167,13 @@ def test_rowwise_with_float8_all_gather_is_refused_at_configure_time() -> None:
         ValidationError, match=r"model.float8.fsdp_float8_all_gather needs model.float8.recipe"
     ):
         PretrainedModelConfig(source="x", float8={"recipe": "rowwise", "fsdp_float8_all_gather": True})  # pyright: ignore[reportArgumentType]
+
+
+def test_per_step_expert_weight_casts_need_float8_experts() -> None:
+    with pytest.raises(
+        ValidationError, match=r"model.float8.expert_weight_casts: per_step needs model.float8.experts"
+    ):
+        PretrainedModelConfig(source="x", float8={"expert_weight_casts": "per_step"})  # pyright: ignore[reportArgumentType]
 
 
 def test_float8_experts_need_bf16_compute() -> None:
@@ -325,3 +342,48 @@ def test_float8_experts_install_the_fp8_grouped_gemm(checkpoints: dict[str, Path
     assert experts["state"] == plain["state"]
     assert _relative(experts["losses"], plain["losses"]) < 0.05
     assert experts["losses"] != plain["losses"]
+
+
+@pytest.mark.parametrize("master_dtype", ["bfloat16", "float32"])
+def test_per_step_expert_weight_casts_train_as_per_microbatch_ones(
+    checkpoints: dict[str, Path], master_dtype: str
+) -> None:
+    # two microbatches per step: bf16 parameters are cast once per step (the second microbatch
+    # reads the casts), float32 ones are cast to new bf16 tensors every forward (never kept);
+    # either way the losses are those of casting in every microbatch, bit for bit
+    directory = checkpoints["moe"]
+    options = {"master_dtype": master_dtype}
+    experts = {**FLOAT8, "experts": True}
+    per_microbatch = _run(directory, experts, steps=3, options=options)[0]
+    per_step = _run(directory, {**experts, "expert_weight_casts": "per_step"}, steps=3, options=options)[0]
+    assert per_microbatch["weight_casts"] == []
+    assert per_step["losses"] == per_microbatch["losses"]
+    assert len(per_step["weight_casts"]) == 1  # one object for every layer
+    hits, misses, kept = per_step["weight_casts"][0]
+    # each forward looks up (gate, up) and down once per MoE layer; backward reads what forward saved
+    lookups = 3 * 2 * 2 * per_step["moe_layers"]
+    assert per_step["moe_layers"] == 3 and hits + misses == lookups
+    assert kept == 0  # cleared after the last optimizer step (or dropped with their tensors)
+    match master_dtype:
+        case "bfloat16":
+            assert misses == hits == lookups // 2  # cast in each step's first microbatch only
+        case _:
+            assert hits == 0
+
+
+def test_per_step_expert_weight_casts_under_fsdp_hit_and_train_as_per_microbatch_ones(
+    checkpoints: dict[str, Path],
+) -> None:
+    # FSDP gathers each layer's experts into the same unsharded tensors every microbatch (their
+    # version counters kept): the casts are reused, and cleared after each optimizer step; each
+    # rank runs two microbatches of 2 rows per step
+    directory = checkpoints["moe"]
+    run = {"mesh": {"data_parallel_shard": 2}, "world_size": 2, "steps": 3, "microbatch_size": 2}
+    experts = {**FLOAT8, "experts": True}
+    per_microbatch = _run(directory, experts, **run)
+    per_step = _run(directory, {**experts, "expert_weight_casts": "per_step"}, **run)
+    for cast_each_time, cast_once in zip(per_microbatch, per_step, strict=True):
+        assert cast_once["losses"] == cast_each_time["losses"]
+        hits, misses, kept = cast_once["weight_casts"][0]
+        # misses: 3 steps x 3 MoE layers x (gate and up, down) in the first microbatch; hits: the second
+        assert (hits, misses, kept) == (18, 18, 0)

@@ -12,6 +12,11 @@ cast of their input, ``d9d fp8 unpaired`` with three separate products) and, whe
 torchao is installed, torchao's all-FP8 grouped GEMM (the one torchtitan's float8 MoE converter
 uses). Ratios are medians of ``--repeats`` alternating rounds, with their range. ``--profile``
 prints the GPU kernels of one d9d FP8 step.
+
+``--microbatches N`` times steps of N forwards and backwards (gradient accumulation) and adds
+``d9d fp8 kept casts``: the same FP8 experts with ``Float8WeightCasts``, which casts the weights
+in a step's first microbatch and reads those casts in the others (cleared after every step, as
+``model.float8.expert_weight_casts: per_step`` does after each optimizer step).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from d9d.kernels.layers import GroupedSwiGLUExperts
-from d9d.parallel import Float8GroupedMatmul, GroupedMatmul, convert_experts_to_float8
+from d9d.parallel import Float8GroupedMatmul, Float8WeightCasts, GroupedMatmul, convert_experts_to_float8
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 
@@ -67,18 +72,24 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
     tokens_in = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
 
-    def layer(name: str) -> GroupedSwiGLUExperts:
+    def layer(name: str, weight_casts: Float8WeightCasts) -> GroupedSwiGLUExperts:
         experts = GroupedSwiGLUExperts(EXPERTS, HIDDEN, WIDTH).to(device=device, dtype=torch.bfloat16)
         if name == "d9d fp8":
             convert_experts_to_float8(experts)
+        elif name == "d9d fp8 kept casts":
+            convert_experts_to_float8(experts, weight_casts)
         elif matmuls[name] is not None:
             experts.grouped_matmul = matmuls[name]
         return experts
 
-    def step_of(module: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    def step_of(
+        module: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weight_casts: Float8WeightCasts
+    ) -> Callable[[], None]:
         def step() -> None:
-            tokens_in.grad = None
-            module(tokens_in, counts).backward(upstream)
+            for _ in range(args.microbatches):  # gradients accumulate in the weights
+                tokens_in.grad = None
+                module(tokens_in, counts).backward(upstream)
+            weight_casts.clear()  # the optimizer step would change the weights here
 
         return step
 
@@ -87,19 +98,26 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
         "d9d fp8": None,  # installed by convert_experts_to_float8
         "d9d fp8 unpaired": Float8GroupedMatmul(),
     }
+    if args.microbatches > 1:
+        matmuls["d9d fp8 kept casts"] = None  # installed by convert_experts_to_float8
     if importlib.util.find_spec("torchao") is not None:
         matmuls["torchao fp8"] = _TorchaoGroupedMatmul()
     steps: dict[str, Callable[[], None]] = {}
     for mode in ("eager", "compile"):
         for name in matmuls:
-            module = layer(name)
-            steps[f"{name} {mode}"] = step_of(torch.compile(module) if mode == "compile" else module)
-    flops = 3 * 3 * 2 * rows * HIDDEN * WIDTH
+            weight_casts = Float8WeightCasts()
+            module = layer(name, weight_casts)
+            compiled = torch.compile(module) if mode == "compile" else module
+            steps[f"{name} {mode}"] = step_of(compiled, weight_casts)
+    flops = 3 * 3 * 2 * rows * HIDDEN * WIDTH * args.microbatches
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
             times[name].append(_step_ms(step, args.iters))
-    print(f"\nexperts {EXPERTS} x ({HIDDEN}, {WIDTH}), {tokens} tokens top-{TOP_K}: {rows} rows, fwd+bwd")
+    print(
+        f"\nexperts {EXPERTS} x ({HIDDEN}, {WIDTH}), {tokens} tokens top-{TOP_K}: {rows} rows, "
+        f"{args.microbatches} x fwd+bwd per step"
+    )
     for name, values in times.items():
         median = statistics.median(values)
         spread = f"({min(values):.2f}-{max(values):.2f})"
@@ -111,6 +129,11 @@ def _rows(tokens: int, args: argparse.Namespace) -> None:
             ratios = [b / f for b, f in zip(times[f"bf16 {mode}"], times[f"{name} {mode}"], strict=True)]
             spread = f"({min(ratios):.3f}-{max(ratios):.3f})"
             print(f"{name} speed vs bf16, {mode}: {statistics.median(ratios):.3f}x {spread}")
+        if args.microbatches > 1:
+            kept, per_call = times[f"d9d fp8 kept casts {mode}"], times[f"d9d fp8 {mode}"]
+            ratios = [c / k for c, k in zip(per_call, kept, strict=True)]
+            spread = f"({min(ratios):.3f}-{max(ratios):.3f})"
+            print(f"d9d fp8 kept casts speed vs d9d fp8, {mode}: {statistics.median(ratios):.3f}x {spread}")
     if args.profile:
         for name in ("d9d fp8 compile",):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -127,6 +150,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--microbatches", type=int, default=1)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for tokens in args.tokens:

@@ -23,6 +23,10 @@ MasterDtype = Literal["float32", "bfloat16"]
 """Dtype the parameters are stored, checkpointed and stepped in (their gradients too)."""
 
 
+ExpertWeightCasts = Literal["per_microbatch", "per_step"]
+"""When FP8 experts cast their weights: in every forward and backward, or once per optimizer step."""
+
+
 class Float8Config(BaseModel):
     """``model: {float8: {recipe: tensorwise}}``: FP8 training of linear layers through torchao.
 
@@ -41,6 +45,13 @@ class Float8Config(BaseModel):
         experts: Also run the MoE experts' grouped GEMMs in FP8 (rowwise scales, whatever
             ``recipe`` says; the router and token permute stay as they are). Needs
             ``param_dtype: bfloat16`` and a GPU of compute capability 9.0 or newer.
+        expert_weight_casts: When the experts' weights are cast to float8: ``per_microbatch``
+            (in every forward and backward) or ``per_step`` (once after each optimizer step,
+            kept across the step's microbatches: less time with gradient accumulation or
+            pipeline microbatches, one float8 copy of the expert weights in each of two layouts
+            held through the step). ``per_step`` needs ``experts: true``; its casts are reused
+            only where the experts get the same weight tensors in every microbatch (bf16
+            parameters, or FSDP's gathered ones), not float32 ones cast per forward on one rank.
         emulate: Emulate the FP8 matmuls in high precision (tests on machines without FP8).
     """
 
@@ -51,6 +62,7 @@ class Float8Config(BaseModel):
     exclude: tuple[str, ...] = DEFAULT_FLOAT8_EXCLUDE
     min_features: int = Field(default=128, ge=0)
     experts: bool = False
+    expert_weight_casts: ExpertWeightCasts = "per_microbatch"
     emulate: bool = False
 
     @model_validator(mode="after")
@@ -65,6 +77,15 @@ class Float8Config(BaseModel):
                 "model.float8.fsdp_float8_all_gather needs model.float8.recipe: tensorwise (torchao "
                 "gathers float8 weights with one scale per tensor); set it false for rowwise"
             )
+        match self.expert_weight_casts:
+            case "per_microbatch":
+                pass
+            case "per_step":
+                if not self.experts:
+                    raise ValueError(
+                        "model.float8.expert_weight_casts: per_step needs model.float8.experts: true "
+                        "(it keeps the float8 casts of the experts' weights)"
+                    )
         self.training()  # the remaining checks (exclude patterns)
         return self
 

@@ -32,7 +32,7 @@ from d9d.hf._head import HeadName
 from d9d.hf._hub import resolve_snapshot
 from d9d.hf._master_dtype import cast_parameters_
 from d9d.hf._memory_shape import family_config, memory_shape
-from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
+from d9d.hf._model_config import Float8Config, HFModelConfig, PretrainedModelConfig, ScratchModelConfig
 from d9d.hf._tied_stages import TiedStageCopies
 from d9d.hf._tokenizer_files import tokenizer_files
 from d9d.loop import (
@@ -51,7 +51,7 @@ from d9d.loop import (
 )
 from d9d.loop.estimate import DescribeMemoryContext, DescribeMemoryResult
 from d9d.mesh import DistributedContext
-from d9d.parallel import precompute_float8_scales
+from d9d.parallel import Float8WeightCasts, precompute_float8_scales
 from d9d.pipeline import layers_of_stage
 from d9d.state_mappers import DropMapper, ParallelMapper, SafetensorsCheckpoint
 
@@ -69,6 +69,16 @@ def _files_of(directory: Path | None) -> dict[str, bytes]:
     if directory is None:
         return {}
     return tokenizer_files(directory)
+
+
+def _expert_weight_casts(float8: Float8Config | None) -> Float8WeightCasts | None:
+    if float8 is None:
+        return None
+    match float8.expert_weight_casts:
+        case "per_microbatch":
+            return None
+        case "per_step":
+            return Float8WeightCasts()
 
 
 class HFModelProvider(ModelProvider[DecoderModel]):
@@ -100,6 +110,7 @@ class HFModelProvider(ModelProvider[DecoderModel]):
         self._config = config
         self._resolved: _Resolved | None = None
         self._tied = TiedStageCopies()
+        self._expert_weight_casts = _expert_weight_casts(config.float8)
 
     @property
     def head(self) -> HeadName:
@@ -188,6 +199,7 @@ class HFModelProvider(ModelProvider[DecoderModel]):
             param_dtype=context.model.compute_dtype,  # the config's param_dtype, set when built
             float8=None if float8 is None else float8.training(),
             float8_experts=float8 is not None and float8.experts,
+            float8_expert_weight_casts=self._expert_weight_casts,
             fsdp=self._config.fsdp.settings(),
         )
         if self._config.compile:
@@ -213,6 +225,8 @@ class HFModelProvider(ModelProvider[DecoderModel]):
         if not model.spec.checkpoint_expert_bias:
             zero_expert_bias(model)  # not in the checkpoint: left as materialized
         self._tied.mark_loaded()
+        if self._expert_weight_casts is not None:
+            self._expert_weight_casts.clear()
         return LoadModelStageResult(loaded=True)
 
     def describe_memory(self, context: DescribeMemoryContext) -> DescribeMemoryResult:
@@ -245,7 +259,10 @@ class HFModelProvider(ModelProvider[DecoderModel]):
         self._tied.sum_gradients(context.dist_context, context.stages)
 
     def optimizer_stepped(self, context: OptimizerSteppedContext[DecoderModel]) -> None:
-        """With FSDP's float8 all-gather: the new weights' float8 scales, one all-reduce per stage."""
+        """Drops the FP8 experts' kept weight casts (``expert_weight_casts: per_step``); with FSDP's
+        float8 all-gather: the new weights' float8 scales, one all-reduce per stage."""
+        if self._expert_weight_casts is not None:
+            self._expert_weight_casts.clear()
         float8 = self._config.float8
         if float8 is None or not float8.fsdp_float8_all_gather:
             return

@@ -45,8 +45,9 @@ from d9d.parallel._float8_experts import (
     GroupedMatmul,
     SharedInputGroupedMatmul,
     convert_experts_to_float8,
-    quantize_rowwise,
 )
+from d9d.parallel._float8_rowwise_casts import quantize_rowwise
+from d9d.parallel._float8_weight_casts import Float8WeightCasts, WeightCasts
 from d9d.parallel._fsdp_prefetch import prefetch_fsdp_units
 from d9d.parallel._fully_shard import hsdp_mesh, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel._grad_norm import GradientClip, clip_grad_norm, gradient_clip
@@ -80,6 +81,7 @@ __all__ = [
     "Float8GroupedMatmul",
     "Float8Recipe",
     "Float8Training",
+    "Float8WeightCasts",
     "FullCheckpointing",
     "GradientClip",
     "GradientReduction",
@@ -95,6 +97,7 @@ __all__ = [
     "TokenDispatcher",
     "TokenDispatcherKind",
     "VocabParallelEmbedding",
+    "WeightCasts",
     "all_to_all",
     "block_attention_kernel_for",
     "checkpoint_modules",

@@ -12,7 +12,7 @@ it once, and their input gradients run as one GEMM over both (``[dgate | dup] @ 
 """
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.parallel._float8 import _FP8_ALIGNMENT  # pyright: ignore[reportPrivateUsage]
-
-_FLOAT8 = torch.float8_e4m3fn
-_FLOAT8_MAX = torch.finfo(_FLOAT8).max
+from d9d.parallel._float8_rowwise_casts import cast_rows, cast_weight_columns, cast_weight_rows
+from d9d.parallel._float8_weight_casts import Float8WeightCasts
 
 
 class GroupedMatmul(Protocol):
@@ -83,73 +82,6 @@ def _require_sm90(x: torch.Tensor) -> None:
             f"float8 experts need a CUDA GPU of compute capability 9.0 or newer "
             f"(_scaled_grouped_mm), got sm{capability[0]}{capability[1]}; turn float8 experts off"
         )
-
-
-def quantize_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` in float8 e4m3 with one power-of-two scale per slice along ``dim``.
-
-    Returns:
-        The float8 data (same shape and strides as ``t`` would get from an elementwise op) and the
-        dequantizing scales (float32, ``dim`` kept with size 1): ``t ~= data * scale``.
-    """
-    amax = t.abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
-    scale = torch.exp2(torch.floor(torch.log2(_FLOAT8_MAX / amax)))
-    data = (t.float() * scale).clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(_FLOAT8)
-    return data, scale.reciprocal()
-
-
-def _joined(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
-
-
-def _quantize_row_blocks(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M, K_i)`` parts joined to ``(M, sum K_i)``: row-major float8, one scale per row ``(M, 1)``."""
-    return quantize_rowwise(_joined(parts, dim=1), dim=1)
-
-
-def _quantize_weight_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, K, N)``: float8 column-major per group, one scale per (group, column) ``(G, 1, N)``."""
-    data, scale = quantize_rowwise(weight.transpose(1, 2), dim=2)
-    return data.contiguous().transpose(1, 2), scale.transpose(1, 2)
-
-
-def _quantize_weight_rows(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, K, N_i)`` joined to ``(G, K, sum N_i)``: row-major, one scale per (group, row)."""
-    return quantize_rowwise(_joined(weights, dim=2), dim=2)
-
-
-def _cast_rows(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M, K_i)`` parts joined to row-major float8 ``(M, sum K_i)``, one scale per row ``(M, 1)``.
-
-    On CUDA one Triton kernel reads each part once; elsewhere the reference.
-    """
-    detached = tuple(p.detach() for p in parts)
-    if detached[0].is_cuda:
-        from d9d.parallel import _float8_cast_kernels as kernels
-
-        if kernels.rows_fit(*(p.shape[1] for p in detached)):
-            return kernels.cast_rows(detached)
-    return _quantize_row_blocks(detached)
-
-
-def _cast_weight_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, K, N)``: float8 column-major per group, one scale per (group, column) ``(G, 1, N)``."""
-    if weight.is_cuda:
-        from d9d.parallel import _float8_cast_kernels as kernels
-
-        return kernels.cast_weight_columns(weight.detach())
-    return _quantize_weight_columns(weight.detach())
-
-
-def _cast_weight_rows(*weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, K, N_i)`` joined to row-major float8 ``(G, K, sum N_i)``, one scale per (group, row)."""
-    detached = tuple(w.detach() for w in weights)
-    if detached[0].is_cuda:
-        from d9d.parallel import _float8_cast_kernels as kernels
-
-        if kernels.rows_fit(*(w.shape[2] for w in detached)):
-            return kernels.cast_weight_rows(detached)
-    return _quantize_weight_rows(detached)
 
 
 def _scaled_grouped_mm(
@@ -213,15 +145,42 @@ def _empty_like_or_nothing(t: torch.Tensor, needed: bool) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty((0,))
 
 
+def _given_or_cast(
+    data: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    cast: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's float8 cast handed in (kept from an earlier microbatch), else a new one."""
+    return (data, scale) if data is not None and scale is not None else cast()
+
+
+# The weights' casts are optional inputs: ``Float8WeightCasts`` hands in the ones it keeps across
+# microbatches (the row-major cast is saved for the input gradient); without them the ops cast.
 @torch.library.custom_op("d9d_parallel::float8_grouped_mm", mutates_args=())
-def _float8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    x_data, x_scale = _cast_rows(x)
-    w_data, w_scale = _cast_weight_columns(weight)
+def _float8_grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    columns: torch.Tensor | None = None,
+    columns_scale: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    rows_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    x_data, x_scale = cast_rows(x)
+    w_data, w_scale = _given_or_cast(columns, columns_scale, lambda: cast_weight_columns(weight))
     return _scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype)
 
 
 @_float8_grouped_mm.register_fake
-def _float8_grouped_mm_fake(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+def _float8_grouped_mm_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    columns: torch.Tensor | None = None,
+    columns_scale: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    rows_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[2]))
 
 
@@ -231,13 +190,16 @@ def _float8_grouped_mm_backward(
     x: torch.Tensor,
     weight: torch.Tensor,
     group_ends: torch.Tensor,
+    rows: torch.Tensor | None,
+    rows_scale: torch.Tensor | None,
     need_x: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad = grad.contiguous()
     grad_x = grad_weight = x.new_empty((0,))
     if need_x:
-        grad_x = _input_grad(_cast_rows(grad), _cast_weight_rows(weight), group_ends).to(x.dtype)
+        weight_rows = _given_or_cast(rows, rows_scale, lambda: cast_weight_rows(weight))
+        grad_x = _input_grad(cast_rows(grad), weight_rows, group_ends).to(x.dtype)
     if need_weight:
         grad_weight = _grouped_weight_grad(x.to(grad.dtype), grad, group_ends).to(weight.dtype)
     return grad_x, grad_weight
@@ -249,6 +211,8 @@ def _float8_grouped_mm_backward_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
     group_ends: torch.Tensor,
+    rows: torch.Tensor | None,
+    rows_scale: torch.Tensor | None,
     need_x: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,15 +220,17 @@ def _float8_grouped_mm_backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, weight, group_ends = inputs
-    ctx.save_for_backward(x, weight, group_ends)
+    x, weight, group_ends, _columns, _columns_scale, rows, rows_scale = inputs
+    ctx.save_for_backward(x, weight, group_ends, rows, rows_scale)
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-    x, weight, group_ends = ctx.saved_tensors
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weight, group_ends, rows, rows_scale = ctx.saved_tensors
     need_x, need_weight = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
-    grad_x, grad_weight = _float8_grouped_mm_backward(grad, x, weight, group_ends, need_x, need_weight)
-    return (grad_x if need_x else None, grad_weight if need_weight else None, None)
+    grad_x, grad_weight = _float8_grouped_mm_backward(
+        grad, x, weight, group_ends, rows, rows_scale, need_x, need_weight
+    )
+    return (grad_x if need_x else None, grad_weight if need_weight else None, None, None, None, None, None)
 
 
 _float8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
@@ -272,19 +238,40 @@ _float8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("d9d_parallel::float8_grouped_mm_pair", mutates_args=())
 def _float8_grouped_mm_pair(
-    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, group_ends: torch.Tensor
+    x: torch.Tensor,
+    weight_a: torch.Tensor,
+    weight_b: torch.Tensor,
+    group_ends: torch.Tensor,
+    columns_a: torch.Tensor | None = None,
+    columns_a_scale: torch.Tensor | None = None,
+    columns_b: torch.Tensor | None = None,
+    columns_b_scale: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    rows_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x_data, x_scale = _cast_rows(x)  # once for both products
+    x_data, x_scale = cast_rows(x)  # once for both products
     outputs: list[torch.Tensor] = []
-    for weight in (weight_a, weight_b):
-        w_data, w_scale = _cast_weight_columns(weight)
+    for weight, columns, columns_scale in (
+        (weight_a, columns_a, columns_a_scale),
+        (weight_b, columns_b, columns_b_scale),
+    ):
+        w_data, w_scale = _given_or_cast(columns, columns_scale, lambda w=weight: cast_weight_columns(w))
         outputs.append(_scaled_grouped_mm(x_data, w_data, x_scale, w_scale, group_ends).to(x.dtype))
     return outputs[0], outputs[1]
 
 
 @_float8_grouped_mm_pair.register_fake
 def _float8_grouped_mm_pair_fake(
-    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, group_ends: torch.Tensor
+    x: torch.Tensor,
+    weight_a: torch.Tensor,
+    weight_b: torch.Tensor,
+    group_ends: torch.Tensor,
+    columns_a: torch.Tensor | None = None,
+    columns_a_scale: torch.Tensor | None = None,
+    columns_b: torch.Tensor | None = None,
+    columns_b_scale: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    rows_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], weight_a.shape[2])), x.new_empty((x.shape[0], weight_b.shape[2]))
 
@@ -297,6 +284,8 @@ def _float8_grouped_mm_pair_backward(
     weight_a: torch.Tensor,
     weight_b: torch.Tensor,
     group_ends: torch.Tensor,
+    rows: torch.Tensor | None,
+    rows_scale: torch.Tensor | None,
     need_x: bool,
     need_weight_a: bool,
     need_weight_b: bool,
@@ -305,9 +294,8 @@ def _float8_grouped_mm_pair_backward(
     grad_x = grad_weight_a = grad_weight_b = x.new_empty((0,))
     if need_x:
         # [grad_a | grad_b] @ [weight_a | weight_b].T: one GEMM over both, one scale per row
-        grad_x = _input_grad(
-            _cast_rows(grad_a, grad_b), _cast_weight_rows(weight_a, weight_b), group_ends
-        ).to(x.dtype)
+        weight_rows = _given_or_cast(rows, rows_scale, lambda: cast_weight_rows(weight_a, weight_b))
+        grad_x = _input_grad(cast_rows(grad_a, grad_b), weight_rows, group_ends).to(x.dtype)
     if need_weight_a:
         grad_weight_a = _grouped_weight_grad(x.to(grad_a.dtype), grad_a, group_ends).to(weight_a.dtype)
     if need_weight_b:
@@ -323,6 +311,8 @@ def _float8_grouped_mm_pair_backward_fake(
     weight_a: torch.Tensor,
     weight_b: torch.Tensor,
     group_ends: torch.Tensor,
+    rows: torch.Tensor | None,
+    rows_scale: torch.Tensor | None,
     need_x: bool,
     need_weight_a: bool,
     need_weight_b: bool,
@@ -335,18 +325,18 @@ def _float8_grouped_mm_pair_backward_fake(
 
 
 def _setup_pair_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, weight_a, weight_b, group_ends = inputs
-    ctx.save_for_backward(x, weight_a, weight_b, group_ends)
+    x, weight_a, weight_b, group_ends, *_columns, rows, rows_scale = inputs
+    ctx.save_for_backward(x, weight_a, weight_b, group_ends, rows, rows_scale)
 
 
-def _pair_backward(
-    ctx: Any, grad_a: torch.Tensor, grad_b: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
-    x, weight_a, weight_b, group_ends = ctx.saved_tensors
+def _pair_backward(ctx: Any, grad_a: torch.Tensor, grad_b: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weight_a, weight_b, group_ends, rows, rows_scale = ctx.saved_tensors
     need = [bool(n) for n in ctx.needs_input_grad[:3]]
-    grads = _float8_grouped_mm_pair_backward(grad_a, grad_b, x, weight_a, weight_b, group_ends, *need)
+    grads = _float8_grouped_mm_pair_backward(
+        grad_a, grad_b, x, weight_a, weight_b, group_ends, rows, rows_scale, *need
+    )
     grad_x, grad_weight_a, grad_weight_b = (g if n else None for g, n in zip(grads, need, strict=True))
-    return grad_x, grad_weight_a, grad_weight_b, None
+    return grad_x, grad_weight_a, grad_weight_b, None, None, None, None, None, None, None
 
 
 _float8_grouped_mm_pair.register_autograd(_pair_backward, setup_context=_setup_pair_context)
@@ -367,7 +357,21 @@ class Float8GroupedMatmul:
     token row and per weight column (per weight row for the input gradient); the weight
     gradient runs in bf16. Group sizes need no padding and cause no host sync on CUDA. Off CUDA
     a reference runs (the same quantization, the products in float32), for tests.
+
+    With ``weight_casts`` the weights' float8 casts are kept from one microbatch to the next
+    (``Float8WeightCasts``: clear it after each optimizer step); without it each call casts them.
     """
+
+    def __init__(self, weight_casts: Float8WeightCasts | None = None) -> None:
+        """Args:
+        weight_casts: Where the weights' casts are kept within a step (None: cast per call).
+        """
+        self._weight_casts = weight_casts
+
+    @property
+    def weight_casts(self) -> Float8WeightCasts | None:
+        """Where the weights' casts are kept across microbatches (None: cast per call)."""
+        return self._weight_casts
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, tokens_per_group: torch.Tensor, /
@@ -380,7 +384,11 @@ class Float8GroupedMatmul:
         """
         _check_alignment(x, weight)
         group_ends = torch.cumsum(tokens_per_group, dim=0, dtype=torch.int32)
-        return _float8_grouped_mm(x, weight, group_ends)
+        if self._weight_casts is None:
+            return _float8_grouped_mm(x, weight, group_ends)
+        casts = self._weight_casts.casts(weight)
+        (columns, columns_scale), (rows, rows_scale) = casts.columns[0], casts.rows
+        return _float8_grouped_mm(x, weight, group_ends, columns, columns_scale, rows, rows_scale)
 
     def pair(
         self,
@@ -401,16 +409,30 @@ class Float8GroupedMatmul:
         """
         _check_alignment(x, weight_a, weight_b)
         group_ends = torch.cumsum(tokens_per_group, dim=0, dtype=torch.int32)
-        return _float8_grouped_mm_pair(x, weight_a, weight_b, group_ends)
+        if self._weight_casts is None:
+            return _float8_grouped_mm_pair(x, weight_a, weight_b, group_ends)
+        casts = self._weight_casts.casts(weight_a, weight_b)
+        (columns_a, scale_a), (columns_b, scale_b) = casts.columns
+        return _float8_grouped_mm_pair(
+            x, weight_a, weight_b, group_ends, columns_a, scale_a, columns_b, scale_b, *casts.rows
+        )
 
 
-def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
+def convert_experts_to_float8(
+    experts: GroupedExpertsLike, weight_casts: Float8WeightCasts | None = None
+) -> None:
     """Runs ``experts``' grouped GEMMs in FP8 rowwise (``Float8GroupedMatmul``), in place.
 
     Both slots are set: ``grouped_matmul`` and ``shared_input_matmul`` (the gate and up
     products, which share their input). The weights stay what they are (names, dtype,
     sharding); the router and the token permute are untouched. Forward then needs a Hopper or
     newer GPU and bf16 compute.
+
+    Args:
+        experts: The grouped experts to convert.
+        weight_casts: Keeps the weights' float8 casts across microbatches until its ``clear``
+            (call it after every optimizer step); one object may serve every layer. None: the
+            weights are cast in every forward and backward.
 
     Raises:
         ValueError: If a 3-d weight has a dim that is not a multiple of 16.
@@ -423,6 +445,6 @@ def convert_experts_to_float8(experts: GroupedExpertsLike) -> None:
                 f"float8 experts: weight {name!r} of shape {tuple(parameter.shape)} has a dim that is "
                 "not a multiple of 16"
             )
-    matmul = Float8GroupedMatmul()
+    matmul = Float8GroupedMatmul(weight_casts)
     experts.grouped_matmul = matmul
     experts.shared_input_matmul = matmul.pair

@@ -17,6 +17,7 @@ from d9d.loop.peft import GroupedLoRAExperts
 from d9d.mesh import BATCH_DOMAIN, DENSE_DOMAIN, EXPERT_DOMAIN, DistributedContext
 from d9d.parallel import (
     Float8Training,
+    Float8WeightCasts,
     cast_parameters_for_compute,
     convert_experts_to_float8,
     convert_to_float8,
@@ -62,7 +63,13 @@ def _data_parallel_mesh(dense: DeviceMesh) -> DeviceMesh:
     return hsdp_mesh(dense["dp_replicate", "dp_cp_shard", "cp_replicate"])
 
 
-def _apply_float8(model: DecoderModel, float8: Float8Training, *, experts: bool) -> None:
+def _apply_float8(
+    model: DecoderModel,
+    float8: Float8Training,
+    *,
+    experts: bool,
+    expert_weight_casts: Float8WeightCasts | None,
+) -> None:
     """FP8 linear layers (and grouped experts), before any parallelism wraps them. LoRA layers
     keep their adapters in the compute dtype and run their frozen base product in FP8."""
     modules = cast(Iterator[tuple[str, nn.Module]], model.named_modules())
@@ -77,7 +84,7 @@ def _apply_float8(model: DecoderModel, float8: Float8Training, *, experts: bool)
     if experts:
         for layer in model.model.decoder_layers():
             if isinstance(layer.mlp, MoELayer):
-                convert_experts_to_float8(layer.mlp.experts)
+                convert_experts_to_float8(layer.mlp.experts, expert_weight_casts)
 
 
 def _refuse_length_dependent_rope(model: DecoderModel) -> None:
@@ -103,6 +110,7 @@ def parallelize_decoder(
     param_dtype: torch.dtype | None = None,
     float8: Float8Training | None = None,
     float8_experts: bool = False,
+    float8_expert_weight_casts: Float8WeightCasts | None = None,
     fsdp: FsdpSettings | None = None,
 ) -> None:
     """Parallelizes one (meta-device) decoder stage in place, as ``dist_context.parameters`` asks.
@@ -126,18 +134,23 @@ def parallelize_decoder(
         param_dtype: The compute dtype of the parameters (None: the stored dtype).
         float8: FP8 training of the stage's linear layers (None: none).
         float8_experts: Also run the MoE experts' grouped GEMMs in FP8 (needs ``float8``).
+        float8_expert_weight_casts: Where the FP8 experts keep their weights' casts across
+            microbatches (clear it after each optimizer step; None: cast in every microbatch).
         fsdp: Reduction dtype, prefetch and resharding where the stage is sharded over 2+
             data-parallel ranks (None: float32 reductions, FSDP's implicit prefetch).
 
     Raises:
         ValueError: For ``float8_experts`` on a stage whose experts carry LoRA adapters,
-            ``float8_experts`` without ``float8``, or context parallelism with a rope whose
+            ``float8_experts`` without ``float8``, ``float8_expert_weight_casts`` without
+            ``float8_experts``, or context parallelism with a rope whose
             frequencies depend on the sequence's length (LongRoPE, dynamic NTK).
     """
     if float8 is not None:
-        _apply_float8(model, float8, experts=float8_experts)
+        _apply_float8(model, float8, experts=float8_experts, expert_weight_casts=float8_expert_weight_casts)
     elif float8_experts:
         raise ValueError("float8_experts needs float8 settings")
+    if float8_expert_weight_casts is not None and not float8_experts:
+        raise ValueError("float8_expert_weight_casts needs float8_experts")
     mesh = dist_context.parameters
     dense = dist_context.mesh_for(DENSE_DOMAIN)
     if mesh.tensor_parallel > 1:
