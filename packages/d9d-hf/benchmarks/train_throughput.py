@@ -505,6 +505,7 @@ def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, An
         section["min_features"] = 16  # the tiny shape's layers convert too
     if shape["model_type"] == "qwen3_moe" and args.float8_experts:
         section["experts"] = True
+        section["expert_weight_casts"] = args.expert_weight_casts
     return section
 
 
@@ -817,6 +818,7 @@ def _child_command(
     if fp8:
         command += [f"--float8={args.float8}"]
         command += [] if args.float8_experts else ["--no-float8-experts"]
+        command += [f"--expert-weight-casts={args.expert_weight_casts}"]
     return command + (["--profile"] if profiled else [])
 
 
@@ -967,6 +969,13 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with --float8 on the MoE shape: the experts' grouped GEMMs in FP8 rowwise too",
+    )
+    parser.add_argument(
+        "--expert-weight-casts",
+        choices=["per_microbatch", "per_step"],
+        default="per_microbatch",
+        help="d9d rows with FP8 experts: model.float8.expert_weight_casts (per_step keeps the "
+        "experts' weight casts across a step's --microbatches)",
     )
     parser.add_argument(
         "--d9d-state",

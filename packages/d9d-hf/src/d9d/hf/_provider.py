@@ -250,7 +250,11 @@ class HFModelProvider(ModelProvider[DecoderModel]):
 
     def finalize_gradients(self, context: FinalizeGradientsContext[DecoderModel]) -> None:
         """Sums the gradients of a tied embedding's two copies (first and last pipeline stage);
-        moves the MoE selection biases by the step's token counts (``expert_bias_update_rate``)."""
+        moves the MoE selection biases by the step's token counts (``expert_bias_update_rate``);
+        drops the FP8 experts' kept weight casts (the step's microbatches are done: the optimizer
+        gets their memory)."""
+        if self._expert_weight_casts is not None:
+            self._expert_weight_casts.clear()
         rate = self._config.expert_bias_update_rate
         if rate is not None:
             update_expert_bias(context.dist_context, [model for _, model in context.stages], rate)
