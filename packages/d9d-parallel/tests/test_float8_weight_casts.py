@@ -119,6 +119,22 @@ def test_weights_cast_anew_each_forward_never_hit_and_their_casts_go_with_them()
     assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in masters)
 
 
+def test_casts_made_in_inference_mode_are_not_kept_for_training() -> None:
+    # an evaluation under inference_mode between steps must not leave casts that a training
+    # forward would then save for backward (inference tensors cannot be)
+    weights = _weights()
+    casts = Float8WeightCasts()
+    matmul = Float8GroupedMatmul(casts)
+    x, upstream = _microbatches(1)[0]
+    with torch.inference_mode():
+        evaluated = _swiglu(matmul, x, weights)
+    assert len(casts) == 0 and casts.misses == 0
+    trained = _swiglu(matmul, x, weights)
+    trained.backward(upstream)
+    assert torch.equal(trained.detach(), evaluated)
+    assert casts.misses == 2 and all(w.grad is not None for w in weights)
+
+
 def test_compiled_with_kept_casts_equals_eager() -> None:
     weights = _weights()
     results: list[list[torch.Tensor]] = []

@@ -100,8 +100,9 @@ class Float8WeightCasts:
         return self._lookup(weights)
 
     def _cached_casts(self, weights: tuple[torch.Tensor, ...]) -> WeightCasts:
-        if any(weight.is_inference() for weight in weights):
-            # inference tensors have no version counter; nothing to reuse outside training
+        if torch.is_inference_mode_enabled() or any(weight.is_inference() for weight in weights):
+            # inference tensors have no version counter, and casts made in inference mode could
+            # not be saved for a later training step's backward: cast, keep nothing
             return _cast(weights)
         key = tuple(id(weight) for weight in weights)
         versions = tuple(_version(weight) for weight in weights)
