@@ -33,7 +33,9 @@ simulator's prediction for the schedule, the stage imbalance of the layer split,
 bubble (``1 - per-GPU tok/s / one-GPU tok/s``, with ``--busy`` also each rank's GPU idle time).
 The d9d rows' steps and their split (forward-backward, optimizer) are timed on the GPU's stream
 with CUDA events at each step's start and its optimizer step (the loop's own phases are host
-clocks), on a CPU with the host clock at the same points.
+clocks), on a CPU with the host clock at the same points. One untimed step always follows the
+timed ones, so that the last timed step ends at a step start, not after the loop's teardown; the
+record's ``phases_ms`` lists each timed step's two phases.
 
 Implementations: ``hf`` (transformers' ``*ForCausalLM`` of the shape's family: Qwen3, Qwen3-MoE,
 Llama, Gemma 3, Mistral, DeepSeek-V3, GPT-OSS; plain loop, bf16), ``hf_compile`` (the same under
@@ -544,7 +546,9 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     layout = parallel_layout(args, world)
     name = _row_name(args, "d9d_compile" if compiled else "d9d")
     profiled = 2 if args.profile or args.busy or args.trace is not None else 0
-    total_steps = args.warmup + args.steps + profiled
+    # At least one step after the timed ones: the last timed step ends where the next one starts,
+    # never at the end of train(), whose teardown (measured: 0 to 560 ms) is no step's time.
+    total_steps = args.warmup + args.steps + max(profiled, 1)
     trainer: dict[str, Any] = {
         "max_steps": total_steps,
         "global_batch_size": layout.global_batch,
@@ -683,6 +687,8 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         "step_ms": 1e3 * elapsed / args.steps,
         "forward_backward_ms": 1e3 * sum(p[0] for p in phases[timed]) / args.steps,
         "optimizer_ms": 1e3 * sum(p[1] for p in phases[timed]) / args.steps,
+        # per timed step: an outlier (a stalled host while the device waits) shows here
+        "phases_ms": [[round(1e3 * a, 1), round(1e3 * b, 1)] for a, b in phases[timed]],
         "tokens_per_s_per_gpu": tokens_per_s / world,
         "device_idle_per_rank": idle,
         "pipeline": pipeline,
