@@ -217,13 +217,14 @@ def _titan_float8(model: torch.nn.Module, args: argparse.Namespace, device: torc
     job.quantize.linear.float8.recipe_name = args.float8
     job.quantize.linear.float8.filter_fqns = ["output", "router.gate"]
     job.quantize.linear.float8.emulate = device.type != "cuda"  # its check for FP8 hardware
-    job.model.converters = ["quantize.linear.float8"]
+    job.model.converters = ["quantize.linear.float8"] if args.float8_linears else []
     experts = args.float8_experts and any(name.endswith(".experts") for name, _ in model.named_modules())
     if experts:
         job.model.converters.append("quantize.grouped_mm.float8")
         job.quantize.grouped_mm.float8.fqns = ["experts"]
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    Float8LinearConverter(job, dims).convert(model)
+    if args.float8_linears:
+        Float8LinearConverter(job, dims).convert(model)
     if experts:
         Float8GroupedMMConverter(job, dims).convert(model)
 
@@ -508,6 +509,8 @@ def _d9d_float8(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, An
     if shape["model_type"] == "qwen3_moe" and args.float8_experts:
         section["experts"] = True
         section["expert_weight_casts"] = args.expert_weight_casts
+    if not args.float8_linears:
+        section["exclude"] = [".*"]  # every linear layer stays bf16: the experts alone in FP8
     return section
 
 
@@ -824,6 +827,7 @@ def _child_command(
     if fp8:
         command += [f"--float8={args.float8}"]
         command += [] if args.float8_experts else ["--no-float8-experts"]
+        command += [] if args.float8_linears else ["--no-float8-linears"]
         command += [f"--expert-weight-casts={args.expert_weight_casts}"]
     return command + (["--profile"] if profiled else [])
 
@@ -977,6 +981,13 @@ def main() -> None:
         help="with --float8 on the MoE shape: the experts' grouped GEMMs in FP8 rowwise too",
     )
     parser.add_argument(
+        "--float8-linears",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --float8: the attention and MLP projections in FP8 (off with --float8-experts on the "
+        "MoE shape: the experts alone in FP8, every linear layer in bf16)",
+    )
+    parser.add_argument(
         "--expert-weight-casts",
         choices=["per_microbatch", "per_step"],
         default="per_microbatch",
@@ -1006,6 +1017,8 @@ def main() -> None:
         help="with --float8 and --impl all: also run d9d in bf16 first",
     )
     args = parser.parse_args()
+    if not args.float8_linears and (args.float8 is None or not args.float8_experts):
+        parser.error("--no-float8-linears needs --float8 and --float8-experts: the experts alone in FP8")
     if args.impl == "all":
         run_all(args)
         return

@@ -190,3 +190,28 @@ def test_titan_rows_are_planned_only_for_families_torchtitan_ships(
     args = argparse.Namespace(only=None, float8=None, read_figures=["after_step"], bf16_baseline=True)
     planned = [impl for impl, _, _ in benchmark._planned_runs(args, shapes.model_shape(name, quick=True))]
     assert ("titan" in planned) == titan_rows and "d9d_compile" in planned and "hf_compile" in planned
+
+
+@pytest.mark.parametrize("linears", [True, False])
+def test_the_float8_section_runs_the_experts_alone_without_the_linears(
+    shapes: ModuleType, linears: bool
+) -> None:
+    from d9d.hf import ScratchModelConfig
+
+    benchmark = _load("train_throughput")
+    args = argparse.Namespace(
+        float8="rowwise", device="cuda", quick=True, float8_experts=True, float8_linears=linears,
+        expert_weight_casts="per_step",
+    )  # fmt: skip
+    section = benchmark._d9d_float8(args, shapes.model_shape("moe", quick=True))
+    assert section["experts"] is True and section["expert_weight_casts"] == "per_step"
+    assert ("exclude" in section) == (not linears)
+
+    def float8(section: dict[str, Any]) -> Any:
+        config = {"config": {"model_type": "qwen3_moe"}, "param_dtype": "bfloat16", "float8": section}
+        return ScratchModelConfig.model_validate(config).float8
+
+    default_exclude = float8({"recipe": "rowwise"}).exclude
+    converted = float8(section)
+    assert converted.experts
+    assert converted.exclude == (default_exclude if linears else (".*",))
