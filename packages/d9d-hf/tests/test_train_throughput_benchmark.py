@@ -196,6 +196,7 @@ def test_titan_rows_are_planned_only_for_families_torchtitan_ships(
 def test_the_float8_section_runs_the_experts_alone_without_the_linears(
     shapes: ModuleType, linears: bool
 ) -> None:
+    pytest.importorskip("torchao.float8", reason="torchao (the float8 extra) is not installed")
     from d9d.hf import ScratchModelConfig
 
     benchmark = _load("train_throughput")
