@@ -116,5 +116,19 @@ def test_a_world_whose_rendezvous_failed_starts_once_more(monkeypatch: pytest.Mo
         fn=_rank_of_world, args=(), kwargs={}, world_size=2, timeout_s=60.0, collective_timeout_s=30.0
     )
     outcomes = _runner._run_forked(request)
-    assert len(worlds) == 2
+    assert len(worlds) >= 2  # a real world may itself need another start on a busy host
     assert [o.value for o in outcomes] == [0, 1]
+
+
+def test_a_world_that_never_joins_stops_after_three_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    starts: list[object] = []
+
+    def never_joins(request: object) -> list[object]:
+        starts.append(request)
+        return [_runner._RankOutcome(rank=0, ok=False, joined=False, traceback="connectFullMesh failed")]
+
+    monkeypatch.setattr(_runner, "_run_world", never_joins)
+    monkeypatch.delenv("D9D_TESTING_ZYGOTE", raising=False)
+    with pytest.raises(DistributedTestError, match="connectFullMesh failed"):
+        run_distributed(_rank_of_world, world_size=1)
+    assert len(starts) == 3

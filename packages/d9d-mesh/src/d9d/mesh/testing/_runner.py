@@ -64,6 +64,9 @@ def _worker(
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=collective_timeout
             )
+            # gloo can finish its connections on one rank before its peer has; a rank whose ``fn``
+            # returns at once would then close them under the peer ("Connection closed by peer").
+            dist.barrier()
         except RuntimeError:
             outcome = _RankOutcome(rank=rank, ok=False, joined=False, traceback=traceback.format_exc())
         else:
@@ -186,9 +189,14 @@ def handle_zygote_request(payload: bytes) -> bytes:
     return pickle.dumps(("ok", _run_forked(request)))
 
 
+_WORLD_STARTS = 3
+
+
 def _run_forked(request: _Request) -> list[_RankOutcome]:
     outcomes = _run_world(request)
-    if any(not outcome.joined for outcome in outcomes):
+    for _ in range(_WORLD_STARTS - 1):
+        if all(outcome.joined for outcome in outcomes):
+            break
         # gloo's TCP rendezvous between forked ranks fails now and then on a busy host
         # ("connectFullMesh failed ... Connection closed by peer"); ``fn`` has not run on that
         # rank, so the world starts once more, with a fresh store.
