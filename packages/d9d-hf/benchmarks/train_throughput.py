@@ -254,7 +254,10 @@ def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.dev
     def step() -> torch.Tensor:
         # torchtitan's trainer: forward and loss under autocast when FSDP does not cast
         with torch.autocast(device.type, dtype=low, enabled=amp):
-            loss = cross_entropy_loss(titan_logits(model, inputs, shape["model_type"]), labels)
+            # its loss sums over tokens; its trainer divides by the batch's valid tokens (all here)
+            loss = (
+                cross_entropy_loss(titan_logits(model, inputs, shape["model_type"]), labels) / labels.numel()
+            )
         loss.backward()
         # its trainer clips every step (training.max_norm, default 1.0), as the d9d rows do
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
