@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from d9d.mesh.testing import DistributedTestError, _runner, run_distributed
+from d9d.mesh.testing._zygote import ZYGOTE_ENV
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -128,7 +129,7 @@ def test_a_world_that_never_joins_stops_after_three_starts(monkeypatch: pytest.M
         return [_runner._RankOutcome(rank=0, ok=False, joined=False, traceback="connectFullMesh failed")]
 
     monkeypatch.setattr(_runner, "_run_world", never_joins)
-    monkeypatch.delenv("D9D_TESTING_ZYGOTE", raising=False)
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)  # fork from here: the fake world is patched in
     with pytest.raises(DistributedTestError, match="connectFullMesh failed"):
         run_distributed(_rank_of_world, world_size=1)
     assert len(starts) == 3
