@@ -9,7 +9,9 @@ packed numbers are "effective" TFLOP/s.
 
 A second table times sliding-window attention at Gemma-3-1B's heads (4 query heads and 1
 key/value head of 256, window 512, 4 x 4096 tokens): SDPA given the window as a dense mask
-against FlexAttention's block-sparse kernel (``flex_attention``), median of 5 repeats of 10 calls.
+against the ``flex_attention`` backend (PyTorch's FlashAttention kernels where the torch version
+has them) and FlexAttention's block-sparse kernel alone (``torch_flash_windows=False``): forward
+and the input gradients, median of 5 alternating rounds of 20 calls.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import torch
 from d9d.kernels.layers import (
     AttentionBackend,
     AttentionBackendUnavailableError,
+    FlexAttentionBackend,
     build_attention_backend,
 )
 
@@ -28,6 +31,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS_PER_STEP = 16384
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
 WINDOW_BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
+FLEX_KERNEL_ONLY = "flex_attention (torch_flash_windows=False)"
 
 
 def time_ms(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
@@ -65,8 +69,8 @@ def _measure(backend: AttentionBackend, batch: int, seq: int, packed: bool) -> f
     return time_ms(step)
 
 
-def _measure_window(backend: AttentionBackend, window: int | None) -> list[float]:
-    """Gemma-3-1B's heads, 4 x 4096 tokens: five repeats of the mean of 10 fwd+bwd calls."""
+def _window_step(backend: AttentionBackend, window: int | None) -> Callable[[], object]:
+    """Gemma-3-1B's heads, 4 x 4096 tokens: one forward and the query/key/value gradients."""
     device = torch.device("cuda")
     shape_q, shape_kv = (4, 4096, 4, 256), (4, 4096, 1, 256)
     q = torch.randn(shape_q, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -74,31 +78,41 @@ def _measure_window(backend: AttentionBackend, window: int | None) -> list[float
     v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn(shape_q, device=device, dtype=torch.bfloat16)
 
-    def step() -> None:
+    def step() -> object:
         out = backend.attend(q, k, v, causal=True, softmax_scale=256**-0.5, sliding_window=window)
-        out.backward(upstream)
+        return torch.autograd.grad(out, (q, k, v), upstream)
 
-    return [time_ms(step) for _ in range(5)]
+    return step
 
 
 def _window_table(results: list[dict[str, object]]) -> None:
-    print("\n| backend | window | fwd+bwd ms, median (min-max) of 5 | vs sdpa |")
-    print("|---|---|---|---|")
-    baseline: float | None = None
-    for name in WINDOW_BACKENDS:
+    """Each (backend, window) timed once per round, the rounds alternating: median of 5 rounds of 20 calls."""
+    steps: dict[tuple[str, int | None], Callable[[], object]] = {}
+    for name in (*WINDOW_BACKENDS, FLEX_KERNEL_ONLY):
         try:
-            backend = build_attention_backend(name)
+            backend = (
+                FlexAttentionBackend(torch_flash_windows=False)
+                if name == FLEX_KERNEL_ONLY
+                else build_attention_backend(name)
+            )
         except AttentionBackendUnavailableError:
             continue
         for window in (512, None):
-            times = sorted(_measure_window(backend, window))
-            median = times[len(times) // 2]
-            if name == "sdpa" and window == 512:
-                baseline = median
-            ratio = f"{baseline / median:.2f}x" if baseline is not None and window == 512 else "-"
-            label = "causal" if window is None else str(window)
-            print(f"| {name} | {label} | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | {ratio} |")
-            results.append({"backend": name, "window": window, "ms": median, "ms_all": times})
+            steps[(name, window)] = _window_step(backend, window)
+    times: dict[tuple[str, int | None], list[float]] = {key: [] for key in steps}
+    for _ in range(5):
+        for key, step in steps.items():
+            times[key].append(time_ms(step, warmup=5, iters=20))
+    print("\n| backend | window | fwd+bwd ms, median (min-max) of 5 alternating rounds | vs sdpa |")
+    print("|---|---|---|---|")
+    baseline = sorted(times[("sdpa", 512)])[2]
+    for (name, window), measured in times.items():
+        ordered = sorted(measured)
+        median = ordered[len(ordered) // 2]
+        ratio = f"{baseline / median:.2f}x" if window == 512 else "-"
+        label = "causal" if window is None else str(window)
+        print(f"| {name} | {label} | {median:.3f} ({ordered[0]:.3f}-{ordered[-1]:.3f}) | {ratio} |")
+        results.append({"backend": name, "window": window, "ms": median, "ms_all": measured})
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from d9d.kernels.layers import (
     SdpaAttentionBackend,
     build_attention_backend,
 )
+from d9d.kernels.layers._torch_flash_attention import TorchFlashAttention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,3 +120,55 @@ def test_flash_attention_4_names_an_unsupported_head_dim() -> None:
     q, k, v = (torch.zeros(1, 16, 2, 264, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(NotImplementedError, match="head_dim=264"):
         backend.attend(q, k, v, causal=True, softmax_scale=1.0)
+
+
+WINDOW_CASES = [case for case in CASES if case.values[1] is not None]
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"), [(16, 8, 128), (4, 1, 256)], ids=["qwen3", "gemma3"]
+)
+@pytest.mark.parametrize(("causal", "window", "packed", "batch", "seq"), WINDOW_CASES)
+def test_torch_flash_windows_match_fp32_reference_like_sdpa(
+    q_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int, packed: bool, batch: int, seq: int
+) -> None:
+    """PyTorch's own FlashAttention kernels, as the flex_attention backend routes sliding windows to them."""
+    flash = TorchFlashAttention()
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def sample(heads: int) -> torch.Tensor:
+        shape = (batch, seq, heads, head_dim)
+        return torch.randn(shape, device=device, generator=generator).to(torch.bfloat16)
+
+    inputs = (sample(q_heads), sample(kv_heads), sample(kv_heads))
+    if not flash.runs(*(t.requires_grad_() for t in inputs)):
+        pytest.skip("this torch or GPU has no FlashAttention kernel for these inputs")
+    upstream = sample(q_heads)
+    documents = _documents(batch, seq, device) if packed else None
+    scale = head_dim**-0.5
+
+    def run(backend: AttentionBackend, dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        out = backend.attend(
+            *leaves, causal=causal, softmax_scale=scale, sliding_window=window, document_ids=documents
+        )
+        grads = torch.autograd.grad(out, leaves, upstream.to(dtype))
+        return [out.detach().float(), *(g.float() for g in grads)]
+
+    reference = run(EagerAttentionBackend(), torch.float32)
+    sdpa = run(SdpaAttentionBackend(), torch.bfloat16)
+    for name, backend in (
+        ("torch_flash", flash),
+        ("flex_attention", build_attention_backend("flex_attention")),
+    ):
+        got_all = run(backend, torch.bfloat16)
+        for label, got, bf16, expected in zip(
+            ("out", "dq", "dk", "dv"), got_all, sdpa, reference, strict=True
+        ):
+            error = (got - expected).abs().max().item()
+            sdpa_error = (bf16 - expected).abs().max().item()
+            bound = SLACK * sdpa_error + HALF_BF16_STEP * expected.abs().max().item()
+            message = f"{name} {label}: max error {error:.3g}, SDPA bf16 {sdpa_error:.3g}, bound {bound:.3g}"
+            print(message)
+            assert error <= bound, message
