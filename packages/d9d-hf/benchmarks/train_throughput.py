@@ -226,7 +226,25 @@ def _titan_float8(model: torch.nn.Module, args: argparse.Namespace, device: torc
     if args.float8_linears:
         Float8LinearConverter(job, dims).convert(model)
     if experts:
+        _require_titan_moe_float8()
         Float8GroupedMMConverter(job, dims).convert(model)
+
+
+def _require_titan_moe_float8() -> None:
+    """Names the torchao that torchtitan 0.2.2's FP8 MoE converter needs, before it fails on import.
+
+    The converter imports ``MoETrainingConfig`` from ``torchao.prototype.moe_training``: torchao
+    0.15.0 and 0.16.0 have it, 0.18.0 no longer does.
+    """
+    import torchao
+    from torchao.prototype.moe_training import conversion_utils
+
+    if not hasattr(conversion_utils, "MoETrainingConfig"):
+        raise RuntimeError(
+            f"torchtitan's FP8 MoE row needs a torchao with "
+            f"torchao.prototype.moe_training.conversion_utils.MoETrainingConfig, which torchao "
+            f"{torchao.__version__} lacks: install torchao 0.16.0 (d9d's FP8 rows ran on it too)"
+        )
 
 
 def run_titan(args: argparse.Namespace, shape: dict[str, Any], device: torch.device, amp: bool) -> float:
