@@ -44,8 +44,10 @@ def test_the_switch_defaults_to_cuda_only() -> None:
 def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool) -> None:
     """On CPU the mode falls back to F.linear: the same tokens, a launch per linear or grouped, and
     the compiled step traces the mode in its one graph (a failure to trace would raise, naming
-    compile_decode). The reference is one eager engine without the mode: aot_eager runs the
-    traced ops themselves, so the compiled step's tokens and log-probs are bit for bit the eager ones."""
+    compile_decode). The reference is one eager engine without the mode. Eager, the log-probs are
+    bit for bit the same. aot_eager runs the traced (decomposed) ops, which on some CPUs round a
+    value differently from the eager kernels: one float32 step (2.4e-7 at -3.6) on an AVX-512
+    machine. So the compiled step must give the same tokens and log-probs within 1e-6."""
     # the prefills stay eager: the mode is the decode step's, and a compiled prefill only adds graphs;
     # aot_eager traces the step's one graph as Inductor would (test_compiled_decode.py runs Inductor)
     common = {
@@ -64,7 +66,7 @@ def test_the_mode_in_the_step_decodes_as_without_it_on_cpu(compiled: bool) -> No
             few_rows_linear=True,
             few_rows_linear_group=grouped,
         )
-        _assert_same(with_mode, without, tolerance=0.0)
+        _assert_same(with_mode, without, tolerance=1e-6 if compiled else 0.0)
 
 
 @pytest.mark.gpu
