@@ -11,6 +11,7 @@ import torch
 from d9d.kernels.layers._attention_mask import check_sliding_window
 from d9d.kernels.layers._eager_attention import check_attention_shapes
 from d9d.kernels.layers._positions import cu_seqlens_from_document_ids
+from d9d.kernels.layers._torch_flash_attention import flash_window
 
 FLASH_ATTENTION_2_EXTRA = "backend-sdpa-flash-attention-2"
 FLASH_ATTENTION_4_EXTRA = "backend-sdpa-flash-attention-4"
@@ -123,7 +124,7 @@ class FlashAttention2Backend(_FlashAttentionBackend):
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         if sliding_window is None:
             return (-1, -1)
-        return (sliding_window - 1, 0 if causal else sliding_window - 1)
+        return flash_window(causal=causal, sliding_window=sliding_window)
 
 
 class FlashAttention4Backend(_FlashAttentionBackend):
@@ -148,7 +149,7 @@ class FlashAttention4Backend(_FlashAttentionBackend):
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         if sliding_window is None:
             return (None, None)
-        return (sliding_window - 1, 0 if causal else sliding_window - 1)
+        return flash_window(causal=causal, sliding_window=sliding_window)
 
     def _check_supported(self, query: torch.Tensor, *, needs_grad: bool) -> None:
         """Names the unsupported mode instead of an assertion deep inside the kernel launcher.

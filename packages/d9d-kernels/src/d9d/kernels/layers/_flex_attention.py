@@ -8,6 +8,7 @@ from typing import Any, cast
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
+from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_mask import check_sliding_window
 from d9d.kernels.layers._attention_sinks import check_sinks
 from d9d.kernels.layers._eager_attention import check_attention_shapes
@@ -100,32 +101,27 @@ class FlexAttentionBackend:
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.attend``."""
+        delegate: AttentionBackend
         if sliding_window is not None and self._flash is not None and self._flash.runs(query, key, value):
             check_attention_shapes(query, key, value)
             check_sliding_window(sliding_window)
-            return self._flash.attend(
-                query,
-                key,
-                value,
-                causal=causal,
-                softmax_scale=softmax_scale,
-                sliding_window=sliding_window,
-                document_ids=document_ids,
+            delegate = self._flash
+        elif sliding_window is None or document_ids is not None or not self._flex_runs(query, key, value):
+            delegate = self._dense
+        else:
+            output, _ = self._flex(
+                query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
             )
-        if sliding_window is None or document_ids is not None or not self._flex_runs(query, key, value):
-            return self._dense.attend(
-                query,
-                key,
-                value,
-                causal=causal,
-                softmax_scale=softmax_scale,
-                sliding_window=sliding_window,
-                document_ids=document_ids,
-            )
-        output, _ = self._flex(
-            query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
+            return output
+        return delegate.attend(
+            query,
+            key,
+            value,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            document_ids=document_ids,
         )
-        return output
 
     def attend_with_sinks(
         self,
