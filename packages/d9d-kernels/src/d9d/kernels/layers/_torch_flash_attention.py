@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -31,23 +32,27 @@ class TorchFlashAttention:
     Every row (or every packed document, from ``document_ids``) is one sequence of the varlen
     kernel, and a sliding window is the kernel's ``window_size``: the kernel skips the keys outside
     the window, as FlashAttention does, with no block mask to build and no extra to install.
-    Key/value heads are shared by their query groups through ``enable_gqa`` where the torch
-    version takes it, else repeated.
+    Key/value heads go in once, unrepeated: FlashAttention 2 shares each one with its query group
+    itself. Newer torch versions ask for that with ``enable_gqa``; those without the flag (2.11)
+    pass the heads to the same kernel unchecked (``test_flash_attention_gpu.py`` checks the values
+    and gradients at Gemma's 4 query heads to 1).
 
-    ``runs`` says whether the kernels take the inputs: CUDA, float16 or bfloat16, compute
-    capability 8.0 or newer, head dims up to 256 in multiples of 8 (with gradients, head dims above
-    192 only on 8.0 and 9.0), and a torch whose ``varlen_attn`` has ``window_size``. The caller
-    picks another kernel otherwise.
+    ``runs`` says whether the kernels take the inputs: a torch built with FlashAttention (not
+    ROCm's or a CPU build), CUDA tensors in float16 or bfloat16, compute capability 8.0 or newer,
+    head dims up to 256 in multiples of 8 (with gradients, head dims above 192 only on 8.0 and
+    9.0), and a ``varlen_attn`` with ``window_size``. The caller picks another kernel otherwise.
     """
 
     def __init__(self) -> None:
         parameters = inspect.signature(varlen_attn).parameters
-        self._takes_window = "window_size" in parameters
-        self._takes_gqa = "enable_gqa" in parameters
+        self._available = "window_size" in parameters and torch.backends.cuda.is_flash_attention_available()
+        self._grouped_attn = (
+            functools.partial(varlen_attn, enable_gqa=True) if "enable_gqa" in parameters else varlen_attn
+        )
 
     def runs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether the kernels take these ``(batch, seq, heads, head_dim)`` inputs."""
-        if not self._takes_window or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        if not self._available or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
             return False
         head_dim = query.shape[-1]
         if head_dim % 8 != 0 or head_dim > _MAX_HEAD_DIM:
@@ -77,26 +82,15 @@ class TorchFlashAttention:
         else:
             cu_seqlens, max_seqlen = cu_seqlens_from_document_ids(document_ids)
         window = flash_window(causal=causal, sliding_window=sliding_window)
-        flat_query = query.reshape(batch * seq, q_heads, head_dim)
-        group = q_heads // key.shape[2]
-        if group == 1 or self._takes_gqa:
-            flat_key, flat_value = key, value
-        else:  # a torch whose varlen_attn has no enable_gqa: each key/value head once per query head
-            flat_key = key.repeat_interleave(group, dim=2)
-            flat_value = value.repeat_interleave(group, dim=2)
-        kv_heads = flat_key.shape[2]
-        flat_key = flat_key.reshape(batch * seq, kv_heads, head_dim)
-        flat_value = flat_value.reshape(batch * seq, kv_heads, head_dim)
-        if kv_heads == q_heads:
-            output = varlen_attn(
-                flat_query, flat_key, flat_value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                scale=softmax_scale, window_size=window,
-            )  # fmt: skip
-        else:
-            output = varlen_attn(
-                flat_query, flat_key, flat_value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                scale=softmax_scale, window_size=window, enable_gqa=True,
-            )  # fmt: skip
+        kv_heads = key.shape[2]
+        attend = varlen_attn if kv_heads == q_heads else self._grouped_attn
+        output = attend(
+            query.reshape(batch * seq, q_heads, head_dim),
+            key.reshape(batch * seq, kv_heads, head_dim),
+            value.reshape(batch * seq, kv_heads, head_dim),
+            cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            scale=softmax_scale, window_size=window,
+        )  # fmt: skip
         if isinstance(output, tuple):  # only with return_aux, which is not asked for
             raise TypeError("varlen_attn returned (output, lse) without return_aux")
         return output.reshape(batch, seq, q_heads, head_dim)
