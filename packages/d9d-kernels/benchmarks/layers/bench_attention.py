@@ -10,7 +10,7 @@ packed numbers are "effective" TFLOP/s.
 A second table times sliding-window attention at Gemma-3-1B's heads (4 query heads and 1
 key/value head of 256, window 512, 4 x 4096 tokens): SDPA given the window as a dense mask
 against the ``flex_attention`` backend (PyTorch's FlashAttention kernels where the torch version
-has them) and FlexAttention's block-sparse kernel alone (``torch_flash_windows=False``): forward
+has them) and FlexAttention's block-sparse kernel alone (``torch_flash=False``): forward
 and the input gradients, median of 5 alternating rounds of 20 calls.
 """
 
@@ -31,7 +31,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS_PER_STEP = 16384
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
 WINDOW_BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_4")
-FLEX_KERNEL_ONLY = "flex_attention (torch_flash_windows=False)"
+FLEX_KERNEL_ONLY = "flex_attention (torch_flash=False)"
 
 
 def time_ms(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
@@ -91,7 +91,7 @@ def _window_table(results: list[dict[str, object]]) -> None:
     for name in (*WINDOW_BACKENDS, FLEX_KERNEL_ONLY):
         try:
             backend = (
-                FlexAttentionBackend(torch_flash_windows=False)
+                FlexAttentionBackend(torch_flash=False)
                 if name == FLEX_KERNEL_ONLY
                 else build_attention_backend(name)
             )

@@ -131,17 +131,25 @@ def test_flash_attention_4_names_an_unsupported_head_dim() -> None:
         backend.attend(q, k, v, causal=True, softmax_scale=1.0)
 
 
-WINDOW_CASES = [case for case in CASES if case.values[1] is not None]
+# the flex_attention backend's cases for PyTorch's FlashAttention kernels: windows or packed documents
+FLASH_MASK_CASES = [case for case in CASES if case.values[1] is not None or case.values[2]]
 
 
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim"), [(16, 8, 128), (4, 1, 256)], ids=["qwen3", "gemma3"]
 )
-@pytest.mark.parametrize(("causal", "window", "packed", "batch", "seq"), WINDOW_CASES)
-def test_torch_flash_windows_match_fp32_reference_like_sdpa(
-    q_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int, packed: bool, batch: int, seq: int
+@pytest.mark.parametrize(("causal", "window", "packed", "batch", "seq"), FLASH_MASK_CASES)
+def test_torch_flash_windows_and_documents_match_fp32_reference_like_sdpa(
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    window: int | None,
+    packed: bool,
+    batch: int,
+    seq: int,
 ) -> None:
-    """PyTorch's own FlashAttention kernels, as the flex_attention backend routes sliding windows to them."""
+    """PyTorch's FlashAttention kernels, where the flex_attention backend sends windows and documents."""
     flash = TorchFlashAttention()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)

@@ -47,20 +47,21 @@ def rescale_for_sinks(output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tens
 
 
 class FlexAttentionBackend:
-    """Sliding-window attention through PyTorch's FlashAttention kernels, else ``flex_attention``.
+    """Windows and packed documents on PyTorch's FlashAttention kernels, else ``flex_attention``.
 
     Where ``TorchFlashAttention`` takes the inputs (CUDA, fp16/bf16, a torch whose ``varlen_attn``
-    has ``window_size``), windows run there, packed documents included: at Gemma 3's shapes on an
-    H100 forward plus backward take 0.80 ms against FlexAttention's 1.17 ms. Otherwise,
-    and with sinks, FlexAttention runs them as below.
+    has ``window_size``), sliding windows and packed documents (each a varlen sequence) run there:
+    at Gemma 3's shapes on an H100 a window's forward plus backward take 0.72 ms against
+    FlexAttention's 1.18 ms, and packed documents skip SDPA's dense boolean mask and its
+    memory-efficient kernel. Otherwise, and with sinks, FlexAttention runs windows as below.
 
     A window of ``w`` keys over a row of ``s`` tokens touches about ``w / s`` of the score blocks;
     SDPA given the same window as a dense boolean mask computes all of them (and on a GPU falls
     back from its flash kernel). FlexAttention skips the blocks outside the window: at Gemma 3's
     shapes on an H200 (4 x 4096 tokens, 4 query heads of 256, window 512) forward plus backward
     take 1.15 ms against SDPA's 4.64 ms. Everything without a window (plain causal or full
-    attention, and packed documents) goes to ``SdpaAttentionBackend``, whose flash kernel is faster
-    there.
+    attention, and packed documents off the FlashAttention path) goes to ``SdpaAttentionBackend``,
+    whose flash kernel is faster there.
 
     With attention sinks (``attend_with_sinks``, GPT-OSS) every mask without packed documents runs
     here: the kernel also returns each query's log-sum-exp ``lse``, and the sink joins the
@@ -73,17 +74,20 @@ class FlexAttentionBackend:
 
     The block mask of each (length, causal, window, device) is built once and reused; full
     attention (neither causal nor windowed) passes none, so FlexAttention skips the mask and its
-    block-sparsity bookkeeping. Packed documents (``document_ids``) go to SDPA, with or without sinks.
+    block-sparsity bookkeeping. Packed documents (``document_ids``) off the FlashAttention path go
+    to SDPA, with or without sinks. On the FlashAttention path each run of equal ids within a row is
+    one document (documents contiguous, as packing makes them), as with the FlashAttention backends.
     """
 
-    def __init__(self, *, torch_flash_windows: bool = True) -> None:
+    def __init__(self, *, torch_flash: bool = True) -> None:
         """
         Args:
-            torch_flash_windows: Run sliding windows on PyTorch's own FlashAttention kernels where
-                they take the inputs (``TorchFlashAttention``); False keeps them on FlexAttention.
+            torch_flash: Run sliding windows and packed documents on PyTorch's own FlashAttention
+                kernels where they take the inputs (``TorchFlashAttention``); False keeps windows on
+                FlexAttention and packed documents on SDPA.
         """
         self._dense = SdpaAttentionBackend()
-        self._flash = TorchFlashAttention() if torch_flash_windows else None
+        self._flash = TorchFlashAttention() if torch_flash else None
         self._compiled: Callable[..., Any] = torch.compile(flex_attention)
         self._block_masks: dict[_BlockMaskKey, BlockMask] = {}
         # built outside any compiled graph: a cache lookup, not something to trace
@@ -102,9 +106,11 @@ class FlexAttentionBackend:
     ) -> torch.Tensor:
         """See ``AttentionBackend.attend``."""
         delegate: AttentionBackend
-        if sliding_window is not None and self._flash is not None and self._flash.runs(query, key, value):
+        masked = sliding_window is not None or document_ids is not None
+        if masked and self._flash is not None and self._flash.runs(query, key, value):
             check_attention_shapes(query, key, value)
-            check_sliding_window(sliding_window)
+            if sliding_window is not None:
+                check_sliding_window(sliding_window)
             delegate = self._flash
         elif sliding_window is None or document_ids is not None or not self._flex_runs(query, key, value):
             delegate = self._dense
