@@ -174,3 +174,32 @@ def test_torch_flash_windows_and_documents_match_fp32_reference_like_sdpa(
         _assert_within_sdpa_bound(
             name, _run(backend, inputs, upstream, **kw, dtype=torch.bfloat16), sdpa, reference
         )
+
+
+class _Compiled:
+    """A backend whose ``attend`` runs under ``torch.compile``, as inside a compiled decoder layer."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.attend = torch.compile(backend.attend)
+
+
+def test_flex_backend_packed_documents_under_compile_match_fp32_reference_like_sdpa() -> None:
+    """Packed documents reach the varlen kernel through a compiled graph (its host syncs break it)."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    batch, seq = 2, 1024
+
+    def sample(heads: int) -> torch.Tensor:
+        return torch.randn(batch, seq, heads, HEAD_DIM, device=device, generator=generator).to(torch.bfloat16)
+
+    inputs = (sample(Q_HEADS), sample(KV_HEADS), sample(KV_HEADS))
+    if not TorchFlashAttention().runs(*(t.requires_grad_() for t in inputs)):
+        pytest.skip("this torch or GPU has no FlashAttention kernel for these inputs")
+    upstream = sample(Q_HEADS)
+    kw = {"causal": True, "window": None, "documents": _documents(batch, seq, device)}
+    reference = _run(EagerAttentionBackend(), inputs, upstream, **kw, dtype=torch.float32)
+    sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
+    compiled = _Compiled(build_attention_backend("flex_attention"))
+    for _ in range(2):  # the second call reuses the compiled graphs
+        got = _run(compiled, inputs, upstream, **kw, dtype=torch.bfloat16)
+        _assert_within_sdpa_bound("compiled flex_attention", got, sdpa, reference)
