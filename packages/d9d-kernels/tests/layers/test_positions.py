@@ -38,3 +38,20 @@ def test_cu_seqlens_split_documents_at_row_boundaries() -> None:
     cu_seqlens, longest = cu_seqlens_from_document_ids(document_ids)
     torch.testing.assert_close(cu_seqlens, torch.tensor([0, 2, 3, 6], dtype=torch.int32))
     assert longest == 3
+
+
+def test_cu_seqlens_of_random_layouts_match_the_runs_counted_by_hand() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        batch, seq = (int(n) for n in torch.randint(1, 9, (2,), generator=generator))
+        document_ids = torch.randint(0, 3, (batch, seq), generator=generator).cummax(dim=1).values
+        lengths: list[int] = []
+        for row in document_ids.tolist():
+            for i, value in enumerate(row):
+                if i == 0 or value != row[i - 1]:
+                    lengths.append(0)
+                lengths[-1] += 1
+        cu_seqlens, longest = cu_seqlens_from_document_ids(document_ids)
+        expected = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        torch.testing.assert_close(cu_seqlens, expected)
+        assert longest == max(lengths)

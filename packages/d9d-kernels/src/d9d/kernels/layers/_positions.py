@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 
@@ -72,15 +74,16 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tens
 
     Returns:
         ``(cu_seqlens, max_seqlen)``: int32 ``(num_documents + 1,)`` offsets into the flattened
-        ``batch * seq`` tokens, and the longest document's length (a host sync).
+        ``batch * seq`` tokens, and the longest document's length. The document count and the
+        longest length come to the host together: one sync.
     """
     if document_ids.ndim != 2:
         raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
     batch, seq = document_ids.shape
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_offsets = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    longest = position_ids_from_document_ids(document_ids).max() + 1
+    count, max_seqlen = cast(list[int], torch.stack([starts.sum(), longest]).tolist())
+    start_offsets = torch.nonzero_static(starts.reshape(-1), size=count).reshape(-1)
     end = torch.tensor([batch * seq], device=document_ids.device, dtype=start_offsets.dtype)
-    cu_seqlens = torch.cat([start_offsets, end]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-    return cu_seqlens, max_seqlen
+    return torch.cat([start_offsets, end]).to(torch.int32), max_seqlen
