@@ -87,3 +87,14 @@ def test_defaults_follow_transformers_and_tensor_parallelism_is_refused() -> Non
         tensor_parallel_plan_of(config, tensor_parallel=2)
     with pytest.raises(ValueError, match="sliding_window is null"):
         GptOssConfig.model_validate({"model_type": "gpt_oss", **TINY, "sliding_window": None})
+
+
+def test_the_layers_share_one_backend_picked_for_sinks() -> None:
+    """One backend object for every layer (its caches shared), auto-detected as one that takes sinks."""
+    config = GptOssConfig.model_validate({"model_type": "gpt_oss", **TINY, "num_hidden_layers": 3})
+    assert config.decoder_spec().attention_sinks
+    model = d9d.hf.DecoderCausalLM(config)
+    backends = {id(layer.self_attn.attention_backend) for layer in model.model.layers.values()}
+    assert len(backends) == 1
+    backend = next(iter(model.model.layers.values())).self_attn.attention_backend
+    assert hasattr(backend, "attend_with_sinks")

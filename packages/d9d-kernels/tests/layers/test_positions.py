@@ -3,6 +3,7 @@
 import torch
 
 from d9d.kernels.layers import (
+    DocumentOffsets,
     cu_seqlens_from_document_ids,
     document_ids_from_cu_seqlens,
     document_ids_from_position_ids,
@@ -55,3 +56,20 @@ def test_cu_seqlens_of_random_layouts_match_the_runs_counted_by_hand() -> None:
         expected = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         torch.testing.assert_close(cu_seqlens, expected)
         assert longest == max(lengths)
+
+
+def test_document_offsets_are_found_once_per_tensor_and_again_after_an_in_place_change() -> None:
+    offsets = DocumentOffsets()
+    document_ids = torch.tensor([[0, 0, 1, 1, 1], [2, 2, 2, 2, 3]])
+    first = offsets(document_ids)
+    assert offsets(document_ids) is first  # the next layer's call: no new host sync
+    torch.testing.assert_close(first[0], torch.tensor([0, 2, 5, 9, 10], dtype=torch.int32))
+    document_ids[1] = 7  # a reused input buffer refilled in place
+    cu_seqlens, longest = offsets(document_ids)
+    torch.testing.assert_close(cu_seqlens, torch.tensor([0, 2, 5, 10], dtype=torch.int32))
+    assert longest == 5
+    same_values = document_ids.clone()
+    assert offsets(same_values) is not offsets(document_ids)  # another tensor is looked at anew
+    with torch.inference_mode():
+        frozen = torch.tensor([[0, 1, 1]])
+        torch.testing.assert_close(offsets(frozen)[0], torch.tensor([0, 1, 3], dtype=torch.int32))

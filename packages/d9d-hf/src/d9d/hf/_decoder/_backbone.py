@@ -21,6 +21,7 @@ from d9d.kernels.layers import (
     RMSNorm,
     RotaryEmbedding,
     TokenEmbedding,
+    select_attention_backend,
 )
 
 
@@ -38,7 +39,9 @@ class DecoderBackbone(nn.Module):
         layout: Which layers, and whether the embedding and final norm are here.
         activation_checkpointing: Recompute each decoder layer in backward instead of keeping its
             activations (``torch.utils.checkpoint``, non-reentrant), when training.
-        attention_backend: Passed to every attention layer.
+        attention_backend: One backend object for every attention layer: a name or None is
+            resolved here once (``select_attention_backend``, with sinks when the spec says so),
+            so the layers share its caches (block masks, packed documents' offsets).
     """
 
     def __init__(
@@ -62,11 +65,13 @@ class DecoderBackbone(nn.Module):
             )
             # nn.Embedding's own padding_idx: F.embedding leaves that row out of the gradient
             self.embed_tokens.padding_idx = spec.pad_token_id
+        backend = (
+            select_attention_backend(attention_backend, sinks=spec.attention_sinks)
+            if attention_backend is None or isinstance(attention_backend, str)
+            else attention_backend
+        )
         self.layers = nn.ModuleDict(
-            {
-                str(i): family.build_decoder_layer(i, attention_backend=attention_backend)
-                for i in layout.layers
-            }
+            {str(i): family.build_decoder_layer(i, attention_backend=backend) for i in layout.layers}
         )
         self.norm = (
             RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered_weight=spec.zero_centered_final_norm)

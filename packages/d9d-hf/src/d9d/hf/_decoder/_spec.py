@@ -52,6 +52,8 @@ class DecoderSpec:
             ``rope_interleave``).
         checkpoint_expert_bias: The checkpoint holds the routers' selection biases (DeepSeek-V3's
             ``e_score_correction_bias``): they are loaded, exported and kept, not the job's zeros.
+        attention_sinks: The layers attend with sinks (GPT-OSS): an auto-detected attention
+            backend is one that takes them.
     """
 
     vocab_size: int
@@ -79,6 +81,7 @@ class DecoderSpec:
     rotary_dim: int | None = None
     rope_layout: RopeLayout = "half"
     checkpoint_expert_bias: bool = False
+    attention_sinks: bool = False
 
     @property
     def load_balancing(self) -> bool:

@@ -156,6 +156,7 @@ class GptOssConfig(DecoderConfigBase):
             has_experts=True,
             num_experts=self.num_local_experts,
             load_balancing_coefficient=self.load_balancing_coefficient,
+            attention_sinks=True,
         )
 
     def layer_spec(self, index: int) -> GptOssLayerSpec:

@@ -57,6 +57,7 @@ from d9d.kernels.layers._moe_router import (
 )
 from d9d.kernels.layers._pooling import Pooling, check_pooling_mask, pool_hidden_states
 from d9d.kernels.layers._positions import (
+    DocumentOffsets,
     cu_seqlens_from_document_ids,
     document_ids_from_cu_seqlens,
     document_ids_from_position_ids,
@@ -134,6 +135,7 @@ __all__ = [
     "check_pooling_mask",
     "clamped_swiglu",
     "compute_rope_frequencies",
+    "DocumentOffsets",
     "cu_seqlens_from_document_ids",
     "detect_attention_backend",
     "document_ids_from_cu_seqlens",

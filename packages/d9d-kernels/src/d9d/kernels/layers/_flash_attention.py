@@ -10,7 +10,7 @@ import torch
 
 from d9d.kernels.layers._attention_mask import check_sliding_window
 from d9d.kernels.layers._eager_attention import check_attention_shapes
-from d9d.kernels.layers._positions import cu_seqlens_from_document_ids
+from d9d.kernels.layers._positions import DocumentOffsets
 from d9d.kernels.layers._torch_flash_attention import flash_window
 
 FLASH_ATTENTION_2_EXTRA = "backend-sdpa-flash-attention-2"
@@ -53,6 +53,7 @@ class _FlashAttentionBackend:
 
     _dense: Callable[..., Any]
     _varlen: Callable[..., Any]
+    _document_offsets: DocumentOffsets
 
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         raise NotImplementedError
@@ -91,7 +92,7 @@ class _FlashAttentionBackend:
             )
         batch, seq, q_heads, head_dim = query.shape
         kv_heads = key.shape[2]
-        cu_seqlens, max_seqlen = cu_seqlens_from_document_ids(document_ids)
+        cu_seqlens, max_seqlen = self._document_offsets(document_ids)
         output = _first(
             self._varlen(
                 query.reshape(batch * seq, q_heads, head_dim),
@@ -120,6 +121,7 @@ class FlashAttention2Backend(_FlashAttentionBackend):
         self._dense, self._varlen = _load_functions(
             "flash_attn", "flash_attention_2", FLASH_ATTENTION_2_EXTRA
         )
+        self._document_offsets = DocumentOffsets()
 
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         if sliding_window is None:
@@ -145,6 +147,7 @@ class FlashAttention4Backend(_FlashAttentionBackend):
         self._dense, self._varlen = _load_functions(
             "flash_attn.cute", "flash_attention_4", FLASH_ATTENTION_4_EXTRA
         )
+        self._document_offsets = DocumentOffsets()
 
     def _window(self, *, causal: bool, sliding_window: int | None) -> tuple[int | None, int | None]:
         if sliding_window is None:

@@ -8,7 +8,7 @@ import inspect
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from d9d.kernels.layers._positions import cu_seqlens_from_document_ids
+from d9d.kernels.layers._positions import DocumentOffsets
 
 _MAX_HEAD_DIM = 256
 # FlashAttention 2's backward over head dims above 192 needs the shared memory of an A100 or H100 class GPU
@@ -49,6 +49,7 @@ class TorchFlashAttention:
         self._grouped_attn = (
             functools.partial(varlen_attn, enable_gqa=True) if "enable_gqa" in parameters else varlen_attn
         )
+        self._document_offsets = DocumentOffsets()
 
     def runs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether the kernels take these ``(batch, seq, heads, head_dim)`` inputs."""
@@ -80,7 +81,7 @@ class TorchFlashAttention:
             cu_seqlens = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
             max_seqlen = seq
         else:
-            cu_seqlens, max_seqlen = cu_seqlens_from_document_ids(document_ids)
+            cu_seqlens, max_seqlen = self._document_offsets(document_ids)
         window = flash_window(causal=causal, sliding_window=sliding_window)
         kv_heads = key.shape[2]
         attend = varlen_attn if kv_heads == q_heads else self._grouped_attn
