@@ -8,10 +8,14 @@ import torch
 
 
 class RandomTokens:
-    """A map-style dataset of random rows (a new row per index, seeded)."""
+    """A map-style dataset of random rows (a new row per index, seeded).
 
-    def __init__(self, rows: int, seq: int, vocab: int) -> None:
-        self._rows, self._seq, self._vocab = rows, seq, vocab
+    With ``documents`` above 1 every row packs that many equal documents (``document_ids``), so
+    attention stays within each, as in a packed fine-tuning batch.
+    """
+
+    def __init__(self, rows: int, seq: int, vocab: int, *, documents: int = 1) -> None:
+        self._rows, self._seq, self._vocab, self._documents = rows, seq, vocab, documents
 
     def __len__(self) -> int:
         return self._rows
@@ -20,4 +24,8 @@ class RandomTokens:
         from d9d.hf import TokenSample
 
         generator = torch.Generator().manual_seed(index)
-        return TokenSample(input_ids=torch.randint(0, self._vocab, (self._seq,), generator=generator))
+        input_ids = torch.randint(0, self._vocab, (self._seq,), generator=generator)
+        if self._documents == 1:
+            return TokenSample(input_ids=input_ids)
+        document_ids = torch.arange(self._seq) * self._documents // self._seq
+        return TokenSample(input_ids=input_ids, document_ids=document_ids)

@@ -667,7 +667,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
         task_provider=causal_lm_task,
         data_provider=AutoDataProvider(
             dataset_factory=lambda _ctx: RandomTokens(
-                total_steps * layout.global_batch, args.seq, shape["vocab_size"]
+                total_steps * layout.global_batch, args.seq, shape["vocab_size"], documents=args.documents
             ),
             collator=TokenBatch.collate,
             config=config.data,
@@ -705,6 +705,7 @@ def run_d9d(args: argparse.Namespace, shape: dict[str, Any], device: torch.devic
     record: dict[str, Any] = {
         "mesh": {"pp": layout.pp, "cp": layout.cp, "dp_shard": layout.dp_shard},
         "seq": args.seq,
+        "documents_per_row": args.documents,
         "global_batch": layout.global_batch,
         "microbatches": layout.microbatches,
         "microbatch_size": layout.microbatch_size,
@@ -843,7 +844,11 @@ def _child_command(
     if args.attention_backend is not None and impl.startswith("d9d"):
         command.append(f"--attention-backend={args.attention_backend}")
     if impl.startswith("d9d"):
-        command += [f"--d9d-state={args.d9d_state}", f"--read-figures={mode}"]
+        command += [
+            f"--d9d-state={args.d9d_state}",
+            f"--read-figures={mode}",
+            f"--documents={args.documents}",
+        ]
     command += ["--quick"] if args.quick else []
     if fp8:
         command += [f"--float8={args.float8}"]
@@ -955,6 +960,13 @@ def main() -> None:
         default=None,
         help="d9d: an attention backend name (default: auto, SDPA on CUDA)",
     )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=1,
+        help="d9d rows only: pack this many equal documents into every row (document_ids), as a "
+        "packed fine-tuning batch; compare attention backends with --attention-backend",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
@@ -1040,6 +1052,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.float8_linears and (args.float8 is None or not args.float8_experts):
         parser.error("--no-float8-linears needs --float8 and --float8-experts: the experts alone in FP8")
+    if args.documents < 1 or args.seq % args.documents:
+        parser.error(f"--documents={args.documents} must be at least 1 and divide --seq={args.seq}")
+    if args.documents > 1 and not (
+        args.impl.startswith("d9d") or all(i.startswith("d9d") for i in args.only or [])
+    ):
+        parser.error("--documents packs the d9d rows only: pick them with --impl or --only")
     if args.impl == "all":
         run_all(args)
         return

@@ -216,3 +216,12 @@ def test_the_float8_section_runs_the_experts_alone_without_the_linears(
     converted = float8(section)
     assert converted.experts
     assert converted.exclude == (default_exclude if linears else (".*",))
+
+
+def test_packed_rows_hold_equal_documents_and_plain_rows_none() -> None:
+    random_tokens = _load("_random_tokens")
+    packed = random_tokens.RandomTokens(2, 12, 50, documents=3)[1]
+    assert packed.document_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    plain = random_tokens.RandomTokens(2, 12, 50)[1]
+    assert plain.document_ids is None
+    assert torch.equal(plain.input_ids, packed.input_ids)  # the same tokens, only packed
