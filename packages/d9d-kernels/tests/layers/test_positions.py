@@ -1,5 +1,6 @@
 """Positions and document ids of packed sequences."""
 
+import pytest
 import torch
 
 from d9d.kernels.layers import (
@@ -73,3 +74,12 @@ def test_document_offsets_are_found_once_per_tensor_and_again_after_an_in_place_
     with torch.inference_mode():
         frozen = torch.tensor([[0, 1, 1]])
         torch.testing.assert_close(offsets(frozen)[0], torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
+def test_a_document_split_into_two_runs_is_refused_naming_row_document_and_token() -> None:
+    document_ids = torch.tensor([[0, 0, 1, 1], [3, 3, 4, 3]])
+    with pytest.raises(ValueError, match="row 1: document 3 comes back at token 3"):
+        cu_seqlens_from_document_ids(document_ids)
+    # decreasing ids are still one run each
+    cu_seqlens, _ = cu_seqlens_from_document_ids(torch.tensor([[5, 5, 2, 2, 2]]))
+    torch.testing.assert_close(cu_seqlens, torch.tensor([0, 2, 5], dtype=torch.int32))

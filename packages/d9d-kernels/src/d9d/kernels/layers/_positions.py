@@ -75,8 +75,13 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tens
 
     Returns:
         ``(cu_seqlens, max_seqlen)``: int32 ``(num_documents + 1,)`` offsets into the flattened
-        ``batch * seq`` tokens, and the longest document's length. The document count and the
-        longest length come to the host together: one sync.
+        ``batch * seq`` tokens, and the longest document's length. The document count, the
+        longest length and the layout check below come to the host together: one sync.
+
+    Raises:
+        ValueError: If an id comes back within a row after another one (``[0, 0, 1, 0]``): mask
+            attention (eager, SDPA) would join those runs into one document and a varlen kernel
+            would not, so the row is refused, naming it, rather than attended differently.
     """
     if document_ids.ndim != 2:
         raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
@@ -84,10 +89,35 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tens
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     longest = position_ids_from_document_ids(document_ids).max() + 1
-    count, max_seqlen = cast(list[int], torch.stack([starts.sum(), longest]).tolist())
+    ordered = document_ids.sort(dim=1).values
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1) + 1
+    rows = torch.arange(batch, device=document_ids.device)
+    first_split_row = torch.where(starts.sum(dim=1) != distinct, rows, batch).min()
+    count, max_seqlen, split_row = cast(
+        list[int], torch.stack([starts.sum(), longest, first_split_row]).tolist()
+    )
+    if split_row < batch:
+        raise ValueError(
+            _split_document_message(split_row, cast(list[int], document_ids[split_row].tolist()))
+        )
     start_offsets = torch.nonzero_static(starts.reshape(-1), size=count).reshape(-1)
     end = torch.tensor([batch * seq], device=document_ids.device, dtype=start_offsets.dtype)
     return torch.cat([start_offsets, end]).to(torch.int32), max_seqlen
+
+
+def _split_document_message(row: int, ids: list[int]) -> str:
+    """Names the first id of ``ids`` that comes back after another id, and where."""
+    closed: set[int] = set()
+    for token in range(1, len(ids)):
+        if ids[token] != ids[token - 1]:
+            closed.add(ids[token - 1])
+            if ids[token] in closed:
+                return (
+                    f"document_ids row {row}: document {ids[token]} comes back at token {token} after "
+                    "another document; a packed row holds each document in one contiguous run (mask "
+                    "attention would join the runs, a varlen kernel would not)"
+                )
+    raise AssertionError(f"row {row} has no split document")
 
 
 class DocumentOffsets:
