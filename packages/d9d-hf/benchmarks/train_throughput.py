@@ -1054,9 +1054,10 @@ def main() -> None:
         parser.error("--no-float8-linears needs --float8 and --float8-experts: the experts alone in FP8")
     if args.documents < 1 or args.seq % args.documents:
         parser.error(f"--documents={args.documents} must be at least 1 and divide --seq={args.seq}")
-    if args.documents > 1 and not (
-        args.impl.startswith("d9d") or all(i.startswith("d9d") for i in args.only or [])
-    ):
+    packs_d9d_only = args.impl.startswith("d9d") or (
+        args.impl == "all" and bool(args.only) and all(i.startswith("d9d") for i in args.only)
+    )
+    if args.documents > 1 and not packs_d9d_only:
         parser.error("--documents packs the d9d rows only: pick them with --impl or --only")
     if args.impl == "all":
         run_all(args)
