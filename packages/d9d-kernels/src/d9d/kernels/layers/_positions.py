@@ -19,12 +19,21 @@ def position_ids_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(batch, seq)`` int64 positions within each document.
     """
+    return _positions_within_runs(_run_starts(document_ids))
+
+
+def _run_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq)`` bool: True where a run of equal ids begins (every row's first token)."""
     if document_ids.ndim != 2:
         raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
-    seq = document_ids.shape[1]
-    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
+def _positions_within_runs(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's distance from the start of its run, given ``_run_starts``."""
+    index = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
     start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - start_index
 
@@ -83,18 +92,16 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tens
             attention (eager, SDPA) would join those runs into one document and a varlen kernel
             would not, so the row is refused, naming it, rather than attended differently.
     """
-    if document_ids.ndim != 2:
-        raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
+    starts = _run_starts(document_ids)
     batch, seq = document_ids.shape
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    longest = position_ids_from_document_ids(document_ids).max() + 1
+    longest = _positions_within_runs(starts).max() + 1
     ordered = document_ids.sort(dim=1).values
     distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1) + 1
+    runs = starts.sum(dim=1)
     rows = torch.arange(batch, device=document_ids.device)
-    first_split_row = torch.where(starts.sum(dim=1) != distinct, rows, batch).min()
+    first_split_row = torch.where(runs != distinct, rows, batch).min()
     count, max_seqlen, split_row = cast(
-        list[int], torch.stack([starts.sum(), longest, first_split_row]).tolist()
+        list[int], torch.stack([runs.sum(), longest, first_split_row]).tolist()
     )
     if split_row < batch:
         raise ValueError(
