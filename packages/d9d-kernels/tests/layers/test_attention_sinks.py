@@ -119,11 +119,27 @@ def test_sink_rescaling_of_attention_and_its_lse_gives_the_reference_gradients(w
         torch.testing.assert_close(a, b)
 
 
+def _packed_rows(lengths: list[int], device: str = "cpu") -> torch.Tensor:
+    """Two rows of documents of ``lengths`` (ids 0, 1, ...), the second in reverse order."""
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return torch.stack([row, row.flip(0)]).to(device)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 128), (False, None)])
+@pytest.mark.parametrize(
+    ("causal", "window", "lengths"),
+    [
+        (True, None, None),
+        (True, 128, None),
+        (False, None, None),
+        (True, None, [40, 130, 1, 129]),
+        (True, 128, [40, 130, 1, 129]),
+        (False, None, [299, 1]),
+    ],
+)
 def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(
-    causal: bool, window: int | None
+    causal: bool, window: int | None, lengths: list[int] | None
 ) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape_q, shape_kv = (2, 300, 8, 64), (2, 300, 2, 64)
@@ -131,7 +147,8 @@ def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(
     k = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
     v = torch.randn(shape_kv, generator=generator, device="cuda", requires_grad=True)
     sinks = torch.randn(8, generator=generator, device="cuda", requires_grad=True)
-    options = {"causal": causal, "softmax_scale": 0.125, "sliding_window": window}
+    documents = None if lengths is None else _packed_rows(lengths, "cuda")
+    options = {"causal": causal, "softmax_scale": 0.125, "sliding_window": window, "document_ids": documents}
     outs = [
         backend.attend_with_sinks(q, k, v, sinks=sinks, **options)
         for backend in (FlexAttentionBackend(), EagerAttentionBackend())
@@ -141,6 +158,85 @@ def test_flex_with_sinks_forward_and_backward_equal_eager_on_the_gpu(
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_with_sinks_on_packed_batches_of_changing_layouts_equals_eager() -> None:
+    """GPT-OSS packed training: each batch brings other documents, through one compiled backend."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    flex = FlexAttentionBackend()
+    compiled = torch.compile(flex.attend_with_sinks)
+    sinks = torch.randn(8, generator=generator, device="cuda", requires_grad=True)
+    for lengths in ([100, 312, 311, 301], [100, 312, 311, 301], [1000, 24], [7, 513, 200, 150, 154]):
+        inputs = [torch.randn(2, 1024, heads, 64, generator=generator, device="cuda") for heads in (8, 2, 2)]
+        documents = _packed_rows(lengths, "cuda")
+        weight = torch.randn(2, 1024, 8, 64, generator=generator, device="cuda")
+        runs = (
+            (compiled, torch.bfloat16),
+            (SdpaAttentionBackend().attend_with_sinks, torch.bfloat16),
+            (EagerAttentionBackend().attend_with_sinks, torch.float32),
+        )
+        results: list[list[torch.Tensor]] = []
+        for attend, dtype in runs:
+            q, k, v = (t.detach().to(dtype).requires_grad_() for t in inputs)
+            out = attend(
+                q,
+                k,
+                v,
+                sinks=sinks,
+                causal=True,
+                softmax_scale=0.125,
+                sliding_window=128,
+                document_ids=documents,
+            )
+            grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v, sinks))
+            results.append([t.float() for t in (out, *grads)])
+        got, sdpa, reference = results
+        for label, g, s, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, sdpa, reference, strict=True):
+            # within twice SDPA's bf16 error plus half a bf16 step of the largest value
+            error, sdpa_error = (g - r).abs().max().item(), (s - r).abs().max().item()
+            bound = 2 * sdpa_error + 2**-9 * r.abs().max().item()
+            assert error <= bound, f"{lengths} {label}: error {error:.3g}, SDPA bf16 {sdpa_error:.3g}"
+    # one mask kind seen (causal, window 128): one memo, rebuilt per new document_ids tensor
+    assert list(flex._document_masks) == [(True, 128)]  # pyright: ignore[reportPrivateUsage]
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 3), (False, None), (False, 5)])
+def test_flex_with_sinks_on_packed_documents_equals_sdpa_and_builds_the_mask_once(
+    causal: bool, window: int | None
+) -> None:
+    # forward only (flex has no CPU backward); the second row's id 2 comes back after id 3, and
+    # both backends join its two runs into one document
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 140, 4, 8, generator=generator)
+    k = torch.randn(2, 140, 2, 8, generator=generator)
+    v = torch.randn(2, 140, 2, 8, generator=generator)
+    sinks = torch.tensor([3.0, -2.0, 0.0, 1.5])
+    documents = torch.stack([_packed_rows([30, 1, 109])[0], torch.tensor([2] * 50 + [3] * 40 + [2] * 50)])
+    options = {
+        "causal": causal,
+        "softmax_scale": 8**-0.5,
+        "sliding_window": window,
+        "document_ids": documents,
+    }
+    flex = FlexAttentionBackend()
+    out = flex.attend_with_sinks(q, k, v, sinks=sinks, **options)
+    expected = SdpaAttentionBackend().attend_with_sinks(q, k, v, sinks=sinks, **options)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    block_mask = flex._document_block_mask(documents, causal=causal, sliding_window=window)  # pyright: ignore[reportPrivateUsage]
+    assert flex._document_block_mask(documents, causal=causal, sliding_window=window) is block_mask  # pyright: ignore[reportPrivateUsage]
+    documents[0, -1] = 7  # a refilled input buffer gets a new mask
+    assert flex._document_block_mask(documents, causal=causal, sliding_window=window) is not block_mask  # pyright: ignore[reportPrivateUsage]
+
+
+def test_flex_refuses_document_ids_of_another_shape_naming_it() -> None:
+    q = torch.randn(2, 10, 4, 8)
+    k = v = torch.randn(2, 10, 2, 8)
+    with pytest.raises(ValueError, match=r"document_ids must be \(2, 10\), got shape \(1, 10\)"):
+        FlexAttentionBackend().attend_with_sinks(
+            q, k, v, sinks=torch.zeros(4), causal=True, softmax_scale=1.0, document_ids=torch.zeros(1, 10)
+        )
 
 
 def test_sinks_with_packed_documents_equal_each_document_alone() -> None:

@@ -16,6 +16,13 @@ def check_sliding_window(sliding_window: int | None) -> None:
         raise ValueError(f"sliding_window={sliding_window} must be positive")
 
 
+def check_document_ids(document_ids: torch.Tensor, seq: int, batch: int | None = None) -> None:
+    """Raises unless ``document_ids`` is ``(batch, seq)`` (any batch when ``batch`` is None)."""
+    if document_ids.ndim != 2 or document_ids.shape[1] != seq or batch not in (None, document_ids.shape[0]):
+        expected = f"({'batch' if batch is None else batch}, {seq})"
+        raise ValueError(f"document_ids must be {expected}, got shape {tuple(document_ids.shape)}")
+
+
 def build_attention_mask(
     seq: int,
     *,
@@ -42,8 +49,7 @@ def build_attention_mask(
     check_sliding_window(sliding_window)
     if document_ids is not None:
         device = document_ids.device
-        if document_ids.ndim != 2 or document_ids.shape[1] != seq:
-            raise ValueError(f"document_ids must be (batch, {seq}), got shape {tuple(document_ids.shape)}")
+        check_document_ids(document_ids, seq)
     query_index = torch.arange(seq, device=device)[:, None]
     key_index = torch.arange(seq, device=device)[None, :]
     allowed = torch.ones(seq, seq, dtype=torch.bool, device=device)

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from d9d.kernels.layers._attention_backend import AttentionBackend
-from d9d.kernels.layers._attention_mask import check_sliding_window
+from d9d.kernels.layers._attention_mask import check_document_ids, check_sliding_window
 from d9d.kernels.layers._attention_sinks import check_sinks
 from d9d.kernels.layers._eager_attention import check_attention_shapes
+from d9d.kernels.layers._latest_tensor_memo import LatestTensorMemo
 from d9d.kernels.layers._sdpa_attention import SdpaAttentionBackend
 from d9d.kernels.layers._torch_flash_attention import TorchFlashAttention
 
 _BlockMaskKey = tuple[int, bool, int | None, str]
+_DocumentMaskKey = tuple[bool, int | None]
 
 
 def _mask_mod(*, causal: bool, sliding_window: int | None) -> Callable[..., torch.Tensor]:
@@ -28,6 +31,25 @@ def _mask_mod(*, causal: bool, sliding_window: int | None) -> Callable[..., torc
         return inside & (key <= query) if causal else inside
 
     return allowed
+
+
+def _document_block_mask(
+    document_ids: torch.Tensor, *, causal: bool, sliding_window: int | None
+) -> BlockMask:
+    """The block mask of packed rows: ``_mask_mod``'s mask, and keys of the query's own document only."""
+    within = _mask_mod(causal=causal, sliding_window=sliding_window)
+
+    def allowed(
+        batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> torch.Tensor:
+        same_document = document_ids[batch, query] == document_ids[batch, key]
+        return within(batch, head, query, key) & same_document
+
+    rows, seq = document_ids.shape
+    # compiled, the mask is summarised block by block; eager, it is first built whole (rows x seq x seq)
+    return create_block_mask(
+        allowed, rows, None, seq, seq, device=document_ids.device, _compile=document_ids.is_cuda
+    )
 
 
 def rescale_for_sinks(output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -63,8 +85,8 @@ class FlexAttentionBackend:
     attention, and packed documents off the FlashAttention path) goes to ``SdpaAttentionBackend``,
     whose flash kernel is faster there.
 
-    With attention sinks (``attend_with_sinks``, GPT-OSS) every mask without packed documents runs
-    here: the kernel also returns each query's log-sum-exp ``lse``, and the sink joins the
+    With attention sinks (``attend_with_sinks``, GPT-OSS) every mask runs here, packed documents
+    included: the kernel also returns each query's log-sum-exp ``lse``, and the sink joins the
     denominator afterwards as ``output * sigmoid(lse - sink)`` (the same weights as a softmax over
     the scores and the sink, with gradients through ``lse``); SDPA would need a dense float mask of
     every head with an extra key column. On a GPU the kernel is compiled (``torch.compile``; inside
@@ -74,9 +96,12 @@ class FlexAttentionBackend:
 
     The block mask of each (length, causal, window, device) is built once and reused; full
     attention (neither causal nor windowed) passes none, so FlexAttention skips the mask and its
-    block-sparsity bookkeeping. Packed documents (``document_ids``) off the FlashAttention path go
-    to SDPA, with or without sinks. On the FlashAttention path each run of equal ids within a row is
-    one document (documents contiguous, as packing makes them), as with the FlashAttention backends.
+    block-sparsity bookkeeping. Packed documents with sinks get a block mask of their rows that also
+    keeps each query to keys of its own id, as SDPA's mask does; it is built once per forward and
+    mask kind, since the layers share the backend and the ``document_ids`` tensor. Packed documents
+    without sinks off the FlashAttention path go to SDPA. On the FlashAttention path each run of
+    equal ids within a row is one document (documents contiguous, as packing makes them), as with
+    the FlashAttention backends.
     """
 
     def __init__(self, *, torch_flash: bool = True) -> None:
@@ -92,6 +117,10 @@ class FlexAttentionBackend:
         self._block_masks: dict[_BlockMaskKey, BlockMask] = {}
         # built outside any compiled graph: a cache lookup, not something to trace
         self._block_mask = cast(Callable[..., BlockMask], torch.compiler.disable(self._cached_block_mask))
+        self._document_masks: dict[_DocumentMaskKey, LatestTensorMemo[BlockMask]] = {}
+        self._document_block_mask = cast(
+            Callable[..., BlockMask], torch.compiler.disable(self._cached_document_block_mask)
+        )
 
     def attend(
         self,
@@ -142,7 +171,7 @@ class FlexAttentionBackend:
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See ``SinkAttentionBackend.attend_with_sinks``."""
-        if document_ids is not None or not self._flex_runs(query, key, value, sinks):
+        if not self._flex_runs(query, key, value, sinks):
             return self._dense.attend_with_sinks(
                 query,
                 key,
@@ -155,7 +184,13 @@ class FlexAttentionBackend:
             )
         check_sinks(sinks, query.shape[2])
         output, lse = self._flex(
-            query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
+            query,
+            key,
+            value,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            document_ids=document_ids,
         )
         return rescale_for_sinks(output, lse, sinks)
 
@@ -168,18 +203,22 @@ class FlexAttentionBackend:
         causal: bool,
         softmax_scale: float,
         sliding_window: int | None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FlexAttention in the ``(batch, seq, heads, head_dim)`` layout, with each query's log-sum-exp."""
         group = check_attention_shapes(query, key, value)
         if sliding_window is not None:
             check_sliding_window(sliding_window)
-        block_mask = (
-            None
-            if not causal and sliding_window is None
-            else self._block_mask(
+        block_mask: BlockMask | None
+        if document_ids is not None:
+            check_document_ids(document_ids, query.shape[1], query.shape[0])
+            block_mask = self._document_block_mask(document_ids, causal=causal, sliding_window=sliding_window)
+        elif causal or sliding_window is not None:
+            block_mask = self._block_mask(
                 query.shape[1], causal=causal, sliding_window=sliding_window, device=query.device
             )
-        )
+        else:
+            block_mask = None
         kernel = self._compiled if query.is_cuda else flex_attention
         output, aux = kernel(
             query.transpose(1, 2),
@@ -207,3 +246,15 @@ class FlexAttentionBackend:
             block_mask = create_block_mask(mask_mod, None, None, seq, seq, device=device)
             self._block_masks[cache_key] = block_mask
         return block_mask
+
+    def _cached_document_block_mask(
+        self, document_ids: torch.Tensor, *, causal: bool, sliding_window: int | None
+    ) -> BlockMask:
+        """The block mask of these packed rows, built once per forward (the layers share it)."""
+        memo = self._document_masks.get((causal, sliding_window))
+        if memo is None:
+            memo = LatestTensorMemo(
+                partial(_document_block_mask, causal=causal, sliding_window=sliding_window)
+            )
+            self._document_masks[(causal, sliding_window)] = memo
+        return memo(document_ids)

@@ -7,6 +7,8 @@ from typing import cast
 
 import torch
 
+from d9d.kernels.layers._latest_tensor_memo import LatestTensorMemo
+
 
 def position_ids_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """Positions that restart at 0 at the start of every document.
@@ -132,29 +134,16 @@ class DocumentOffsets:
 
     Every attention layer of a forward gets the same ``document_ids`` tensor, so a backend that the
     layers share finds the offsets, and pays their host sync, once per forward instead of once per
-    layer. The tensor's version counter catches an in-place change (a reused input buffer), which
-    computes them again; inference tensors have no version counter and are never kept.
+    layer (``LatestTensorMemo``: an in-place change or a new tensor finds them again).
     """
 
     def __init__(self) -> None:
-        self._document_ids: torch.Tensor | None = None
-        self._version = -1
-        self._offsets: tuple[torch.Tensor, int] | None = None
         # a cache lookup runs outside any compiled graph, as FlexAttention's block masks do
         self._lookup = cast(
-            Callable[[torch.Tensor], tuple[torch.Tensor, int]], torch.compiler.disable(self._find)
+            Callable[[torch.Tensor], tuple[torch.Tensor, int]],
+            torch.compiler.disable(LatestTensorMemo(cu_seqlens_from_document_ids)),
         )
 
     def __call__(self, document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``cu_seqlens_from_document_ids(document_ids)``, reused while the tensor is unchanged."""
         return self._lookup(document_ids)
-
-    def _find(self, document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if document_ids.is_inference():
-            return cu_seqlens_from_document_ids(document_ids)
-        # the version counter has no public accessor; autograd's saved-tensor checks read the same one
-        version: int = document_ids._version  # pyright: ignore[reportPrivateUsage]
-        if self._offsets is None or document_ids is not self._document_ids or version != self._version:
-            self._offsets = cu_seqlens_from_document_ids(document_ids)
-            self._document_ids, self._version = document_ids, version
-        return self._offsets
