@@ -12,6 +12,12 @@ key/value head of 256, window 512, 4 x 4096 tokens): SDPA given the window as a 
 against the ``flex_attention`` backend (PyTorch's FlashAttention kernels where the torch version
 has them) and FlexAttention's block-sparse kernel alone (``torch_flash=False``): forward
 and the input gradients, median of 5 alternating rounds of 20 calls.
+
+A third table times attention with sinks at GPT-OSS-20B's heads (64 query and 8 key/value heads of
+64, 4 x 4096 tokens), the 128-token window and full causal, on unpacked rows and on rows of 4
+packed documents: SDPA (a dense float mask with the sink column) against the ``flex_attention``
+backend (FlexAttention, with a block mask of the documents for packed rows), forward and the
+query/key/value and sink gradients, median of 5 alternating rounds of 10 calls.
 """
 
 import argparse
@@ -24,6 +30,8 @@ from d9d.kernels.layers import (
     AttentionBackend,
     AttentionBackendUnavailableError,
     FlexAttentionBackend,
+    SdpaAttentionBackend,
+    SinkAttentionBackend,
     build_attention_backend,
 )
 
@@ -115,17 +123,84 @@ def _window_table(results: list[dict[str, object]]) -> None:
         results.append({"backend": name, "window": window, "ms": median, "ms_all": measured})
 
 
+def _sinks_step(backend: SinkAttentionBackend, window: int | None, packed: bool) -> Callable[[], object]:
+    """GPT-OSS-20B's heads, 4 x 4096 tokens: one forward with sinks and the input and sink gradients."""
+    device = torch.device("cuda")
+    shape_q, shape_kv = (4, 4096, 64, 64), (4, 4096, 8, 64)
+    q = torch.randn(shape_q, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sinks = torch.randn(64, device=device, requires_grad=True)
+    upstream = torch.randn(shape_q, device=device, dtype=torch.bfloat16)
+    documents = _documents(4, 4096, 4, device) if packed else None
+
+    def step() -> object:
+        out = backend.attend_with_sinks(
+            q,
+            k,
+            v,
+            sinks=sinks,
+            causal=True,
+            softmax_scale=64**-0.5,
+            sliding_window=window,
+            document_ids=documents,
+        )
+        return torch.autograd.grad(out, (q, k, v, sinks), upstream)
+
+    return step
+
+
+def _sinks_table(results: list[dict[str, object]]) -> None:
+    """Each (backend, window, packed) timed once per round, the rounds alternating: median of 5 rounds."""
+    backends: dict[str, SinkAttentionBackend] = {
+        "sdpa": SdpaAttentionBackend(),
+        "flex_attention": FlexAttentionBackend(),
+    }
+    steps = {
+        (name, window, packed): _sinks_step(backend, window, packed)
+        for name, backend in backends.items()
+        for window in (128, None)
+        for packed in (False, True)
+    }
+    times: dict[tuple[str, int | None, bool], list[float]] = {key: [] for key in steps}
+    for _ in range(5):
+        for key, step in steps.items():
+            times[key].append(time_ms(step, warmup=3, iters=10))
+    print("\n| sinks: backend | window | packed (4 docs/row) | fwd+bwd ms, median (min-max) of 5 | vs sdpa |")
+    print("|---|---|---|---|---|")
+    for (name, window, packed), measured in times.items():
+        ordered = sorted(measured)
+        median = ordered[len(ordered) // 2]
+        baseline = sorted(times[("sdpa", window, packed)])[2]
+        label = "causal" if window is None else str(window)
+        spread = f"{median:.3f} ({ordered[0]:.3f}-{ordered[-1]:.3f})"
+        print(f"| {name} | {label} | {packed} | {spread} | {baseline / median:.2f}x |")
+        results.append(
+            {
+                "sinks": True,
+                "backend": name,
+                "window": window,
+                "packed": packed,
+                "ms": median,
+                "ms_all": measured,
+            }
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--eager-max-seq", type=int, default=8192)
     parser.add_argument("--window-only", action="store_true", help="the sliding-window table only")
+    parser.add_argument("--sinks-only", action="store_true", help="the attention-sinks table only")
     args = parser.parse_args()
     results: list[dict[str, object]] = []
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| backend | seq | batch | packed (4 docs/row) | fwd+bwd ms | TFLOP/s |")
     print("|---|---|---|---|---|---|")
-    for name in () if args.window_only else BACKENDS:
+    if args.sinks_only:
+        _sinks_table(results)
+    for name in () if args.window_only or args.sinks_only else BACKENDS:
         try:
             backend = build_attention_backend(name)
         except AttentionBackendUnavailableError as error:
@@ -154,7 +229,9 @@ def main() -> None:
                         "tflops": tflops,
                     }
                 )
-    _window_table(results)
+    if not args.sinks_only:
+        _window_table(results)
+        _sinks_table(results)
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=1)
