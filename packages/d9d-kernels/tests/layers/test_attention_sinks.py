@@ -199,7 +199,7 @@ def test_compiled_flex_with_sinks_on_packed_batches_of_changing_layouts_equals_e
             bound = 2 * sdpa_error + 2**-9 * r.abs().max().item()
             assert error <= bound, f"{lengths} {label}: error {error:.3g}, SDPA bf16 {sdpa_error:.3g}"
     # one mask kind seen (causal, window 128): one memo, rebuilt per new document_ids tensor
-    assert list(flex._document_masks) == [(True, 128)]  # pyright: ignore[reportPrivateUsage]
+    assert list(flex._document_masks) == [(True, 128, "cuda:0")]  # pyright: ignore[reportPrivateUsage]
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 3), (False, None), (False, 5)])

@@ -18,7 +18,7 @@ from d9d.kernels.layers._sdpa_attention import SdpaAttentionBackend
 from d9d.kernels.layers._torch_flash_attention import TorchFlashAttention
 
 _BlockMaskKey = tuple[int, bool, int | None, str]
-_DocumentMaskKey = tuple[bool, int | None]
+_DocumentMaskKey = tuple[bool, int | None, str]
 
 
 def _mask_mod(*, causal: bool, sliding_window: int | None) -> Callable[..., torch.Tensor]:
@@ -34,9 +34,17 @@ def _mask_mod(*, causal: bool, sliding_window: int | None) -> Callable[..., torc
 
 
 def _document_block_mask(
-    document_ids: torch.Tensor, *, causal: bool, sliding_window: int | None
+    document_ids: torch.Tensor,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    create: Callable[..., BlockMask],
 ) -> BlockMask:
-    """The block mask of packed rows: ``_mask_mod``'s mask, and keys of the query's own document only."""
+    """The block mask of packed rows: ``_mask_mod``'s mask, and keys of the query's own document only.
+
+    ``create`` is ``create_block_mask``: compiled, it summarises the mask block by block; eager, it
+    first builds the whole ``rows x seq x seq`` mask.
+    """
     within = _mask_mod(causal=causal, sliding_window=sliding_window)
 
     def allowed(
@@ -46,10 +54,7 @@ def _document_block_mask(
         return within(batch, head, query, key) & same_document
 
     rows, seq = document_ids.shape
-    # compiled, the mask is summarised block by block; eager, it is first built whole (rows x seq x seq)
-    return create_block_mask(
-        allowed, rows, None, seq, seq, device=document_ids.device, _compile=document_ids.is_cuda
-    )
+    return create(allowed, rows, None, seq, seq, device=document_ids.device)
 
 
 def rescale_for_sinks(output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,7 @@ class FlexAttentionBackend:
         self._dense = SdpaAttentionBackend()
         self._flash = TorchFlashAttention() if torch_flash else None
         self._compiled: Callable[..., Any] = torch.compile(flex_attention)
+        self._compiled_create_block_mask: Callable[..., BlockMask] = torch.compile(create_block_mask)
         self._block_masks: dict[_BlockMaskKey, BlockMask] = {}
         # built outside any compiled graph: a cache lookup, not something to trace
         self._block_mask = cast(Callable[..., BlockMask], torch.compiler.disable(self._cached_block_mask))
@@ -251,10 +257,12 @@ class FlexAttentionBackend:
         self, document_ids: torch.Tensor, *, causal: bool, sliding_window: int | None
     ) -> BlockMask:
         """The block mask of these packed rows, built once per forward (the layers share it)."""
-        memo = self._document_masks.get((causal, sliding_window))
+        cache_key = (causal, sliding_window, str(document_ids.device))
+        memo = self._document_masks.get(cache_key)
         if memo is None:
+            create = self._compiled_create_block_mask if document_ids.is_cuda else create_block_mask
             memo = LatestTensorMemo(
-                partial(_document_block_mask, causal=causal, sliding_window=sliding_window)
+                partial(_document_block_mask, causal=causal, sliding_window=sliding_window, create=create)
             )
-            self._document_masks[(causal, sliding_window)] = memo
+            self._document_masks[cache_key] = memo
         return memo(document_ids)
