@@ -14,6 +14,7 @@ from d9d.kernels.layers import (
     AttentionBackendName,
     AttentionBackendUnavailableError,
     EagerAttentionBackend,
+    FlexAttentionBackend,
     SdpaAttentionBackend,
     build_attention_backend,
 )
@@ -183,9 +184,13 @@ class _Compiled:
         self.attend = torch.compile(backend.attend)
 
 
-def test_flex_backend_packed_documents_under_compile_match_fp32_reference_like_sdpa() -> None:
+@pytest.mark.parametrize("torch_flash", [True, False], ids=["varlen", "flex-kernel"])
+def test_flex_backend_packed_documents_under_compile_match_fp32_reference_like_sdpa(
+    torch_flash: bool,
+) -> None:
     """Packed documents reach the varlen kernel through a compiled graph (its host syncs break it),
-    batch after batch with other document counts and lengths, as a training loop feeds them."""
+    or FlexAttention's kernel with a document block mask, batch after batch with other document
+    counts and lengths, as a training loop feeds them."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     batch, seq = 2, 1024
@@ -197,15 +202,37 @@ def test_flex_backend_packed_documents_under_compile_match_fp32_reference_like_s
         row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         return torch.stack([row, row.flip(0)]).to(device)
 
-    compiled = _Compiled(build_attention_backend("flex_attention"))
+    compiled = _Compiled(FlexAttentionBackend(torch_flash=torch_flash))
     layouts = [[100, 312, 311, 301], [100, 312, 311, 301], [1000, 24], [7, 513, 200, 150, 154]]
     for lengths in layouts:
         inputs = (sample(Q_HEADS), sample(KV_HEADS), sample(KV_HEADS))
-        if not TorchFlashAttention().runs(*(t.requires_grad_() for t in inputs)):
+        if torch_flash and not TorchFlashAttention().runs(*(t.requires_grad_() for t in inputs)):
             pytest.skip("this torch or GPU has no FlashAttention kernel for these inputs")
         upstream = sample(Q_HEADS)
         kw = {"causal": True, "window": None, "documents": documents(lengths)}
         reference = _run(EagerAttentionBackend(), inputs, upstream, **kw, dtype=torch.float32)
         sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
         got = _run(compiled, inputs, upstream, **kw, dtype=torch.bfloat16)
-        _assert_within_sdpa_bound(f"compiled flex_attention {lengths}", got, sdpa, reference)
+        _assert_within_sdpa_bound(f"compiled flex_attention {torch_flash=} {lengths}", got, sdpa, reference)
+
+
+@pytest.mark.parametrize(("causal", "window", "packed", "batch", "seq"), FLASH_MASK_CASES)
+def test_flexattention_kernel_windows_and_documents_match_fp32_reference_like_sdpa(
+    causal: bool, window: int | None, packed: bool, batch: int, seq: int
+) -> None:
+    """Where PyTorch's FlashAttention kernels do not run (here ``torch_flash=False``; float32 or an
+    unsupported head dim elsewhere), windows and packed documents run on FlexAttention's kernel."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def sample(heads: int) -> torch.Tensor:
+        return torch.randn(batch, seq, heads, HEAD_DIM, device=device, generator=generator).to(torch.bfloat16)
+
+    inputs = (sample(Q_HEADS), sample(KV_HEADS), sample(KV_HEADS))
+    upstream = sample(Q_HEADS)
+    documents = _documents(batch, seq, device) if packed else None
+    kw = {"causal": causal, "window": window, "documents": documents}
+    reference = _run(EagerAttentionBackend(), inputs, upstream, **kw, dtype=torch.float32)
+    sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
+    got = _run(FlexAttentionBackend(torch_flash=False), inputs, upstream, **kw, dtype=torch.bfloat16)
+    _assert_within_sdpa_bound("flex_attention kernel", got, sdpa, reference)

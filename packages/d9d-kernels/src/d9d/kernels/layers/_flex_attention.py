@@ -80,15 +80,16 @@ class FlexAttentionBackend:
     has ``window_size``), sliding windows and packed documents (each a varlen sequence) run there:
     at Gemma 3's shapes on an H100 a window's forward plus backward take 0.72 ms against
     FlexAttention's 1.18 ms, and packed documents skip SDPA's dense boolean mask and its
-    memory-efficient kernel. Otherwise, and with sinks, FlexAttention runs windows as below.
+    memory-efficient kernel. Otherwise (float32, head dims the kernel's backward does not take on
+    this GPU, or ``torch_flash=False``), and with sinks, FlexAttention runs them as below.
 
     A window of ``w`` keys over a row of ``s`` tokens touches about ``w / s`` of the score blocks;
     SDPA given the same window as a dense boolean mask computes all of them (and on a GPU falls
     back from its flash kernel). FlexAttention skips the blocks outside the window: at Gemma 3's
     shapes on an H200 (4 x 4096 tokens, 4 query heads of 256, window 512) forward plus backward
-    take 1.15 ms against SDPA's 4.64 ms. Everything without a window (plain causal or full
-    attention, and packed documents off the FlashAttention path) goes to ``SdpaAttentionBackend``,
-    whose flash kernel is faster there.
+    take 1.15 ms against SDPA's 4.64 ms. Packed documents on a GPU skip, the same way, the blocks
+    between documents. Everything without a window or documents (plain causal or full attention)
+    goes to ``SdpaAttentionBackend``, whose flash kernel is faster there.
 
     With attention sinks (``attend_with_sinks``, GPT-OSS) every mask runs here, packed documents
     included: the kernel also returns each query's log-sum-exp ``lse``, and the sink joins the
@@ -97,24 +98,23 @@ class FlexAttentionBackend:
     every head with an extra key column. On a GPU the kernel is compiled (``torch.compile``; inside
     an already compiled model it is traced in place). On a CPU FlexAttention's unfused reference
     runs for inference only (it has no backward there); a CPU forward that needs gradients goes to
-    SDPA.
+    SDPA, and so do packed documents without sinks on a CPU.
 
     The block mask of each (length, causal, window, device) is built once and reused; full
     attention (neither causal nor windowed) passes none, so FlexAttention skips the mask and its
-    block-sparsity bookkeeping. Packed documents with sinks get a block mask of their rows that also
-    keeps each query to keys of its own id, as SDPA's mask does; it is built once per forward and
-    mask kind, since the layers share the backend and the ``document_ids`` tensor. Packed documents
-    without sinks off the FlashAttention path go to SDPA. On the FlashAttention path each run of
-    equal ids within a row is one document (documents contiguous, as packing makes them), as with
-    the FlashAttention backends.
+    block-sparsity bookkeeping. Packed documents get a block mask of their rows that also keeps
+    each query to keys of its own id, as SDPA's mask does; it is built once per forward and mask
+    kind, since the layers share the backend and the ``document_ids`` tensor. On the FlashAttention
+    path each run of equal ids within a row is one document (documents contiguous, as packing makes
+    them), as with the FlashAttention backends.
     """
 
     def __init__(self, *, torch_flash: bool = True) -> None:
         """
         Args:
             torch_flash: Run sliding windows and packed documents on PyTorch's own FlashAttention
-                kernels where they take the inputs (``TorchFlashAttention``); False keeps windows on
-                FlexAttention and packed documents on SDPA.
+                kernels where they take the inputs (``TorchFlashAttention``); False keeps both on
+                FlexAttention.
         """
         self._dense = SdpaAttentionBackend()
         self._flash = TorchFlashAttention() if torch_flash else None
@@ -147,11 +147,21 @@ class FlexAttentionBackend:
             if sliding_window is not None:
                 check_sliding_window(sliding_window)
             delegate = self._flash
-        elif sliding_window is None or document_ids is not None or not self._flex_runs(query, key, value):
+        elif (
+            not masked
+            or not self._flex_runs(query, key, value)
+            or (document_ids is not None and not query.is_cuda)
+        ):
             delegate = self._dense
         else:
             output, _ = self._flex(
-                query, key, value, causal=causal, softmax_scale=softmax_scale, sliding_window=sliding_window
+                query,
+                key,
+                value,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                sliding_window=sliding_window,
+                document_ids=document_ids,
             )
             return output
         return delegate.attend(
