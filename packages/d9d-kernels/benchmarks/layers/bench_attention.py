@@ -5,7 +5,9 @@ Run from the repository root on a CUDA machine:
 
 FLOPs counted as FlashAttention does: forward 4 * batch * seq^2 * q_heads * head_dim (halved when
 causal), backward 2.5x forward; packed rows are counted as if dense (the usual convention), so
-packed numbers are "effective" TFLOP/s.
+packed numbers are "effective" TFLOP/s. The last rows run packed documents on FlexAttention's own
+kernel with a document block mask (``torch_flash=False``), the path of float32 inputs and of head
+dims that PyTorch's FlashAttention kernels do not take.
 
 A second table times sliding-window attention at Gemma-3-1B's heads (4 query heads and 1
 key/value head of 256, window 512, 4 x 4096 tokens): SDPA given the window as a dense mask
@@ -201,9 +203,13 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
     if args.sinks_only:
         _sinks_table(results)
-    for name in () if args.window_only or args.sinks_only else BACKENDS:
+    for name in () if args.window_only or args.sinks_only else (*BACKENDS, FLEX_KERNEL_ONLY):
         try:
-            backend = build_attention_backend(name)
+            backend = (
+                FlexAttentionBackend(torch_flash=False)
+                if name == FLEX_KERNEL_ONLY
+                else build_attention_backend(name)
+            )
         except AttentionBackendUnavailableError as error:
             print(f"| {name} | - | - | - | not installed ({str(error).split(':')[0]}) | - |")
             results.append({"backend": name, "available": False})
@@ -214,7 +220,8 @@ def main() -> None:
             batch = max(1, TOKENS_PER_STEP // seq)
             if name == "eager":
                 batch = 1  # the fp32 score matrix of a bigger batch does not pay off for a reference
-            for packed in (False, True):
+            # without documents the kernel-only row would be SDPA's again: packed rows only
+            for packed in (True,) if name == FLEX_KERNEL_ONLY else (False, True):
                 torch.cuda.empty_cache()
                 ms = _measure(backend, batch, seq, packed)
                 forward_flops = 4 * batch * seq * seq * Q_HEADS * HEAD_DIM / 2
