@@ -28,6 +28,8 @@ DOCUMENTS = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 
 def _available_backends(device: torch.device) -> list[AttentionBackend]:
     backends: list[AttentionBackend] = [SdpaAttentionBackend(), FlexAttentionBackend()]
     if device.type == "cuda":
+        # windows and packed documents on FlexAttention's own kernel, off PyTorch's varlen path
+        backends.append(FlexAttentionBackend(torch_flash=False))
         for name in ("flash_attention_2", "flash_attention_4"):
             try:
                 backends.append(build_attention_backend(name))
