@@ -48,9 +48,10 @@ def detect_attention_backend(*, sinks: bool = False) -> AttentionBackendName:
 
     FlashAttention 4 is chosen on Hopper/Blackwell (compute capability 9.x/10.x) when installed,
     FlashAttention 2 on Ampere and newer when installed; without either, Ampere and newer get
-    ``"flex_attention"`` (SDPA's flash kernel, and FlexAttention for sliding windows); everything
-    else uses SDPA. With ``sinks`` only backends that attend with sinks compete: FlexAttention on
-    Ampere and newer, else SDPA.
+    ``"flex_attention"`` (SDPA's flash kernel for plain attention; PyTorch's FlashAttention kernels,
+    else FlexAttention, for sliding windows and packed documents); everything else uses SDPA. With
+    ``sinks`` only backends that attend with sinks compete: FlexAttention on Ampere and newer, else
+    SDPA.
     """
     if not torch.cuda.is_available():
         return "sdpa"
