@@ -121,6 +121,60 @@ def test_a_world_whose_rendezvous_failed_starts_once_more(monkeypatch: pytest.Mo
     assert [o.value for o in outcomes] == [0, 1]
 
 
+def _subgroup_rendezvous_fails() -> None:
+    raise RuntimeError(
+        "Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer [127.0.0.1]:59545"
+    )
+
+
+def _fails_otherwise() -> None:
+    raise RuntimeError("boom on purpose")
+
+
+@pytest.mark.parametrize(
+    ("fn", "marked"), [(_subgroup_rendezvous_fails, True), (_fails_otherwise, False)], ids=["gloo", "other"]
+)
+def test_a_rank_whose_subgroup_rendezvous_failed_is_marked(tmp_path, fn: object, marked: bool) -> None:
+    # a world of one rank, whose fn raises after the world group has joined
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    args = (0, 1, str(tmp_path / "store"), fn, (), {}, timedelta(seconds=30), send)
+    process = ctx.Process(target=_runner._worker, args=args, daemon=True)
+    process.start()
+    send.close()
+    assert recv.poll(60)
+    outcome = pickle.loads(recv.recv_bytes())
+    process.join(timeout=10)
+    assert not outcome.ok and outcome.joined  # fn ran: the world group had joined
+    assert outcome.subgroup_rendezvous_failed is marked
+
+
+def test_a_world_whose_subgroup_rendezvous_failed_in_fn_starts_once_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worlds: list[object] = []
+    real_world = _runner._run_world
+
+    def first_subgroup_fails(request: object) -> list[object]:
+        worlds.append(request)
+        if len(worlds) == 1:
+            return [
+                _runner._RankOutcome(rank=0, ok=True, value=0),
+                _runner._RankOutcome(
+                    rank=1, ok=False, traceback="connectFullMesh failed", subgroup_rendezvous_failed=True
+                ),
+            ]
+        return real_world(request)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_runner, "_run_world", first_subgroup_fails)
+    request = _runner._Request(
+        fn=_rank_of_world, args=(), kwargs={}, world_size=2, timeout_s=60.0, collective_timeout_s=30.0
+    )
+    outcomes = _runner._run_forked(request)
+    assert len(worlds) >= 2
+    assert [o.value for o in outcomes] == [0, 1]
+
+
 def test_a_world_that_never_joins_stops_after_three_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     starts: list[object] = []
 

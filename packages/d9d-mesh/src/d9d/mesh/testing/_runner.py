@@ -36,6 +36,12 @@ class _RankOutcome:
     value: Any = None
     traceback: str = ""
     joined: bool = True  # False: init_process_group itself failed, ``fn`` never ran
+    # True: gloo's TCP rendezvous of a group that ``fn`` created (``new_group``) failed on this rank
+    subgroup_rendezvous_failed: bool = False
+
+
+# gloo's error when the TCP connections of a group's members cannot all be made
+_GLOO_RENDEZVOUS_FAILURE = "connectFullMesh failed"
 
 
 def _worker(
@@ -76,7 +82,13 @@ def _worker(
                 dist.destroy_process_group()
             outcome = _RankOutcome(rank=rank, ok=True, value=value)
     except BaseException:
-        outcome = _RankOutcome(rank=rank, ok=False, traceback=traceback.format_exc())
+        report = traceback.format_exc()
+        outcome = _RankOutcome(
+            rank=rank,
+            ok=False,
+            traceback=report,
+            subgroup_rendezvous_failed=_GLOO_RENDEZVOUS_FAILURE in report,
+        )
     # Plain pickle copies tensors into the message; torch's multiprocessing pickler would share
     # their memory with a process that is about to exit.
     try:
@@ -195,13 +207,18 @@ _WORLD_STARTS = 3
 def _run_forked(request: _Request) -> list[_RankOutcome]:
     outcomes = _run_world(request)
     for _ in range(_WORLD_STARTS - 1):
-        if all(outcome.joined for outcome in outcomes):
+        if not any(_rendezvous_failed(outcome) for outcome in outcomes):
             break
         # gloo's TCP rendezvous between forked ranks fails now and then on a busy host
-        # ("connectFullMesh failed ... Connection closed by peer"); ``fn`` has not run on that
-        # rank, so the world starts once more, with a fresh store.
+        # ("connectFullMesh failed ... Connection closed by peer"), for the world group or for a
+        # group that ``fn`` creates; the world starts once more, with a fresh store. A failure
+        # that comes back three times is reported.
         outcomes = _run_world(request)
     return outcomes
+
+
+def _rendezvous_failed(outcome: _RankOutcome) -> bool:
+    return not outcome.joined or outcome.subgroup_rendezvous_failed
 
 
 def _run_world(request: _Request) -> list[_RankOutcome]:
