@@ -4,6 +4,7 @@ import pickle
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -84,17 +85,23 @@ def _rank_of_world() -> int:
     return dist.get_rank()
 
 
-def test_a_rank_that_cannot_join_the_group_says_so(tmp_path) -> None:
-    # rank 0 of a world of 2 whose rank 1 never comes: init_process_group fails, fn never runs
+def _rank_zero_alone(store_path: str, fn: object, *, world_size: int, collective_timeout_s: float) -> Any:
+    """Forks rank 0 of a world of ``world_size`` (no other rank starts) and returns its outcome."""
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    args = (0, 2, str(tmp_path / "store"), _rank_of_world, (), {}, timedelta(seconds=1), send)
+    args = (0, world_size, store_path, fn, (), {}, timedelta(seconds=collective_timeout_s), send)
     process = ctx.Process(target=_runner._worker, args=args, daemon=True)
     process.start()
     send.close()
     assert recv.poll(60)
     outcome = pickle.loads(recv.recv_bytes())
     process.join(timeout=10)
+    return outcome
+
+
+def test_a_rank_that_cannot_join_the_group_says_so(tmp_path) -> None:
+    # rank 0 of a world of 2 whose rank 1 never comes: init_process_group fails, fn never runs
+    outcome = _rank_zero_alone(str(tmp_path / "store"), _rank_of_world, world_size=2, collective_timeout_s=1)
     assert not outcome.ok and not outcome.joined
     assert "init_process_group" in outcome.traceback
 
@@ -136,15 +143,7 @@ def _fails_otherwise() -> None:
 )
 def test_a_rank_whose_subgroup_rendezvous_failed_is_marked(tmp_path, fn: object, marked: bool) -> None:
     # a world of one rank, whose fn raises after the world group has joined
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    args = (0, 1, str(tmp_path / "store"), fn, (), {}, timedelta(seconds=30), send)
-    process = ctx.Process(target=_runner._worker, args=args, daemon=True)
-    process.start()
-    send.close()
-    assert recv.poll(60)
-    outcome = pickle.loads(recv.recv_bytes())
-    process.join(timeout=10)
+    outcome = _rank_zero_alone(str(tmp_path / "store"), fn, world_size=1, collective_timeout_s=30)
     assert not outcome.ok and outcome.joined  # fn ran: the world group had joined
     assert outcome.subgroup_rendezvous_failed is marked
 
