@@ -3,6 +3,9 @@ GPT-OSS attention."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -198,7 +201,7 @@ def test_compiled_flex_with_sinks_on_packed_batches_of_changing_layouts_equals_e
             error, sdpa_error = (g - r).abs().max().item(), (s - r).abs().max().item()
             bound = 2 * sdpa_error + 2**-9 * r.abs().max().item()
             assert error <= bound, f"{lengths} {label}: error {error:.3g}, SDPA bf16 {sdpa_error:.3g}"
-    # one mask kind seen (causal, window 128): one memo, rebuilt per new document_ids tensor
+    # one mask kind seen (causal, window 128): one memo, a mask per recent document_ids tensor
     assert list(flex._document_masks) == [(True, 128, "cuda:0")]  # pyright: ignore[reportPrivateUsage]
 
 
@@ -228,6 +231,21 @@ def test_flex_with_sinks_on_packed_documents_equals_sdpa_and_builds_the_mask_onc
     assert flex._document_block_mask(documents, causal=causal, sliding_window=window) is block_mask  # pyright: ignore[reportPrivateUsage]
     documents[0, -1] = 7  # a refilled input buffer gets a new mask
     assert flex._document_block_mask(documents, causal=causal, sliding_window=window) is not block_mask  # pyright: ignore[reportPrivateUsage]
+
+
+def test_flex_document_masks_of_alternating_microbatches_are_built_once_each_and_hold_no_ids() -> None:
+    flex = FlexAttentionBackend()
+    first = _packed_rows([30, 1, 109])
+    second = _packed_rows([70, 70])
+    masks = [flex._document_block_mask(ids, causal=True, sliding_window=None) for ids in (first, second)]  # pyright: ignore[reportPrivateUsage]
+    # microbatch 1's backward recompute after microbatch 2's forward finds its mask again
+    for ids, mask in zip((first, second, first), (*masks, masks[0]), strict=True):
+        assert flex._document_block_mask(ids, causal=True, sliding_window=None) is mask  # pyright: ignore[reportPrivateUsage]
+    gone = weakref.ref(first)
+    del first, ids
+    gc.collect()
+    assert gone() is None  # neither the memo nor the mask it keeps holds the caller's tensor
+    assert len(flex._document_masks[(True, None, "cpu")]) == 1  # pyright: ignore[reportPrivateUsage]
 
 
 def test_flex_refuses_document_ids_of_another_shape_naming_it() -> None:

@@ -76,6 +76,18 @@ def test_document_offsets_are_found_once_per_tensor_and_again_after_an_in_place_
         torch.testing.assert_close(offsets(frozen)[0], torch.tensor([0, 1, 3], dtype=torch.int32))
 
 
+def test_document_offsets_of_alternating_microbatches_are_found_once_each() -> None:
+    # a pipeline schedule: microbatch 1 forward, microbatch 2 forward, microbatch 1's backward
+    # recompute with its document_ids again
+    offsets = DocumentOffsets()
+    first = torch.tensor([[0, 0, 1, 1, 1]])
+    second = torch.tensor([[0, 1, 1, 1, 1]])
+    found = offsets(first), offsets(second)
+    assert offsets(first) is found[0]
+    assert offsets(second) is found[1]
+    torch.testing.assert_close(found[1][0], torch.tensor([0, 1, 5], dtype=torch.int32))
+
+
 def test_a_document_split_into_two_runs_is_refused_naming_row_document_and_token() -> None:
     document_ids = torch.tensor([[0, 0, 1, 1], [3, 3, 4, 3]])
     with pytest.raises(ValueError, match="row 1: document 3 comes back at token 3"):

@@ -13,7 +13,7 @@ from d9d.kernels.layers._attention_backend import AttentionBackend
 from d9d.kernels.layers._attention_mask import check_document_ids, check_sliding_window
 from d9d.kernels.layers._attention_sinks import check_sinks
 from d9d.kernels.layers._eager_attention import check_attention_shapes
-from d9d.kernels.layers._latest_tensor_memo import LatestTensorMemo
+from d9d.kernels.layers._recent_tensor_memo import RecentTensorMemo
 from d9d.kernels.layers._sdpa_attention import SdpaAttentionBackend
 from d9d.kernels.layers._torch_flash_attention import TorchFlashAttention
 
@@ -43,14 +43,17 @@ def _document_block_mask(
     """The block mask of packed rows: ``_mask_mod``'s mask, and keys of the query's own document only.
 
     ``create`` is ``create_block_mask``: compiled, it summarises the mask block by block; eager, it
-    first builds the whole ``rows x seq x seq`` mask.
+    first builds the whole ``rows x seq x seq`` mask. The mask keeps a copy of the ids, not the
+    tensor itself, so a memo of masks does not keep the caller's tensor alive (and an in-place
+    change of it cannot reach a mask already built).
     """
     within = _mask_mod(causal=causal, sliding_window=sliding_window)
+    ids = document_ids.clone()
 
     def allowed(
         batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> torch.Tensor:
-        same_document = document_ids[batch, query] == document_ids[batch, key]
+        same_document = ids[batch, query] == ids[batch, key]
         return within(batch, head, query, key) & same_document
 
     rows, seq = document_ids.shape
@@ -103,8 +106,10 @@ class FlexAttentionBackend:
     The block mask of each (length, causal, window, device) is built once and reused; full
     attention (neither causal nor windowed) passes none, so FlexAttention skips the mask and its
     block-sparsity bookkeeping. Packed documents get a block mask of their rows that also keeps
-    each query to keys of its own id, as SDPA's mask does; it is built once per forward and mask
-    kind, since the layers share the backend and the ``document_ids`` tensor. On the FlashAttention
+    each query to keys of its own id, as SDPA's mask does; it is built once per ``document_ids``
+    tensor and mask kind, since the layers share the backend and the tensor, and the masks of the
+    last 8 tensors are kept (a pipeline schedule's backward recompute, or an interleaved
+    gradient-accumulation microbatch, finds its mask again). On the FlashAttention
     path each run of equal ids within a row is one document (documents contiguous, as packing makes
     them), as with the FlashAttention backends.
     """
@@ -123,7 +128,7 @@ class FlexAttentionBackend:
         self._block_masks: dict[_BlockMaskKey, BlockMask] = {}
         # built outside any compiled graph: a cache lookup, not something to trace
         self._block_mask = cast(Callable[..., BlockMask], torch.compiler.disable(self._cached_block_mask))
-        self._document_masks: dict[_DocumentMaskKey, LatestTensorMemo[BlockMask]] = {}
+        self._document_masks: dict[_DocumentMaskKey, RecentTensorMemo[BlockMask]] = {}
         self._document_block_mask = cast(
             Callable[..., BlockMask], torch.compiler.disable(self._cached_document_block_mask)
         )
@@ -266,12 +271,12 @@ class FlexAttentionBackend:
     def _cached_document_block_mask(
         self, document_ids: torch.Tensor, *, causal: bool, sliding_window: int | None
     ) -> BlockMask:
-        """The block mask of these packed rows, built once per forward (the layers share it)."""
+        """The block mask of these packed rows, built once per recent tensor (the layers share it)."""
         cache_key = (causal, sliding_window, str(document_ids.device))
         memo = self._document_masks.get(cache_key)
         if memo is None:
             create = self._compiled_create_block_mask if document_ids.is_cuda else create_block_mask
-            memo = LatestTensorMemo(
+            memo = RecentTensorMemo(
                 partial(_document_block_mask, causal=causal, sliding_window=sliding_window, create=create)
             )
             self._document_masks[cache_key] = memo

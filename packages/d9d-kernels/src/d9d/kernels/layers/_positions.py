@@ -7,7 +7,7 @@ from typing import cast
 
 import torch
 
-from d9d.kernels.layers._latest_tensor_memo import LatestTensorMemo
+from d9d.kernels.layers._recent_tensor_memo import RecentTensorMemo
 
 
 def position_ids_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -130,20 +130,22 @@ def _split_document_message(row: int, ids: list[int]) -> str:
 
 
 class DocumentOffsets:
-    """``cu_seqlens_from_document_ids`` of the latest ``document_ids`` tensor, kept for the calls after.
+    """``cu_seqlens_from_document_ids`` of the recent ``document_ids`` tensors, kept for the calls after.
 
     Every attention layer of a forward gets the same ``document_ids`` tensor, so a backend that the
-    layers share finds the offsets, and pays their host sync, once per forward instead of once per
-    layer (``LatestTensorMemo``: an in-place change or a new tensor finds them again).
+    layers share finds the offsets, and pays their host sync, once per tensor instead of once per
+    layer. The last 8 distinct tensors keep theirs (``RecentTensorMemo``), so a pipeline
+    schedule's backward recompute or an interleaved gradient-accumulation microbatch finds them
+    again; an in-place change, or a tensor not among them, finds them anew.
     """
 
     def __init__(self) -> None:
         # a cache lookup runs outside any compiled graph, as FlexAttention's block masks do
         self._lookup = cast(
             Callable[[torch.Tensor], tuple[torch.Tensor, int]],
-            torch.compiler.disable(LatestTensorMemo(cu_seqlens_from_document_ids)),
+            torch.compiler.disable(RecentTensorMemo(cu_seqlens_from_document_ids)),
         )
 
     def __call__(self, document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``cu_seqlens_from_document_ids(document_ids)``, reused while the tensor is unchanged."""
+        """``cu_seqlens_from_document_ids(document_ids)``, reused while the tensor is recent and unchanged."""
         return self._lookup(document_ids)
