@@ -15,6 +15,7 @@ from d9d.kernels import (
     moe_permute,
     moe_unpermute,
     rms_norm,
+    rms_norm_add,
     swiglu,
 )
 
@@ -46,6 +47,44 @@ def test_rms_norm(device: str, dtype: torch.dtype, zero_centered: bool) -> None:
         lambda x, w, backend: rms_norm(x, w, 1e-6, zero_centered_weight=zero_centered, backend=backend),
         [x, weight], [0, 1], dtype, fp32_tolerance=1e-5,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("then", "scale"),
+    [
+        (True, 1.0),  # Gemma 3: post-attention norm, the add, the pre-feed-forward norm
+        (False, 1.0),  # OLMo 2, and Gemma's post-feed-forward norm: the add alone
+        (True, 0.25),  # a residual multiplier on the normalized branch
+    ],
+)
+def test_rms_norm_add(device: str, dtype: torch.dtype, then: bool, scale: float) -> None:
+    rows, hidden = (13, 72) if device == "cpu" else (16384, 1152)  # Gemma-3-1B's width: no power of two
+    residual = _randn(rows, hidden, device=device).view(-1, 1, hidden)
+    branch = _randn(rows, hidden, device=device).flip(0).view(-1, 1, hidden) * 3
+    weight = _randn(hidden, device=device) * 0.1
+    next_weight = _randn(hidden, device=device).flip(0) * 0.1 + 1.0
+
+    def op(
+        r: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, backend: object
+    ) -> torch.Tensor:
+        total, normed = rms_norm_add(
+            r,
+            b,
+            w,
+            1e-6,
+            zero_centered_weight=True,
+            scale=scale,
+            next_weight=nw if then else None,
+            next_eps=1e-5,
+            backend=backend,  # pyright: ignore[reportArgumentType]
+        )
+        return total if normed is None else torch.stack((total, normed))
+
+    assert_matches_reference(
+        op, [residual, branch, weight, next_weight], [0, 1, 2, 3] if then else [0, 1, 2], dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from d9d.kernels import KernelBackend, add_rms_norm, rms_norm
+from d9d.kernels import KernelBackend, add_rms_norm, rms_norm, rms_norm_add
 from d9d.kernels.layers import RMSNorm
 
 
@@ -88,3 +88,69 @@ def test_add_rms_norm_at_decode_shapes_on_gpu(rows: int, width: int) -> None:
     total, normed = add_rms_norm(residual, branch, weight, 1e-6)
     assert torch.equal(total, residual + branch)
     torch.testing.assert_close(normed, rms_norm(residual + branch, weight, 1e-6))
+
+
+def _post_norms(width: int, device: str = "cpu") -> tuple[RMSNorm, RMSNorm]:
+    torch.manual_seed(width)
+    after, then = RMSNorm(width, eps=1e-6, zero_centered_weight=True), RMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        after.weight.normal_(std=0.1)
+        then.weight.normal_(mean=1.0, std=0.1)
+    return after.to(device), then.to(device)
+
+
+@pytest.mark.parametrize("then", [False, True], ids=["add", "add-then-norm"])
+def test_normalize_and_add_equals_the_norm_the_add_and_the_next_norm(then: bool) -> None:
+    after, following = _post_norms(24)
+    residual = torch.randn(2, 3, 24, requires_grad=True)
+    branch = torch.randn(2, 3, 24, requires_grad=True)
+    total, normed = after.normalize_and_add(residual, branch, scale=0.5, then=following if then else None)
+    expected_total = residual + 0.5 * after(branch)
+    expected_normed = following(expected_total) if then else expected_total
+    torch.testing.assert_close(total, expected_total)
+    torch.testing.assert_close(normed, expected_normed)
+    upstream = torch.randn(2, 3, 24), torch.randn(2, 3, 24)
+    params = [residual, branch, after.weight, following.weight] if then else [residual, branch, after.weight]
+    grads = torch.autograd.grad((total, normed), params, upstream)
+    expected = torch.autograd.grad((expected_total, expected_normed), params, upstream)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_normalize_and_add_runs_hooked_norms_through_their_forward() -> None:
+    after, following = _post_norms(8)
+    calls: list[str] = []
+    following.register_forward_pre_hook(lambda *_: calls.append("then"))
+    after.register_forward_pre_hook(lambda *_: calls.append("after"))
+    after.normalize_and_add(torch.randn(2, 8), torch.randn(2, 8), then=following)
+    assert calls == ["after", "then"]
+
+
+def test_rms_norm_add_names_the_weight_that_does_not_fit() -> None:
+    residual, branch, weight = _stream(2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"next_weight shape \(4,\) does not match"):
+        rms_norm_add(residual, branch, weight, next_weight=weight[:4])
+    with pytest.raises(ValueError, match=r"branch \(2, 4\) torch.float32 must match the residual \(2, 8\)"):
+        rms_norm_add(residual, branch[:, :4], weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("then", [False, True], ids=["add", "add-then-norm"])
+def test_compiled_normalize_and_add_runs_the_kernels_and_matches_eager(then: bool) -> None:
+    after, following = _post_norms(1152, "cuda")
+    after, following = after.bfloat16(), following.bfloat16()
+    residual = torch.randn(4, 512, 1152, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    branch = torch.randn(4, 512, 1152, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def junction(r: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return after.normalize_and_add(r, b, then=following if then else None)
+
+    upstream = torch.randn_like(residual), torch.randn_like(residual)
+    params = [residual, branch, after.weight, *([following.weight] if then else [])]
+    eager = junction(residual, branch)
+    eager_grads = torch.autograd.grad(eager, params, upstream)
+    compiled = torch.compile(junction, fullgraph=True)(residual, branch)  # the custom op traces
+    compiled_grads = torch.autograd.grad(compiled, params, upstream)
+    for got, want in zip((*compiled, *compiled_grads), (*eager, *eager_grads), strict=True):
+        assert torch.equal(got, want)  # the same kernels run either way

@@ -17,7 +17,7 @@ from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cros
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._paged_attention import paged_decode_attention
 from d9d.kernels._qk_norm_rope import QKNormRope, qk_norm_rope
-from d9d.kernels._rms_norm import add_rms_norm, rms_norm
+from d9d.kernels._rms_norm import add_rms_norm, rms_norm, rms_norm_add
 from d9d.kernels._rope import RopeLayout, apply_rope
 from d9d.kernels._shared_input_linear import shared_input_linear, swiglu_projection
 from d9d.kernels._stochastic_adamw import StochasticAdamW
@@ -52,6 +52,7 @@ __all__ = [
     "paged_decode_attention",
     "qk_norm_rope",
     "rms_norm",
+    "rms_norm_add",
     "shared_input_linear",
     "swiglu",
     "swiglu_projection",

@@ -152,17 +152,20 @@ class DecoderLayer(nn.Module):
                 return stream + branch
             case "post" | "sandwich":
                 attended = self.attend(normed, position_embeddings, document_ids, kv_cache)
-                hidden_states = hidden_states + self._scaled(self.post_attention_layernorm(attended))
-                before = self.pre_feedforward_layernorm
-                fed = self.feed_forward(
-                    hidden_states if before is None else before(hidden_states), token_mask
+                hidden_states, normed = self.post_attention_layernorm.normalize_and_add(
+                    hidden_states,
+                    attended,
+                    scale=self.residual_multiplier,
+                    then=self.pre_feedforward_layernorm,
                 )
+                fed = self.feed_forward(normed, token_mask)
                 after = self.post_feedforward_layernorm
                 if after is None:  # _check_norms: never in these layouts; the type checker cannot tell
                     raise RuntimeError(
                         f"norm_layout={self.norm_layout!r} without a post_feedforward_layernorm"
                     )
-                return hidden_states + self._scaled(after(fed))
+                output, _ = after.normalize_and_add(hidden_states, fed, scale=self.residual_multiplier)
+                return output
 
     def decode_deferred(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from d9d.kernels import add_rms_norm, rms_norm
+from d9d.kernels import add_rms_norm, rms_norm, rms_norm_add
 
 
 class RMSNorm(nn.Module):
@@ -50,14 +50,50 @@ class RMSNorm(nn.Module):
         weights around ``forward``) and no ``forward`` of a subclass, the two are one
         ``add_rms_norm`` kernel; otherwise the add and ``forward``.
         """
-        hooks: int = len(self._forward_hooks) + len(self._forward_pre_hooks)  # pyright: ignore
-        hooked = hooks > 0
-        if torch.is_grad_enabled() or hooked or type(self).forward is not RMSNorm.forward:
+        if torch.is_grad_enabled() or not _plain(self):
             total = residual + branch
             return total, self(total)
         return add_rms_norm(
             residual, branch, self.weight, self.eps, zero_centered_weight=self.zero_centered_weight
         )
 
+    def normalize_and_add(
+        self, residual: torch.Tensor, branch: torch.Tensor, *, scale: float = 1.0, then: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total, then(total))`` with ``total = residual + scale * self(branch)``: a post-norm
+        branch joins the residual stream, and the next norm (None: ``total`` again) reads it.
+
+        Plain modules run one ``rms_norm_add`` (one Triton kernel each way on CUDA, compiled or
+        not); with hooks on either norm (tensor parallelism swaps in local weights around
+        ``forward``), a tensor subclass (DTensor) or a subclass's own ``forward`` it is
+        ``self``, the add and ``then`` as separate calls.
+        """
+        norms = (self,) if then is None else (self, then)
+        tensors = (residual, branch, *(norm.weight for norm in norms))
+        if not all(_plain(norm) for norm in norms) or any(
+            type(t) not in (torch.Tensor, nn.Parameter) for t in tensors
+        ):
+            normed = self(branch)
+            total = residual + (normed if scale == 1.0 else normed * scale)
+            return total, total if then is None else then(total)
+        total, normalized = rms_norm_add(
+            residual,
+            branch,
+            self.weight,
+            self.eps,
+            zero_centered_weight=self.zero_centered_weight,
+            scale=scale,
+            next_weight=None if then is None else then.weight,
+            next_eps=self.eps if then is None else then.eps,
+            next_zero_centered_weight=False if then is None else then.zero_centered_weight,
+        )
+        return total, total if normalized is None else normalized
+
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_weight={self.zero_centered_weight}"
+
+
+def _plain(norm: RMSNorm) -> bool:
+    """No hooks on ``norm`` and no ``forward`` of a subclass: its weight may be read directly."""
+    hooks: int = len(norm._forward_hooks) + len(norm._forward_pre_hooks)  # pyright: ignore
+    return hooks == 0 and type(norm).forward is RMSNorm.forward
