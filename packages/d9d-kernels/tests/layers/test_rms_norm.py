@@ -154,3 +154,28 @@ def test_compiled_normalize_and_add_runs_the_kernels_and_matches_eager(then: boo
     compiled_grads = torch.autograd.grad(compiled, params, upstream)
     for got, want in zip((*compiled, *compiled_grads), (*eager, *eager_grads), strict=True):
         assert torch.equal(got, want)  # the same kernels run either way
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("then", [False, True], ids=["add", "add-then-norm"])
+def test_compiled_rms_norm_add_traces_the_custom_op_and_matches_eager(then: bool) -> None:
+    residual, branch, weight = (t.requires_grad_() for t in _stream(5, 24, torch.float32))
+    next_weight = (weight.detach() * 0.1 + 1).requires_grad_()
+
+    def junction(
+        r: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        total, normed = rms_norm_add(
+            r, b, w, zero_centered_weight=True, scale=0.5, next_weight=nw if then else None,
+            backend=KernelBackend.TRITON,
+        )  # fmt: skip
+        return (total,) if normed is None else (total, normed)
+
+    params = [residual, branch, weight, *([next_weight] if then else [])]
+    upstream = (torch.randn(5, 24), torch.randn(5, 24))[: 2 if then else 1]
+    eager = junction(residual, branch, weight, next_weight)
+    compiled = torch.compile(junction, fullgraph=True)(residual, branch, weight, next_weight)
+    eager_grads = torch.autograd.grad(eager, params, upstream)
+    compiled_grads = torch.autograd.grad(compiled, params, upstream)
+    for got, want in zip((*compiled, *compiled_grads), (*eager, *eager_grads), strict=True):
+        assert torch.equal(got, want)  # the same kernels, as one custom op each way
