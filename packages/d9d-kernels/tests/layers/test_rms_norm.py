@@ -179,3 +179,16 @@ def test_compiled_rms_norm_add_traces_the_custom_op_and_matches_eager(then: bool
     compiled_grads = torch.autograd.grad(compiled, params, upstream)
     for got, want in zip((*compiled, *compiled_grads), (*eager, *eager_grads), strict=True):
         assert torch.equal(got, want)  # the same kernels, as one custom op each way
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_rms_norm_add_backward_without_the_next_norms_gradient() -> None:
+    # the stream used, the next norm's output not: its gradient never arrives
+    residual, branch, weight = (t.requires_grad_() for t in _stream(7, 40, torch.float32))
+    next_weight = (weight.detach() + 1).requires_grad_()
+    grads = {}
+    for backend in (KernelBackend.TRITON, KernelBackend.REFERENCE):
+        total, _ = rms_norm_add(residual, branch, weight, next_weight=next_weight, backend=backend)
+        grads[backend] = torch.autograd.grad(total.square().sum(), [residual, branch, weight])
+    for got, want in zip(grads[KernelBackend.TRITON], grads[KernelBackend.REFERENCE], strict=True):
+        torch.testing.assert_close(got, want)

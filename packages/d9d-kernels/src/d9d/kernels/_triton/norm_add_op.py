@@ -1,5 +1,6 @@
 """``rms_norm_add`` as ``torch.library`` custom ops with autograd (opaque to torch.compile, traced around)."""
 
+import math
 from typing import Any
 
 import torch
@@ -47,16 +48,10 @@ def _forward_fake(
     next_zero_centered_weight: bool,
 ) -> _Outputs:
     total = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    rows = residual.shape[:-1]
+    rstd_branch = residual.new_empty((math.prod(residual.shape[:-1]),), dtype=torch.float32)
     if next_weight is None:
-        return (
-            total,
-            residual.new_empty((0,)),
-            residual.new_empty(rows, dtype=torch.float32).view(-1),
-            (residual.new_empty((0,), dtype=torch.float32)),
-        )
-    rstd = residual.new_empty(rows, dtype=torch.float32).view(-1)
-    return total, torch.empty_like(total), rstd, torch.empty_like(rstd)
+        return total, residual.new_empty((0,)), rstd_branch, rstd_branch.new_empty((0,))
+    return total, torch.empty_like(total), rstd_branch, torch.empty_like(rstd_branch)
 
 
 @torch.library.custom_op("d9d_kernels::rms_norm_add_backward", mutates_args=())
