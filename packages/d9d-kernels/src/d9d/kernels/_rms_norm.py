@@ -80,11 +80,7 @@ def add_rms_norm(
         ValueError: ``branch`` differs from ``residual`` in shape or dtype, or ``weight`` does not
             match the last dim.
     """
-    if branch.shape != residual.shape or branch.dtype != residual.dtype:
-        raise ValueError(
-            f"add_rms_norm: branch {tuple(branch.shape)} {branch.dtype} must match the residual "
-            f"{tuple(residual.shape)} {residual.dtype}"
-        )
+    _check_branch("add_rms_norm", residual, branch)
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (residual, branch, weight))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (residual, branch, weight))
     if (
@@ -143,11 +139,7 @@ def rms_norm_add(
         ValueError: ``branch`` differs from ``residual`` in shape or dtype, or a weight does not
             match the last dim.
     """
-    if branch.shape != residual.shape or branch.dtype != residual.dtype:
-        raise ValueError(
-            f"rms_norm_add: branch {tuple(branch.shape)} {branch.dtype} must match the residual "
-            f"{tuple(residual.shape)} {residual.dtype}"
-        )
+    _check_branch("rms_norm_add", residual, branch)
     for name, w in (("weight", weight), ("next_weight", next_weight)):
         if w is not None and (w.dim() != 1 or w.shape[0] != residual.shape[-1]):
             raise ValueError(
@@ -174,3 +166,12 @@ def rms_norm_add(
     if next_weight is None:
         return total, None
     return total, rms_norm_reference(total, next_weight, next_eps, next_zero_centered_weight)
+
+
+def _check_branch(op: str, residual: torch.Tensor, branch: torch.Tensor) -> None:
+    """Raises a ``ValueError`` naming ``op`` when ``branch`` differs from ``residual`` in shape or dtype."""
+    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+        raise ValueError(
+            f"{op}: branch {tuple(branch.shape)} {branch.dtype} must match the residual "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
