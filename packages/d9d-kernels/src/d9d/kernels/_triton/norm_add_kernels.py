@@ -21,6 +21,7 @@ import triton.language as tl
 from d9d.kernels._triton.launch import launch_options, next_power_of_2, warps_for_block
 from d9d.kernels._triton.rms_norm_kernels import (
     BACKWARD_PROGRAMS_PER_SM,
+    _input_gradient,
     _tile,
     multiprocessor_count,
     tile_rows,
@@ -128,10 +129,8 @@ def _norm_add_backward_kernel(
             dy = tl.load(dy_ptr + at, mask=mask, other=0.0).to(tl.float32)
             rstd_total = tl.load(rstd_total_ptr + rows, mask=row_mask, other=0.0)
             t_hat = t * rstd_total[:, None]
-            wdy = w_next[None, :] * dy
-            c = tl.sum(t_hat * wdy, axis=1) / n_cols
             # the next norm's input gradient, added to the stream's in the stream's dtype, as autograd sums
-            dnext = ((wdy - t_hat * c[:, None]) * rstd_total[:, None]).to(dtype)
+            dnext = _input_gradient(t_hat, w_next[None, :] * dy, rstd_total, n_cols).to(dtype)
             dtotal = (dtotal + dnext.to(tl.float32)).to(dtype).to(tl.float32)
             dw_next_acc += dy * t_hat
         tl.store(dresidual_ptr + at, dtotal.to(dtype), mask=mask)
@@ -141,9 +140,7 @@ def _norm_add_backward_kernel(
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
         rstd_branch = tl.load(rstd_branch_ptr + rows, mask=row_mask, other=0.0)
         b_hat = branch.to(tl.float32) * rstd_branch[:, None]
-        wdn = w_branch[None, :] * dnormed
-        c = tl.sum(b_hat * wdn, axis=1) / n_cols
-        dbranch = (wdn - b_hat * c[:, None]) * rstd_branch[:, None]
+        dbranch = _input_gradient(b_hat, w_branch[None, :] * dnormed, rstd_branch, n_cols)
         tl.store(dbranch_ptr + at, dbranch.to(dtype), mask=mask)
         dw_branch_acc += dnormed * b_hat
     partial = pid.to(tl.int64) * n_cols + cols

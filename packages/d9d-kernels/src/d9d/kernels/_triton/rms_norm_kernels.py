@@ -61,6 +61,14 @@ def _normalized(x, w_ptr, cols, col_mask, n_cols, eps, ZERO_CENTERED: tl.constex
 
 
 @triton.jit
+def _input_gradient(x_hat, wdy, rstd, n_cols):
+    """The input gradient of fp32 tile rows of ``n_cols`` columns: ``x_hat`` the normalized input,
+    ``wdy`` the scale times the output's gradient, ``rstd`` the rows' inverse RMS."""
+    c = tl.sum(x_hat * wdy, axis=1) / n_cols
+    return (wdy - x_hat * c[:, None]) * rstd[:, None]
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr,
     w_ptr,
@@ -142,9 +150,7 @@ def _rms_norm_backward_kernel(
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         x_hat = x * rstd[:, None]
-        wdy = w[None, :] * dy
-        c = tl.sum(x_hat * wdy, axis=1) / n_cols
-        dx = (wdy - x_hat * c[:, None]) * rstd[:, None]
+        dx = _input_gradient(x_hat, w[None, :] * dy, rstd, n_cols)
         tl.store(
             dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
         )
