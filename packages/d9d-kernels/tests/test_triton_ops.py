@@ -252,3 +252,22 @@ def test_linear_cross_entropy_default_chunks(tokens: int, vocab: int, rows: int)
 
     assert _chunk_rows(tokens, vocab, 2, 0) == rows
     assert _chunk_rows(tokens, vocab, 2, 100) == 100, "an explicit chunk_size wins"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_in_place_rounds_as_mul(device: str, dtype: torch.dtype) -> None:
+    from d9d.kernels._triton.linear_cross_entropy_kernels import scale_in_place
+
+    n = 8192 * 2 + 37 if device == "cpu" else 262144 * 1152 + 3  # past a block boundary
+    x = _randn(n, device=device).to(dtype)
+    scale = (_randn(1, device=device) * 3).to(dtype)
+    expected = x.clone().mul_(scale)
+    scale_in_place(x, scale)
+    # Triton's interpreter rounds fp32 to bf16 towards zero: one unit in the last place there
+    ulp = 2.0**-7 if dtype == torch.bfloat16 and device == "cpu" else 0.0
+    torch.testing.assert_close(x, expected, rtol=ulp, atol=0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        scale_in_place(x[: n - 1].view(-1)[::2], scale)
+    with pytest.raises(ValueError, match="2 elements"):
+        scale_in_place(x, scale.repeat(2))

@@ -24,6 +24,7 @@ _CHUNK_BYTES = 1 << 28
 _LARGEST_CHUNK_BYTES = 1 << 30
 _MOST_CHUNKS = 8
 _BLOCK = 4096
+_SCALE_BLOCK = 8192
 
 
 @triton.jit
@@ -74,6 +75,33 @@ def _cross_entropy_rows_kernel(
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             grad = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
             tl.store(row_ptr + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = tl.load(scale_ptr).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``x *= scale`` for a contiguous ``x`` and a one-element ``scale`` on its device.
+
+    Rounds as ``x.mul_(scale)`` does (the product in fp32, stored in ``x``'s dtype), in one
+    vectorized pass: PyTorch's own kernel reads a device scalar as a broadcast operand, through its
+    unvectorized path (0.89 ms for Gemma-3's 262144 x 1152 head gradient on an H100).
+    """
+    if not x.is_contiguous():
+        raise ValueError(f"scale_in_place: x of shape {tuple(x.shape)} is not contiguous")
+    if scale.numel() != 1:
+        raise ValueError(f"scale_in_place: scale has {scale.numel()} elements, expected 1")
+    n = x.numel()
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, _SCALE_BLOCK),)
+    _scale_kernel[grid](x, scale, n, **launch_options(BLOCK=_SCALE_BLOCK, num_warps=8))
 
 
 def _chunk_rows(n_rows: int, n_cols: int, element_size: int, chunk_size: int) -> int:

@@ -118,10 +118,12 @@ def _backward_fake(
 def _scale_in_place(
     hidden_grad: torch.Tensor, weight_grad: torch.Tensor, scale: torch.Tensor, need_h: bool, need_w: bool
 ) -> None:
+    from d9d.kernels._triton.linear_cross_entropy_kernels import scale_in_place
+
     if need_h:
-        hidden_grad.mul_(scale)
+        scale_in_place(hidden_grad, scale)
     if need_w:
-        weight_grad.mul_(scale)
+        scale_in_place(weight_grad, scale)
 
 
 def _scale_uniform_in_place(
@@ -139,13 +141,15 @@ def _scale_uniform_in_place(
     upstream gradient. The weight gradient is a sum over tokens: scaling it by the mean upstream
     gradient over target tokens is exact when that gradient is the same at every target token.
     """
+    from d9d.kernels._triton.linear_cross_entropy_kernels import scale_in_place
+
     grad = grad_loss.reshape(-1).to(torch.float32)
     if need_h:
         hidden_grad.mul_(grad.unsqueeze(1).to(hidden_grad.dtype))
     if need_w:
         targets = labels != ignore_index
         mean = (grad * targets).sum() / targets.sum().clamp(min=1)
-        weight_grad.mul_(mean.to(weight_grad.dtype))
+        scale_in_place(weight_grad, mean.to(weight_grad.dtype))
 
 
 def _input_gradients(
