@@ -74,3 +74,26 @@ def test_rms_norm_no_rows(device: str) -> None:
     assert y.shape == (0, 3, 128)
     assert x.grad is not None and x.grad.shape == x.shape
     assert weight.grad is not None and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("count", "programs", "columns"),
+    [
+        (1, 300, 1152),  # more partials than one strip's rows, columns not a multiple of the strip
+        (2, 7, 33),  # both weights of rms_norm_add, fewer partials than one strip's rows
+    ],
+)
+def test_sum_partials(device: str, count: int, programs: int, columns: int) -> None:
+    from d9d.kernels._triton.rms_norm_kernels import sum_partials
+
+    partials = _randn(count, programs, columns, device=device)
+    dtypes = (torch.bfloat16, torch.float32)[:count]
+    sums = sum_partials(partials, dtypes)
+    assert [s.dtype for s in sums] == list(dtypes)
+    for got, expected in zip(sums, partials.double().sum(dim=1), strict=True):
+        torch.testing.assert_close(got.double(), expected.to(got.dtype).double(), rtol=1e-2, atol=1e-4)
+    again = sum_partials(partials, dtypes)
+    assert all(torch.equal(a, b) for a, b in zip(sums, again, strict=True)), "a fixed summation order"
+    with pytest.raises(ValueError, match="3 slices of partials"):
+        sum_partials(partials.new_zeros(3, 2, 2), (torch.float32,) * 3)

@@ -24,6 +24,7 @@ from d9d.kernels._triton.rms_norm_kernels import (
     _input_gradient,
     _tile,
     multiprocessor_count,
+    sum_partials,
     tile_rows,
 )
 
@@ -246,8 +247,7 @@ def norm_add_backward(
     tiles = triton.cdiv(n_rows, rows)
     programs = min(tiles, multiprocessor_count(d2.device) * BACKWARD_PROGRAMS_PER_SM)
     # Every program stores its partials (zeros if it had no tile), so the buffers need no memset.
-    dw_branch_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=d2.device)
-    dw_next_partial = torch.empty_like(dw_branch_partial) if has_next else dw_branch_partial
+    partials = torch.empty((2 if has_next else 1, programs, n_cols), dtype=torch.float32, device=d2.device)
     _norm_add_backward_kernel[(programs,)](
         d2,
         dy2,
@@ -259,8 +259,8 @@ def norm_add_backward(
         rstd_total if has_next else rstd_branch,
         dresidual,
         dbranch,
-        dw_branch_partial,
-        dw_next_partial,
+        partials[0],
+        partials[-1],
         b2.stride(0),
         n_rows,
         n_cols,
@@ -276,6 +276,8 @@ def norm_add_backward(
             num_warps=warps_for_block(rows * block),
         ),
     )
-    dweight = dw_branch_partial.sum(dim=0).to(weight.dtype)
-    dnext_weight = dw_next_partial.sum(dim=0).to(next_weight.dtype) if next_weight is not None else None
+    if next_weight is None:
+        (dweight,), dnext_weight = sum_partials(partials, (weight.dtype,)), None
+    else:
+        dweight, dnext_weight = sum_partials(partials, (weight.dtype, next_weight.dtype))
     return dresidual.view(dtotal.shape), dbranch.view(branch.shape), dweight, dnext_weight
