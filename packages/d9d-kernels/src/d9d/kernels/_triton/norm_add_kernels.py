@@ -14,6 +14,8 @@ graph, at widths above 1024 (Gemma-3-1B's 1152), loops over each row once per re
 reduces the weight gradients over rows in kernels of their own.
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -155,6 +157,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _options(
+    zero_centered_weight: bool,
+    next_zero_centered_weight: bool,
+    scale: float,
+    has_next: bool,
+    rows: int,
+    block: int,
+) -> dict[str, Any]:
+    """The constexprs and warps both kernels are launched with."""
+    return launch_options(
+        ZERO_CENTERED_BRANCH=zero_centered_weight,
+        ZERO_CENTERED_NEXT=next_zero_centered_weight,
+        SCALED=scale != 1.0,
+        HAS_NEXT=has_next,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=warps_for_block(rows * block),
+    )
+
+
 def norm_add_forward(
     residual: torch.Tensor,
     branch: torch.Tensor,
@@ -197,15 +219,7 @@ def norm_add_forward(
             eps,
             next_eps,
             scale,
-            **launch_options(
-                ZERO_CENTERED_BRANCH=zero_centered_weight,
-                ZERO_CENTERED_NEXT=next_zero_centered_weight,
-                SCALED=scale != 1.0,
-                HAS_NEXT=has_next,
-                ROWS=rows,
-                BLOCK=block,
-                num_warps=warps_for_block(rows * block),
-            ),
+            **_options(zero_centered_weight, next_zero_centered_weight, scale, has_next, rows, block),
         )
     shape = residual.shape
     return total.view(shape), y.view(shape) if has_next else y, rstd_branch, rstd_total
@@ -266,15 +280,7 @@ def norm_add_backward(
         n_cols,
         triton.cdiv(tiles, programs),
         scale,
-        **launch_options(
-            ZERO_CENTERED_BRANCH=zero_centered_weight,
-            ZERO_CENTERED_NEXT=next_zero_centered_weight,
-            SCALED=scale != 1.0,
-            HAS_NEXT=has_next,
-            ROWS=rows,
-            BLOCK=block,
-            num_warps=warps_for_block(rows * block),
-        ),
+        **_options(zero_centered_weight, next_zero_centered_weight, scale, has_next, rows, block),
     )
     if next_weight is None:
         (dweight,), dnext_weight = sum_partials(partials, (weight.dtype,)), None
