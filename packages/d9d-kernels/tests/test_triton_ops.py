@@ -237,9 +237,11 @@ def test_grouped_mm_auto_path_on_gpu() -> None:
 @pytest.mark.parametrize(
     ("tokens", "vocab", "rows"),
     [
-        (4096, 151936, 768),  # 256 MiB of logits, in multiples of 256 tokens (6 chunks)
-        (16384, 151936, 2048),  # an eighth of the tokens is more: 8 chunks, not 22
-        (65536, 151936, 3328),  # an eighth would pass 1 GiB of logits
+        (4096, 151936, 1024),  # a quarter of the tokens is more than 256 MiB of logits (768 tokens)
+        (16384, 151936, 4096),  # 4 chunks, not 22
+        (16384, 262144, 4096),  # Gemma 3's vocabulary: 2 GiB of logits
+        (65536, 151936, 6912),  # a quarter would pass 2 GiB of logits: as many as fit, in 256s
+        (2048, 151936, 768),  # 256 MiB of logits, in multiples of 256 tokens, is more than a quarter
         (100, 151936, 100),  # all of a short batch
         (5000, 10**7, 13),  # a row wider than 256 MiB / 256 tokens: as many as fit 256 MiB
     ],

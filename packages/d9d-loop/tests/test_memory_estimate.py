@@ -212,6 +212,6 @@ def test_table_and_summary_name_every_component_and_rank() -> None:
 
 
 def test_head_chunks_follow_the_kernels_rule() -> None:
-    # d9d-kernels' linear cross-entropy: 256 MiB of logits or an eighth of the tokens, up to 1 GiB
+    # d9d-kernels' linear cross-entropy: 256 MiB of logits or a quarter of the tokens, up to 2 GiB
     row = 151936 * 2
-    assert [head_chunk_rows(tokens, row) for tokens in (100, 4096, 16384, 65536)] == [100, 768, 2048, 3328]
+    assert [head_chunk_rows(tokens, row) for tokens in (100, 4096, 16384, 65536)] == [100, 1024, 4096, 6912]

@@ -49,7 +49,7 @@ def linear_cross_entropy(
             under this promise). Leave it False when tokens are weighted differently (e.g.
             per-token advantages). Ignored by the plain PyTorch path, which is always exact.
         chunk_size: Tokens per chunk on the Triton path; by default as many as keep one chunk's
-            logits near 256 MiB, or an eighth of the tokens when that is more (up to 1 GiB of
+            logits near 256 MiB, or a quarter of the tokens when that is more (up to 2 GiB of
             logits), in multiples of 256 tokens.
         backend: Which implementation runs (Triton on CUDA by default).
 

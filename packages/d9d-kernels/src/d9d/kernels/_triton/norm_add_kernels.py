@@ -25,6 +25,7 @@ from d9d.kernels._triton.rms_norm_kernels import (
     BACKWARD_PROGRAMS_PER_SM,
     _input_gradient,
     _tile,
+    backward_warps,
     multiprocessor_count,
     sum_partials,
     tile_rows,
@@ -164,6 +165,7 @@ def _options(
     has_next: bool,
     rows: int,
     block: int,
+    warps: int,
 ) -> dict[str, Any]:
     """The constexprs and warps both kernels are launched with."""
     return launch_options(
@@ -173,7 +175,7 @@ def _options(
         HAS_NEXT=has_next,
         ROWS=rows,
         BLOCK=block,
-        num_warps=warps_for_block(rows * block),
+        num_warps=warps,
     )
 
 
@@ -219,7 +221,15 @@ def norm_add_forward(
             eps,
             next_eps,
             scale,
-            **_options(zero_centered_weight, next_zero_centered_weight, scale, has_next, rows, block),
+            **_options(
+                zero_centered_weight,
+                next_zero_centered_weight,
+                scale,
+                has_next,
+                rows,
+                block,
+                warps_for_block(rows * block),
+            ),
         )
     shape = residual.shape
     return total.view(shape), y.view(shape) if has_next else y, rstd_branch, rstd_total
@@ -280,7 +290,15 @@ def norm_add_backward(
         n_cols,
         triton.cdiv(tiles, programs),
         scale,
-        **_options(zero_centered_weight, next_zero_centered_weight, scale, has_next, rows, block),
+        **_options(
+            zero_centered_weight,
+            next_zero_centered_weight,
+            scale,
+            has_next,
+            rows,
+            block,
+            backward_warps(rows, block),
+        ),
     )
     if next_weight is None:
         (dweight,), dnext_weight = sum_partials(partials, (weight.dtype,)), None

@@ -6,9 +6,9 @@ from d9d.loop.estimate._job import MemoryJob
 
 HEAD_CHUNK_BYTES = 1 << 28
 """The fused linear cross-entropy computes the logits in chunks of about this many bytes..."""
-HEAD_MOST_CHUNKS = 8
-"""...or of an eighth of the tokens when that is more..."""
-HEAD_LARGEST_CHUNK_BYTES = 1 << 30
+HEAD_MOST_CHUNKS = 4
+"""...or of a quarter of the tokens when that is more..."""
+HEAD_LARGEST_CHUNK_BYTES = 1 << 31
 """...up to this many bytes (d9d-kernels' chunking, in multiples of 256 tokens)."""
 
 
