@@ -215,3 +215,11 @@ def test_head_chunks_follow_the_kernels_rule() -> None:
     # d9d-kernels' linear cross-entropy: 256 MiB of logits or a quarter of the tokens, up to 2 GiB
     row = 151936 * 2
     assert [head_chunk_rows(tokens, row) for tokens in (100, 4096, 16384, 65536)] == [100, 1024, 4096, 6912]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab"), [(100, 151936), (2048, 151936), (16384, 262144), (65536, 151936)]
+)
+def test_head_chunks_equal_the_kernels_own(tokens: int, vocab: int) -> None:
+    kernels = pytest.importorskip("d9d.kernels._triton.linear_cross_entropy_kernels")
+    assert head_chunk_rows(tokens, vocab * 2) == kernels._chunk_rows(tokens, vocab, 2, 0)
