@@ -10,11 +10,12 @@ GPU kernel time (``triton.testing.do_bench``) on one GPU, bf16, 16384 tokens:
 - scaling the head's weight gradient by a device scalar (``mul_`` against ``scale_in_place``) and
   summing per-program weight-gradient partials (``sum`` against ``sum_partials``).
 
-Run: python packages/d9d-kernels/benchmarks/bench_norm_backward_launch.py
+Run: python packages/d9d-kernels/benchmarks/bench_norm_backward_launch.py [--widths 1152 2048 ...] [--no-head]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from collections.abc import Callable
 
@@ -165,12 +166,17 @@ def head() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1152, 2560], help="hidden sizes to sweep")
+    parser.add_argument("--no-head", action="store_true", help="skip the LM head's timings")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_norm_backward_launch needs a CUDA GPU")
     print(torch.cuda.get_device_name())
-    head()
-    sweep_norm_backward(1152, list(itertools.product((1, 2, 4), (4, 8, 16), (2, 4, 8, 16))))
-    sweep_norm_backward(2560, list(itertools.product((1, 2), (8, 16), (2, 4, 8))))
+    if not args.no_head:
+        head()
+    for cols in args.widths:
+        sweep_norm_backward(cols, list(itertools.product((1, 2, 4), (4, 8, 16), (2, 4, 8))))
 
 
 if __name__ == "__main__":
