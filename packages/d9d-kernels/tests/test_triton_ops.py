@@ -12,6 +12,7 @@ from d9d.kernels import (
     apply_rope,
     grouped_mm,
     linear_cross_entropy,
+    linear_cross_entropy_chunk_tokens,
     moe_permute,
     moe_unpermute,
     rms_norm,
@@ -247,12 +248,13 @@ def test_grouped_mm_auto_path_on_gpu() -> None:
     ],
 )
 def test_linear_cross_entropy_default_chunks(tokens: int, vocab: int, rows: int) -> None:
+    assert linear_cross_entropy_chunk_tokens(tokens, vocab, 2) == rows
     pytest.importorskip("triton")
     from d9d.kernels._triton.linear_cross_entropy_kernels import (
         _chunk_rows,  # pyright: ignore[reportPrivateUsage]
     )
 
-    assert _chunk_rows(tokens, vocab, 2, 0) == rows
+    assert _chunk_rows(tokens, vocab, 2, 0) == rows, "the Triton path uses the public rule"
     assert _chunk_rows(tokens, vocab, 2, 100) == 100, "an explicit chunk_size wins"
 
 

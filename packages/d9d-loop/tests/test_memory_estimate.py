@@ -19,7 +19,7 @@ from d9d.loop.estimate import (
     optimizer_memory,
     summary_line,
 )
-from d9d.loop.estimate._activations import head_chunk_rows, layer_forward_bytes, saved_per_layer_bytes
+from d9d.loop.estimate._activations import head_bytes, layer_forward_bytes, saved_per_layer_bytes
 from d9d.loop.peft import LoRAConfig, NF4BaseConfig, PlainBaseConfig
 from d9d.mesh import MeshParameters
 
@@ -211,15 +211,17 @@ def test_table_and_summary_name_every_component_and_rank() -> None:
     assert summary_line(estimates).startswith("memory estimate: ")
 
 
-def test_head_chunks_follow_the_kernels_rule() -> None:
-    # d9d-kernels' linear cross-entropy: 256 MiB of logits or a quarter of the tokens, up to 2 GiB
-    row = 151936 * 2
-    assert [head_chunk_rows(tokens, row) for tokens in (100, 4096, 16384, 65536)] == [100, 1024, 4096, 6912]
+def test_head_logits_follow_the_models_chunk_rule() -> None:
+    # 100 tokens, vocabulary 32 in bf16: 64 bytes a logits row; beside it the final norm's output
+    # and the hidden gradient (2 x 100 x 8 x 2) and float32 loss and log-sum-exp (8 x 100).
+    rest = 2 * 100 * 8 * 2 + 8 * 100
+    assert head_bytes(_job(), 100, head_trained=False) == 100 * 64 + rest, "no rule: all the logits"
+    asked: list[tuple[int, int]] = []
 
+    def rule(tokens: int, vocab: int) -> int:
+        asked.append((tokens, vocab))
+        return 7
 
-@pytest.mark.parametrize(
-    ("tokens", "vocab"), [(100, 151936), (2048, 151936), (16384, 262144), (65536, 151936)]
-)
-def test_head_chunks_equal_the_kernels_own(tokens: int, vocab: int) -> None:
-    kernels = pytest.importorskip("d9d.kernels._triton.linear_cross_entropy_kernels")
-    assert head_chunk_rows(tokens, vocab * 2) == kernels._chunk_rows(tokens, vocab, 2, 0)
+    chunked = _job(model=replace(TINY, head_chunk_tokens=rule), mesh=MeshParameters(tensor_parallel=2))
+    assert head_bytes(chunked, 100, head_trained=False) == 7 * 32 + rest
+    assert asked == [(100, 16)], "the rule sees the tokens and the vocabulary rows on the rank"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import assert_never, cast
 
@@ -15,6 +16,7 @@ from torch import nn
 from d9d.hf._decoder import DecoderFamily, DecoderLayer, read_config_file
 from d9d.hf._families import DECODER_CONFIG_ADAPTER, SUPPORTED_MODEL_TYPES, AnyDecoderConfig
 from d9d.hf._model_config import HFModelConfig, PretrainedModelConfig, ScratchModelConfig
+from d9d.kernels import linear_cross_entropy_chunk_tokens
 from d9d.kernels.layers import MoELayer, SwiGLU
 from d9d.loop.estimate import LinearShape, ModelMemoryShape
 
@@ -155,4 +157,5 @@ def memory_shape(config: HFModelConfig, family: DecoderFamily) -> ModelMemorySha
         compute_bytes=compute,
         activation_checkpointing=config.activation_checkpointing,
         last_stage_weight=config.last_stage_weight,
+        head_chunk_tokens=partial(linear_cross_entropy_chunk_tokens, element_size=compute),
     )

@@ -14,6 +14,7 @@ from d9d.kernels._few_rows_linear import (
 from d9d.kernels._grouped_mm import grouped_mm
 from d9d.kernels._host_state import HostStateOffload, available_host_memory
 from d9d.kernels._linear_cross_entropy import CrossEntropyReduction, linear_cross_entropy
+from d9d.kernels._linear_cross_entropy_chunks import linear_cross_entropy_chunk_tokens
 from d9d.kernels._moe import moe_permute, moe_unpermute
 from d9d.kernels._paged_attention import paged_decode_attention
 from d9d.kernels._qk_norm_rope import QKNormRope, qk_norm_rope
@@ -47,6 +48,7 @@ __all__ = [
     "few_rows_swiglu",
     "grouped_mm",
     "linear_cross_entropy",
+    "linear_cross_entropy_chunk_tokens",
     "moe_permute",
     "moe_unpermute",
     "paged_decode_attention",

@@ -15,15 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from d9d.kernels._linear_cross_entropy_chunks import linear_cross_entropy_chunk_tokens
 from d9d.kernels._triton.launch import launch_options
 
-# A chunk's logits take about _CHUNK_BYTES, or a quarter of the tokens when that is more (at most
-# _LARGEST_CHUNK_BYTES): each chunk's weight-gradient product reads and writes the whole (V, H)
-# gradient, which at 22 chunks of 745 tokens (seq 4096 x 4, vocab 151936) cost 12% of the head, and
-# the three products run 6-12% faster at 4096 tokens than at 2048 (H100, hidden 1152, vocab 262144).
-_CHUNK_BYTES = 1 << 28
-_LARGEST_CHUNK_BYTES = 1 << 31
-_MOST_CHUNKS = 4
 _BLOCK = 4096
 _SCALE_BLOCK = 8192
 
@@ -108,13 +102,7 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
 def _chunk_rows(n_rows: int, n_cols: int, element_size: int, chunk_size: int) -> int:
     if chunk_size > 0:
         return max(1, min(n_rows, chunk_size))
-    row = max(1, n_cols * element_size)
-    by_bytes = max(1, _CHUNK_BYTES // row)
-    if by_bytes >= 256:
-        by_bytes -= by_bytes % 256
-    by_count = -(-n_rows // _MOST_CHUNKS)
-    largest = max(by_bytes, _LARGEST_CHUNK_BYTES // row // 256 * 256)
-    return min(n_rows, max(by_bytes, min(-(-by_count // 256) * 256, largest)))
+    return linear_cross_entropy_chunk_tokens(n_rows, n_cols, element_size)
 
 
 def _run_rows(

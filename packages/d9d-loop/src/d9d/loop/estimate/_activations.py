@@ -4,23 +4,6 @@ from __future__ import annotations
 
 from d9d.loop.estimate._job import MemoryJob
 
-HEAD_CHUNK_BYTES = 1 << 28
-"""The fused linear cross-entropy computes the logits in chunks of about this many bytes..."""
-HEAD_MOST_CHUNKS = 4
-"""...or of a quarter of the tokens when that is more..."""
-HEAD_LARGEST_CHUNK_BYTES = 1 << 31
-"""...up to this many bytes (d9d-kernels' chunking, in multiples of 256 tokens)."""
-
-
-def head_chunk_rows(tokens: int, row_bytes: int) -> int:
-    """Tokens in one chunk of the fused linear cross-entropy's logits (rows of ``row_bytes``)."""
-    by_bytes = max(1, HEAD_CHUNK_BYTES // row_bytes)
-    if by_bytes >= 256:
-        by_bytes -= by_bytes % 256
-    by_count = -(-tokens // HEAD_MOST_CHUNKS)
-    largest = max(by_bytes, HEAD_LARGEST_CHUNK_BYTES // row_bytes // 256 * 256)
-    return min(tokens, max(by_bytes, min(-(-by_count // 256) * 256, largest)))
-
 
 def microbatch_tokens(job: MemoryJob) -> int:
     """Tokens of one microbatch on one rank (context parallelism splits the sequence)."""
@@ -71,13 +54,15 @@ def backward_working_bytes(job: MemoryJob, tokens: int, adapted: int) -> int:
 
 
 def head_bytes(job: MemoryJob, tokens: int, *, head_trained: bool) -> int:
-    """The last stage's fused LM head and loss: one logits chunk (``head_chunk_rows``), the final
-    norm's output and the hidden gradient, float32 loss and log-sum-exp per token, and, for a
-    trained head, the kernel's weight gradient in the compute dtype."""
+    """The last stage's LM head and loss: the logits of one chunk of tokens (the model's
+    ``head_chunk_tokens``; of all tokens without one), the final norm's output and the hidden
+    gradient, float32 loss and log-sum-exp per token, and, for a trained head, the kernel's weight
+    gradient in the compute dtype."""
     model = job.model
     vocab = model.vocab_size // job.mesh.tensor_parallel
     row = vocab * model.compute_bytes
-    rows = head_chunk_rows(tokens, row)
+    chunk = model.head_chunk_tokens
+    rows = tokens if chunk is None else chunk(tokens, vocab)
     total = rows * row + 2 * tokens * model.compute_bytes * model.hidden_size + 8 * tokens
     if head_trained:
         total += vocab * model.hidden_size * model.compute_bytes

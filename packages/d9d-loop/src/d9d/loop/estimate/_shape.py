@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -54,6 +55,10 @@ class ModelMemoryShape:
         compute_bytes: Bytes per element of forward and backward (the compute dtype).
         activation_checkpointing: Every decoder layer recomputes its forward in backward.
         last_stage_weight: The extra cost of the last pipeline stage in layers (it gets fewer).
+        head_chunk_tokens: Tokens per chunk of logits that the LM head's loss computes at a
+            time, given the microbatch's tokens and the vocabulary rows on the rank (d9d-hf
+            states d9d-kernels' ``linear_cross_entropy_chunk_tokens``); None: all the logits at
+            once (an unfused head).
     """
 
     num_layers: int
@@ -72,6 +77,7 @@ class ModelMemoryShape:
     compute_bytes: int
     activation_checkpointing: bool
     last_stage_weight: float = 0.0
+    head_chunk_tokens: Callable[[int, int], int] | None = None
 
     @property
     def embedding_parameters(self) -> int:
