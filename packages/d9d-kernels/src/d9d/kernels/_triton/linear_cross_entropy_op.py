@@ -115,15 +115,15 @@ def _backward_fake(
     return hidden_grad, weight_grad
 
 
-def _scale(t: torch.Tensor, scale: torch.Tensor) -> None:
-    """``t *= scale`` (a one-element device tensor): ``mul_`` while ``torch.compile`` traces (the
-    op's registered backward, on fake tensors, where Inductor fuses it), else ``scale_in_place``."""
-    if torch.compiler.is_compiling():
-        t.mul_(scale)
-    else:
+def _scale(t: torch.Tensor, scale: torch.Tensor, eager: bool) -> None:
+    """``t *= scale`` (a one-element device tensor): ``scale_in_place`` in eager mode; ``mul_`` in
+    the op's backward, which ``torch.compile`` traces and Inductor fuses."""
+    if eager:
         from d9d.kernels._triton.linear_cross_entropy_kernels import scale_in_place
 
         scale_in_place(t, scale)
+    else:
+        t.mul_(scale)
 
 
 def _scale_in_place(
@@ -132,11 +132,12 @@ def _scale_in_place(
     scale: torch.Tensor,
     need_h: bool,
     need_w: bool,
+    eager: bool,
 ) -> None:
     if need_h:
-        _scale(hidden_grad, scale)
+        _scale(hidden_grad, scale, eager)
     if need_w:
-        _scale(weight_grad, scale)
+        _scale(weight_grad, scale, eager)
 
 
 def _scale_uniform_in_place(
@@ -147,6 +148,7 @@ def _scale_uniform_in_place(
     ignore_index: int,
     need_h: bool,
     need_w: bool,
+    eager: bool,
 ) -> None:
     """Scales gradients of the summed per-token losses by per-token upstream gradients ``grad_loss``.
 
@@ -160,7 +162,7 @@ def _scale_uniform_in_place(
     if need_w:
         targets = labels != ignore_index
         mean = (grad * targets).sum() / targets.sum().clamp(min=1)
-        _scale(weight_grad, mean.to(weight_grad.dtype))
+        _scale(weight_grad, mean.to(weight_grad.dtype), eager)
 
 
 def _input_gradients(
@@ -191,12 +193,14 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ..
         )
     elif ctx.reduction == UNIFORM_NONE:
         need_h, need_w = ctx.need_hidden_grad, ctx.need_weight_grad
-        _scale_uniform_in_place(hidden_grad, weight_grad, grad_loss, labels, ctx.ignore_index, need_h, need_w)
+        _scale_uniform_in_place(
+            hidden_grad, weight_grad, grad_loss, labels, ctx.ignore_index, need_h, need_w, eager=False
+        )
     else:
         # The forward computed the gradients of the reduced loss; scale them by the upstream scalar
         # in place (the saved tensors are ours alone; a second backward fails the version check).
         need_h, need_w = ctx.need_hidden_grad, ctx.need_weight_grad
-        _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w)
+        _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w, eager=False)
     return _input_gradients(hidden_grad, weight_grad, need_h, need_w)
 
 
@@ -242,11 +246,13 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         elif reduction == UNIFORM_NONE:
             hidden_grad, weight_grad = ctx.grads
             ctx.grads = None  # hand the only references to autograd
-            _scale_uniform_in_place(hidden_grad, weight_grad, grad_loss, labels, ignore_index, need_h, need_w)
+            _scale_uniform_in_place(
+                hidden_grad, weight_grad, grad_loss, labels, ignore_index, need_h, need_w, eager=True
+            )
         else:
             hidden_grad, weight_grad = ctx.grads
             ctx.grads = None  # hand the only references to autograd
-            _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w)
+            _scale_in_place(hidden_grad, weight_grad, grad_loss.to(hidden.dtype), need_h, need_w, eager=True)
         return _input_gradients(hidden_grad, weight_grad, need_h, need_w)
 
 
