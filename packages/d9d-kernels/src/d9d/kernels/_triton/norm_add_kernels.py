@@ -158,17 +158,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _options(
+def _launch(
+    n_cols: int,
     zero_centered_weight: bool,
     next_zero_centered_weight: bool,
     scale: float,
     has_next: bool,
-    rows: int,
-    block: int,
-    warps: int,
-) -> dict[str, Any]:
-    """The constexprs and warps both kernels are launched with."""
-    return launch_options(
+    *,
+    backward: bool,
+) -> tuple[int, dict[str, Any]]:
+    """Rows per tile, and the constexprs and warps a kernel of either direction is launched with."""
+    block = next_power_of_2(n_cols)
+    rows = tile_rows(block)
+    warps = backward_warps(rows, block) if backward else warps_for_block(rows * block)
+    options = launch_options(
         ZERO_CENTERED_BRANCH=zero_centered_weight,
         ZERO_CENTERED_NEXT=next_zero_centered_weight,
         SCALED=scale != 1.0,
@@ -177,6 +180,7 @@ def _options(
         BLOCK=block,
         num_warps=warps,
     )
+    return rows, options
 
 
 def norm_add_forward(
@@ -202,8 +206,9 @@ def norm_add_forward(
     y = torch.empty_like(total) if has_next else total.new_empty((0,))
     rstd_branch = torch.empty((n_rows,), dtype=torch.float32, device=residual.device)
     rstd_total = torch.empty_like(rstd_branch) if has_next else rstd_branch.new_empty((0,))
-    block = next_power_of_2(n_cols)
-    rows = tile_rows(block)
+    rows, options = _launch(
+        n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=False
+    )
     if n_rows > 0:
         _norm_add_forward_kernel[(triton.cdiv(n_rows, rows),)](
             r2,
@@ -221,15 +226,7 @@ def norm_add_forward(
             eps,
             next_eps,
             scale,
-            **_options(
-                zero_centered_weight,
-                next_zero_centered_weight,
-                scale,
-                has_next,
-                rows,
-                block,
-                warps_for_block(rows * block),
-            ),
+            **options,
         )
     shape = residual.shape
     return total.view(shape), y.view(shape) if has_next else y, rstd_branch, rstd_total
@@ -266,8 +263,9 @@ def norm_add_backward(
         dy = torch.zeros_like(d2)
     dy2 = d2 if dy is None else dy.reshape(-1, n_cols).contiguous()
     t2 = total.reshape(-1, n_cols).contiguous()
-    block = next_power_of_2(n_cols)
-    rows = tile_rows(block)
+    rows, options = _launch(
+        n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=True
+    )
     tiles = triton.cdiv(n_rows, rows)
     programs = min(tiles, multiprocessor_count(d2.device) * BACKWARD_PROGRAMS_PER_SM)
     # Every program stores its partials (zeros if it had no tile), so the buffers need no memset.
@@ -290,15 +288,7 @@ def norm_add_backward(
         n_cols,
         triton.cdiv(tiles, programs),
         scale,
-        **_options(
-            zero_centered_weight,
-            next_zero_centered_weight,
-            scale,
-            has_next,
-            rows,
-            block,
-            backward_warps(rows, block),
-        ),
+        **options,
     )
     if next_weight is None:
         (dweight,), dnext_weight = sum_partials(partials, (weight.dtype,)), None
