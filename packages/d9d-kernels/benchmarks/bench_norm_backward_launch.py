@@ -25,7 +25,7 @@ import triton
 from d9d.kernels._triton import norm_add_kernels, rms_norm_kernels
 from d9d.kernels._triton.launch import next_power_of_2
 from d9d.kernels._triton.linear_cross_entropy_kernels import linear_cross_entropy_forward, scale_in_place
-from d9d.kernels._triton.rms_norm_kernels import backward_warps, sum_partials, tile_rows
+from d9d.kernels._triton.rms_norm_kernels import NormBackwardKernel, backward_launch, sum_partials
 
 TOKENS = 16384
 VOCAB = 262144
@@ -95,9 +95,14 @@ def sweep_norm_backward(cols: int, grid: list[tuple[int, int, int]]) -> None:
         "rms_norm_add": lambda r, w, p: norm_add(False, r, w, p),
         "rms_norm": plain,
     }
-    rows_now = tile_rows(block)
-    current = (rows_now, backward_warps(rows_now, block), rms_norm_kernels.BACKWARD_PROGRAMS_PER_SM)
+    kernels: dict[str, NormBackwardKernel] = {
+        "rms_norm_add, next norm": "rms_norm_add_next",
+        "rms_norm_add": "rms_norm_add",
+        "rms_norm": "rms_norm",
+    }
     for name, runner in runners.items():
+        launch = backward_launch(kernels[name], block)
+        current = (launch.rows, launch.warps, launch.programs_per_sm)
         current_us, reference = runner(*current)
         results = []
         for rows, warps, per_sm in grid:

@@ -25,6 +25,7 @@ def _randn(*shape: int, device: str) -> torch.Tensor:
         pytest.param(1024, 37, 16384 + 3, False, id="hidden-1024"),  # 4-row tiles, a partial last tile
         pytest.param(96, 70, 50001, True, id="odd-96"),  # padded to 128 columns
         pytest.param(1000, 37, 20001, True, id="odd-1000"),  # padded to 1024 columns
+        pytest.param(1152, 9, 16384 + 3, True, id="gemma-1152"),  # 2048 columns, 8 programs an SM
         pytest.param(128, 1, 1, False, id="one-row"),  # one tile, one program, 31 masked rows
     ],
 )

@@ -60,8 +60,22 @@ def test_rms_norm(device: str, dtype: torch.dtype, zero_centered: bool) -> None:
         (True, 0.25),  # a residual multiplier on the normalized branch
     ],
 )
-def test_rms_norm_add(device: str, dtype: torch.dtype, then: bool, scale: float) -> None:
-    rows, hidden = (13, 72) if device == "cpu" else (16384, 1152)  # Gemma-3-1B's width: no power of two
+@pytest.mark.parametrize(
+    ("cpu_shape", "gpu_shape"),
+    [
+        pytest.param((13, 72), (16384, 1152), id="gemma-1b"),  # Gemma-3-1B's width: no power of two
+        pytest.param((5, 2560), (8195, 2560), id="gemma-4b"),  # two-row tiles of 4096 backward
+    ],
+)
+def test_rms_norm_add(
+    device: str,
+    dtype: torch.dtype,
+    then: bool,
+    scale: float,
+    cpu_shape: tuple[int, int],
+    gpu_shape: tuple[int, int],
+) -> None:
+    rows, hidden = cpu_shape if device == "cpu" else gpu_shape
     residual = _randn(rows, hidden, device=device).view(-1, 1, hidden)
     branch = _randn(rows, hidden, device=device).flip(0).view(-1, 1, hidden) * 3
     weight = _randn(hidden, device=device) * 0.1

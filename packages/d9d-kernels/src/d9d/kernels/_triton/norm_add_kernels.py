@@ -22,10 +22,9 @@ import triton.language as tl
 
 from d9d.kernels._triton.launch import launch_options, next_power_of_2, warps_for_block
 from d9d.kernels._triton.rms_norm_kernels import (
-    BACKWARD_PROGRAMS_PER_SM,
     _input_gradient,
     _tile,
-    backward_warps,
+    backward_launch,
     multiprocessor_count,
     sum_partials,
     tile_rows,
@@ -166,11 +165,16 @@ def _launch(
     has_next: bool,
     *,
     backward: bool,
-) -> tuple[int, dict[str, Any]]:
-    """Rows per tile, and the constexprs and warps a kernel of either direction is launched with."""
+) -> tuple[int, int, dict[str, Any]]:
+    """Rows per tile, persistent programs per multiprocessor (the backward's; 0 forward, which
+    launches a program per tile), and the constexprs and warps of a kernel of either direction."""
     block = next_power_of_2(n_cols)
-    rows = tile_rows(block)
-    warps = backward_warps(rows, block) if backward else warps_for_block(rows * block)
+    if backward:
+        launch = backward_launch("rms_norm_add_next" if has_next else "rms_norm_add", block)
+        rows, warps, programs_per_sm = launch.rows, launch.warps, launch.programs_per_sm
+    else:
+        rows = tile_rows(block)
+        warps, programs_per_sm = warps_for_block(rows * block), 0
     options = launch_options(
         ZERO_CENTERED_BRANCH=zero_centered_weight,
         ZERO_CENTERED_NEXT=next_zero_centered_weight,
@@ -180,7 +184,7 @@ def _launch(
         BLOCK=block,
         num_warps=warps,
     )
-    return rows, options
+    return rows, programs_per_sm, options
 
 
 def norm_add_forward(
@@ -206,7 +210,7 @@ def norm_add_forward(
     y = torch.empty_like(total) if has_next else total.new_empty((0,))
     rstd_branch = torch.empty((n_rows,), dtype=torch.float32, device=residual.device)
     rstd_total = torch.empty_like(rstd_branch) if has_next else rstd_branch.new_empty((0,))
-    rows, options = _launch(
+    rows, _, options = _launch(
         n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=False
     )
     if n_rows > 0:
@@ -263,11 +267,11 @@ def norm_add_backward(
         dy = torch.zeros_like(d2)
     dy2 = d2 if dy is None else dy.reshape(-1, n_cols).contiguous()
     t2 = total.reshape(-1, n_cols).contiguous()
-    rows, options = _launch(
+    rows, programs_per_sm, options = _launch(
         n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=True
     )
     tiles = triton.cdiv(n_rows, rows)
-    programs = min(tiles, multiprocessor_count(d2.device) * BACKWARD_PROGRAMS_PER_SM)
+    programs = min(tiles, multiprocessor_count(d2.device) * programs_per_sm)
     # Every program stores its partials (zeros if it had no tile), so the buffers need no memset.
     partials = torch.empty((2 if has_next else 1, programs, n_cols), dtype=torch.float32, device=d2.device)
     _norm_add_backward_kernel[(programs,)](

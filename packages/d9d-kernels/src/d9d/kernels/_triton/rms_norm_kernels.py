@@ -9,6 +9,8 @@ moves a few thousand elements instead of one short row, and narrow norms stop be
 """
 
 import functools
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import triton
@@ -42,11 +44,48 @@ def tile_rows(block: int) -> int:
     return max(1, min(MAX_TILE_ROWS, TILE_ELEMENTS // block))
 
 
-def backward_warps(rows: int, block: int) -> int:
-    """Warps of a backward program over tiles of ``rows`` x ``block``: 4 for rows padded to 2048
-    (Gemma-3-1B's 1152: 8% to 9% faster than 8 for ``rms_norm_add``'s backward on an H100),
-    otherwise the forward's."""
-    return 4 if block == 2048 else warps_for_block(rows * block)
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """How a norm's persistent backward kernel is launched.
+
+    Attributes:
+        rows: Rows per tile.
+        warps: Warps per program.
+        programs_per_sm: Persistent programs per multiprocessor.
+    """
+
+    rows: int
+    warps: int
+    programs_per_sm: int
+
+
+NormBackwardKernel = Literal["rms_norm", "rms_norm_add", "rms_norm_add_next"]
+"""A backward kernel: ``rms_norm``'s, ``rms_norm_add``'s without and with the next norm."""
+
+
+def backward_launch(kernel: NormBackwardKernel, block: int) -> BackwardLaunch:
+    """The launch of ``kernel`` over rows padded to ``block`` columns.
+
+    Chosen from ``benchmarks/bench_norm_backward_launch.py`` on an H100 at 16384 rows (bf16); the
+    forward's tiles and warps with ``BACKWARD_PROGRAMS_PER_SM`` where no other was faster:
+
+    - 2048 (1025 to 2048 columns): 4 warps; the one-norm kernels on 8 programs a multiprocessor
+      (at 1152 columns ``rms_norm`` 54.8 us against 62.6, ``rms_norm_add`` 70.5 against 80.7; at
+      2048 78.5 against 84.9 and 104.1 against 111.6), the two-norm kernel on 4 (114.3 us against
+      115.4 on 2: level);
+    - 4096, the two-norm kernel: two rows a tile on 16 warps, 2 programs a multiprocessor (270.1 us
+      against 338.2 at 2560 columns).
+    """
+    rows = tile_rows(block)
+    match kernel, block:
+        case (("rms_norm" | "rms_norm_add"), 2048):
+            return BackwardLaunch(rows, 4, 8)
+        case "rms_norm_add_next", 2048:
+            return BackwardLaunch(rows, 4, BACKWARD_PROGRAMS_PER_SM)
+        case "rms_norm_add_next", 4096:
+            return BackwardLaunch(2, 16, 2)
+        case _:
+            return BackwardLaunch(rows, warps_for_block(rows * block), BACKWARD_PROGRAMS_PER_SM)
 
 
 @triton.jit
@@ -307,7 +346,7 @@ def rms_norm_backward(
     zero_centered_weight: bool,
     *,
     rows_per_tile: int | None = None,
-    programs_per_sm: int = BACKWARD_PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(dx, dweight)``; dweight is reduced over rows from per-program fp32 partial sums.
 
@@ -317,8 +356,8 @@ def rms_norm_backward(
         weight: The forward's scale.
         rstd: The forward's fp32 reciprocal RMS per row.
         zero_centered_weight: Whether the forward used ``1 + weight``.
-        rows_per_tile: Rows per tile, a power of two (``tile_rows`` by default; for benchmarks).
-        programs_per_sm: Persistent programs per multiprocessor (for benchmarks).
+        rows_per_tile: Rows per tile, a power of two (``backward_launch``'s by default; for tests).
+        programs_per_sm: Persistent programs per multiprocessor (``backward_launch``'s by default).
     """
     x2, dy2 = _rows(x), _rows(dy)
     n_rows, n_cols = x2.shape
@@ -326,9 +365,15 @@ def rms_norm_backward(
     if n_rows == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
     block = next_power_of_2(n_cols)
-    rows = tile_rows(block) if rows_per_tile is None else rows_per_tile
+    launch = backward_launch("rms_norm", block)
+    launch = replace(
+        launch,
+        rows=rows_per_tile or launch.rows,
+        programs_per_sm=programs_per_sm or launch.programs_per_sm,
+    )
+    rows = launch.rows
     tiles = triton.cdiv(n_rows, rows)
-    programs = min(tiles, multiprocessor_count(x.device) * programs_per_sm)
+    programs = min(tiles, multiprocessor_count(x.device) * launch.programs_per_sm)
     # Every program stores its partial (zeros if it had no tile), so the buffer needs no memset.
     dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32, device=x.device)
     _rms_norm_backward_kernel[(programs,)](
@@ -348,7 +393,7 @@ def rms_norm_backward(
             ZERO_CENTERED=zero_centered_weight,
             ROWS=rows,
             BLOCK=block,
-            num_warps=backward_warps(rows, block),
+            num_warps=launch.warps,
         ),
     )
     (dw,) = sum_partials(dw_partial, (weight.dtype,))
