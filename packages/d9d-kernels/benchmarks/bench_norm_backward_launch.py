@@ -89,26 +89,21 @@ def sweep_norm_backward(cols: int, grid: list[tuple[int, int, int]]) -> None:
 
         return gpu_us(run), (dx, partial.sum(0))
 
-    moved = {"rms_norm_add, next norm": 6, "rms_norm_add": 4, "rms_norm": 3}
-    runners: dict[str, Callable[[int, int, int], tuple[float, Outputs]]] = {
-        "rms_norm_add, next norm": lambda r, w, p: norm_add(True, r, w, p),
-        "rms_norm_add": lambda r, w, p: norm_add(False, r, w, p),
-        "rms_norm": plain,
-    }
-    kernels: dict[str, NormBackwardKernel] = {
-        "rms_norm_add, next norm": "rms_norm_add_next",
-        "rms_norm_add": "rms_norm_add",
-        "rms_norm": "rms_norm",
-    }
-    for name, runner in runners.items():
-        launch = backward_launch(kernels[name], block)
+    # (printed name, the kernel's launch in the table, bf16 tensors moved per element, runner)
+    kernels: list[tuple[str, NormBackwardKernel, int, Callable[[int, int, int], tuple[float, Outputs]]]] = [
+        ("rms_norm_add, next norm", "rms_norm_add_next", 6, lambda r, w, p: norm_add(True, r, w, p)),
+        ("rms_norm_add", "rms_norm_add", 4, lambda r, w, p: norm_add(False, r, w, p)),
+        ("rms_norm", "rms_norm", 3, plain),
+    ]
+    for name, kernel, moved, runner in kernels:
+        launch = backward_launch(kernel, block)
         current = (launch.rows, launch.warps, launch.programs_per_sm)
         current_us, reference = runner(*current)
         results = []
         for rows, warps, per_sm in grid:
             us, outputs = runner(rows, warps, per_sm)
             results.append((us, rows, warps, per_sm, close(outputs, reference)))
-        tb_s = moved[name] * TOKENS * cols * 2 / 1e6
+        tb_s = moved * TOKENS * cols * 2 / 1e6
         print(
             f"{name}, hidden {cols}: now (rows, warps, per SM) {current}: "
             f"{current_us:.1f} us, {tb_s / current_us:.2f} TB/s"

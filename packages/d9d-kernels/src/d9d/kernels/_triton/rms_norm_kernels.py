@@ -366,11 +366,12 @@ def rms_norm_backward(
         return dx.view(x.shape), torch.zeros_like(weight)
     block = next_power_of_2(n_cols)
     launch = backward_launch("rms_norm", block)
-    launch = replace(
-        launch,
-        rows=rows_per_tile or launch.rows,
-        programs_per_sm=programs_per_sm or launch.programs_per_sm,
-    )
+    if rows_per_tile is not None or programs_per_sm is not None:
+        launch = replace(
+            launch,
+            rows=rows_per_tile or launch.rows,
+            programs_per_sm=programs_per_sm or launch.programs_per_sm,
+        )
     rows = launch.rows
     tiles = triton.cdiv(n_rows, rows)
     programs = min(tiles, multiprocessor_count(x.device) * launch.programs_per_sm)
