@@ -9,6 +9,8 @@ import torch
 
 from d9d.kernels import KernelBackend, apply_rope, qk_norm_rope, rms_norm
 
+from ._compare import assert_matches_reference
+
 _INTERPRETER = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
 )
@@ -121,3 +123,87 @@ def test_qwen3_heads_on_gpu_equal_the_separate_kernels(seq: int) -> None:
     for got, want in zip(fused, expected, strict=True):
         # the fp32 sums of squares may add in another order: at most one bf16 step apart
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def _fused_training(layout: str, zero_centered: bool):
+    def op(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: KernelBackend,
+    ) -> torch.Tensor:
+        q, k = qk_norm_rope(
+            query, key, q_weight, k_weight, cos, sin, eps=1e-6, zero_centered_weight=zero_centered,
+            layout=layout, backend=backend,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return torch.cat((q.flatten(), k.flatten()))
+
+    return op
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["scale", "one-plus-scale"])
+def test_with_gradients_one_kernel_each_way_matches_the_reference(
+    dtype: torch.dtype, layout: str, zero_centered: bool
+) -> None:
+    # 18 positions over 8 persistent programs: several positions a program, a partial last round
+    operands = _operands(torch.float32, q_heads=6, kv_heads=2, head_dim=24, seq=9)
+    assert_matches_reference(_fused_training(layout, zero_centered), operands, [0, 1, 2, 3], dtype)
+
+
+@_INTERPRETER
+def test_with_gradients_the_compiled_call_is_one_custom_op_each_way() -> None:
+    operands = [t.requires_grad_(i < 4) for i, t in enumerate(_operands(torch.float32, seq=5))]
+    op = _fused_training("half", True)
+
+    def step(*tensors: torch.Tensor) -> torch.Tensor:
+        return op(*tensors, backend=KernelBackend.TRITON).square().sum()
+
+    eager = torch.autograd.grad(step(*operands), operands[:4])
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(torch.autograd.grad(compiled(*operands), operands[:4]), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim", "zero_centered"),
+    [(16, 8, 128, False), (4, 1, 256, True)],
+    ids=["qwen3-0.6b", "gemma-3-1b"],
+)
+def test_training_heads_on_gpu_match_the_reference(
+    q_heads: int, kv_heads: int, head_dim: int, zero_centered: bool
+) -> None:
+    operands = [
+        t.cuda()
+        for t in _operands(torch.float32, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, seq=2048)
+    ]
+    assert_matches_reference(_fused_training("half", zero_centered), operands, [0, 1, 2, 3], torch.bfloat16)
+
+
+@_INTERPRETER
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rows_per_tile", [1, 4], ids=["row-tiles", "4-row-tiles"])
+def test_kernels_over_many_small_tiles_match_the_reference(layout: str, rows_per_tile: int) -> None:
+    """Query rows 2*7*6=84 and key rows 28 over 2 persistent programs: many tiles a program, a
+    partial last tile, and key programs whose last round has no rows."""
+    from d9d.kernels._triton.qk_norm_rope_kernels import qk_norm_rope_backward, qk_norm_rope_kernel
+
+    operands = [t.requires_grad_(i < 4) for i, t in enumerate(_operands(torch.float32, q_heads=6, seq=7))]
+    interleaved = layout == "interleaved"
+    expected = _separate(tuple(operands), zero_centered=True, layout=layout)
+    grads = [torch.randn_like(t) for t in expected]
+    want = torch.autograd.grad(expected, operands[:4], grads)
+    with torch.no_grad():
+        fused = qk_norm_rope_kernel(*operands, 1e-6, True, interleaved, rows_per_tile=rows_per_tile)
+        got = qk_norm_rope_backward(
+            *grads, *operands, 1e-6, True, interleaved, programs_per_sm=1, rows_per_tile=rows_per_tile
+        )
+    for out, ref in zip((*fused, *got), (*expected, *want), strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -32,11 +32,14 @@ def qk_norm_rope(
     Qwen3-style attention normalizes every query and key head before rotating it; a decode step
     runs that as four launches per layer (two norms, two rotations) of a few kilobytes each
     (``GroupedQueryAttention`` calls this for per-head norms of whole rotated heads). Where
-    Triton runs, nothing needs a gradient, no tensor is a subclass (DTensor) and the call is not
-    being compiled (inference: a decode step or a prefill), one kernel does all four: a program per
-    position and tensor, the norm rounded to the output dtype before the rotation as the separate
-    ops round it. Otherwise the separate ``rms_norm`` and ``apply_rope`` run (differentiable;
-    Inductor fuses them when compiled).
+    Triton runs and no tensor is a subclass (DTensor), one kernel does all four over tiles of
+    head rows (a head of one position is a row), the norm rounded to the output dtype before the
+    rotation as the separate ops round it. Without gradients that is for eager calls (a decode
+    step or a prefill; compiled, Inductor fuses the separate ops). With gradients (training, eager
+    or compiled: custom ops) the backward is one persistent kernel too, which recomputes each
+    head's statistics and sums both weights' gradients from per-program partials; the tables get
+    no gradient (with gradients asked of them, the separate ops run). Otherwise the separate
+    ``rms_norm`` and ``apply_rope`` run.
 
     Args:
         query: ``(batch, seq, q_heads, head_dim)``.
@@ -59,16 +62,29 @@ def qk_norm_rope(
     _check(query, key, q_weight, k_weight, cos, sin)
     tensors = (query, key, q_weight, k_weight, cos, sin)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    plain = all(type(t) in _PLAIN for t in tensors)  # a DTensor takes the separate ops' dispatch
+    interleaved = layout == "interleaved"
     if (
-        not needs_grad
+        plain
+        and not needs_grad
         and not torch.compiler.is_compiling()
-        and all(type(t) in _PLAIN for t in tensors)  # a DTensor takes the separate ops' dispatch
         and use_triton(backend, _OP, *tensors, fusible=True)
     ):
         from d9d.kernels._triton.qk_norm_rope_kernels import qk_norm_rope_kernel
 
         return qk_norm_rope_kernel(
-            query, key, q_weight, k_weight, cos, sin, eps, zero_centered_weight, layout == "interleaved"
+            query, key, q_weight, k_weight, cos, sin, eps, zero_centered_weight, interleaved
+        )
+    if (
+        plain
+        and needs_grad
+        and not (cos.requires_grad or sin.requires_grad)
+        and use_triton(backend, _OP, *tensors)
+    ):
+        from d9d.kernels._triton.qk_norm_rope_op import qk_norm_rope_triton
+
+        return qk_norm_rope_triton(
+            query, key, q_weight, k_weight, cos, sin, eps, zero_centered_weight, interleaved
         )
     normed_query = rms_norm(query, q_weight, eps, zero_centered_weight=zero_centered_weight, backend=backend)
     normed_key = rms_norm(key, k_weight, eps, zero_centered_weight=zero_centered_weight, backend=backend)

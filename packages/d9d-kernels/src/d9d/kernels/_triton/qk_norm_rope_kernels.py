@@ -1,13 +1,14 @@
 # pyright: basic
 # ruff: noqa: N803 (Triton's convention: compile-time constants are UPPER_CASE)
 # Triton's language module is untyped (its builtins erase types), so strict checking of kernel bodies
-# reports every expression; the launch wrapper below still carries full annotations.
-"""Per-head RMSNorm and rotary embedding of queries and keys in one launch (inference).
+# reports every expression; the launch wrappers below still carry full annotations.
+"""Per-head RMSNorm and rotary embedding of queries and keys in one launch each way.
 
-One program per (batch, position, tensor): the first of each position's two programs takes every
-query head, the second every key head. A head's norm is rounded to the output dtype before it is
-rotated, as the separate ``rms_norm`` then ``apply_rope`` round it, so the result is theirs up to the
-order of one fp32 sum.
+A head of one position is a row; a program takes a tile of rows of one tensor (the query tiles
+first, then the key tiles), so a training step's thousands of positions move in tiles of a few
+kilobytes, and a decode step's few rows in one or two programs. A head's norm is rounded to the
+output dtype before it is rotated, as the separate ``rms_norm`` then ``apply_rope`` round it, so the
+result is theirs up to the order of one fp32 sum.
 """
 
 import torch
@@ -15,58 +16,100 @@ import triton
 import triton.language as tl
 
 from d9d.kernels._triton.launch import launch_options, next_power_of_2, unit_last_stride
+from d9d.kernels._triton.rms_norm_kernels import BACKWARD_PROGRAMS_PER_SM, multiprocessor_count, sum_partials
 from d9d.kernels._triton.rope_kernels import rotation_planes
+
+_TILE_ROWS = 16
+"""Head rows a tile: the fastest both ways at Gemma-3-1B's and Qwen3-0.6B's heads on an H100."""
 
 
 @triton.jit
-def _norm_and_rotate(
-    x_ptr, w_ptr, y_ptr, c1, c2, s1, s2, b, s, seq_len, n_heads, half_dim, eps, sx_b, sx_s, sx_h,
-    first, second, d_mask, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
+def _tile(
+    cos_ptr, sin_ptr, tile, n_rows, n_heads, seq_len, half_dim, sc_b, sc_s, ss_b, ss_s,
+    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    heads = tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < n_heads) & d_mask[None, :]
-    x_head = x_ptr + b * sx_b + s * sx_s + heads[:, None].to(tl.int64) * sx_h
-    x1 = tl.load(x_head + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_head + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
+    """A tile's rows, each row's batch, position and head, the mask, and the rotation planes.
+
+    Rows past the end take the last row's place (in bounds) and are masked out of the loads of the
+    inputs and of every store.
+    """
+    rows = tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    safe = tl.minimum(rows, n_rows - 1)
+    position = safe // n_heads
+    b = position // seq_len
+    s = position % seq_len
+    first, second, d_mask, c1, c2, s1, s2 = rotation_planes(
+        cos_ptr + (b * sc_b + s * sc_s)[:, None], sin_ptr + (b * ss_b + s * ss_s)[:, None],
+        half_dim, INTERLEAVED, BLOCK_D,
+    )  # fmt: skip
+    mask = row_mask[:, None] & d_mask[None, :]
+    return rows, b, s, safe % n_heads, first, second, d_mask, mask, c1, c2, s1, s2
+
+
+@triton.jit
+def _weight_halves(w_ptr, first, second, d_mask, ZERO_CENTERED: tl.constexpr):
     w1 = tl.load(w_ptr + first, mask=d_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + second, mask=d_mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w1 = w1 + 1.0
         w2 = w2 + 1.0
+    return w1, w2
+
+
+@triton.jit
+def _norm_and_rotate(
+    x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, tile, n_rows, n_heads, seq_len, half_dim, eps,
+    sx_b, sx_s, sx_h, sc_b, sc_s, ss_b, ss_s,
+    INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rows, b, s, head, first, second, d_mask, mask, c1, c2, s1, s2 = _tile(
+        cos_ptr, sin_ptr, tile, n_rows, n_heads, seq_len, half_dim, sc_b, sc_s, ss_b, ss_s, INTERLEAVED,
+        BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+    x_row = b * sx_b + s * sx_s + head * sx_h
+    x1 = tl.load(x_ptr + x_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
+    w1, w2 = _weight_halves(w_ptr, first, second, d_mask, ZERO_CENTERED)
     out_dtype = y_ptr.dtype.element_ty
     n1 = (x1 * rstd[:, None] * w1[None, :]).to(out_dtype).to(tl.float32)
     n2 = (x2 * rstd[:, None] * w2[None, :]).to(out_dtype).to(tl.float32)
-    y1 = n1 * c1[None, :] - n2 * s1[None, :]
-    y2 = n2 * c2[None, :] + n1 * s2[None, :]
-    y_head = y_ptr + ((b * seq_len + s) * n_heads + heads[:, None].to(tl.int64)) * (2 * half_dim)
-    tl.store(y_head + first[None, :], y1.to(out_dtype), mask=mask)
-    tl.store(y_head + second[None, :], y2.to(out_dtype), mask=mask)
+    y1 = n1 * c1 - n2 * s1
+    y2 = n2 * c2 + n1 * s2
+    y_row = rows * (2 * half_dim)
+    tl.store(y_ptr + y_row[:, None] + first[None, :], y1.to(out_dtype), mask=mask)
+    tl.store(y_ptr + y_row[:, None] + second[None, :], y2.to(out_dtype), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr,
-    seq_len, q_heads, k_heads, half_dim, eps,
+    q_tiles, q_rows, k_rows, seq_len, q_heads, k_heads, half_dim, eps,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s,
-    INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    b = (pid // seq_len).to(tl.int64)
-    s = (pid % seq_len).to(tl.int64)
-    first, second, d_mask, c1, c2, s1, s2 = rotation_planes(
-        cos_ptr + b * sc_b + s * sc_s, sin_ptr + b * ss_b + s * ss_s, half_dim, INTERLEAVED, BLOCK_D
-    )
-    if tl.program_id(1) == 0:
+    if pid < q_tiles:
         _norm_and_rotate(
-            q_ptr, qw_ptr, qy_ptr, c1, c2, s1, s2, b, s, seq_len, q_heads, half_dim, eps, sq_b, sq_s, sq_h,
-            first, second, d_mask, ZERO_CENTERED, BLOCK_H,
+            q_ptr, qw_ptr, qy_ptr, cos_ptr, sin_ptr, pid, q_rows, q_heads, seq_len, half_dim, eps,
+            sq_b, sq_s, sq_h, sc_b, sc_s, ss_b, ss_s, INTERLEAVED, ZERO_CENTERED, BLOCK_R, BLOCK_D,
         )  # fmt: skip
     else:
         _norm_and_rotate(
-            k_ptr, kw_ptr, ky_ptr, c1, c2, s1, s2, b, s, seq_len, k_heads, half_dim, eps, sk_b, sk_s, sk_h,
-            first, second, d_mask, ZERO_CENTERED, BLOCK_H,
+            k_ptr, kw_ptr, ky_ptr, cos_ptr, sin_ptr, pid - q_tiles, k_rows, k_heads, seq_len, half_dim,
+            eps, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s, INTERLEAVED, ZERO_CENTERED, BLOCK_R, BLOCK_D,
         )  # fmt: skip
+
+
+def _rows_per_tile(rows: int, rows_per_tile: int | None) -> int:
+    if rows_per_tile is not None:
+        return rows_per_tile
+    return min(next_power_of_2(rows), _TILE_ROWS)
+
+
+def _warps(rows_per_tile: int, half: int) -> int:
+    return 8 if rows_per_tile * next_power_of_2(half) >= 2048 else 4
 
 
 def qk_norm_rope_kernel(
@@ -79,8 +122,13 @@ def qk_norm_rope_kernel(
     eps: float,
     zero_centered: bool,
     interleaved: bool,
+    *,
+    rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalizes and rotates ``query`` and ``key`` (shapes checked by the public op)."""
+    """Normalizes and rotates ``query`` and ``key`` (shapes checked by the public op).
+
+    ``rows_per_tile`` (a power of two) overrides the tile's head rows, for tests and benchmarks.
+    """
     query, key = unit_last_stride(query), unit_last_stride(key)
     cos, sin = unit_last_stride(cos), unit_last_stride(sin)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
@@ -91,15 +139,149 @@ def qk_norm_rope_kernel(
     if batch * seq == 0:
         return q_out, k_out
     half = head_dim // 2
-    block_h = next_power_of_2(max(q_heads, k_heads))
-    _qk_norm_rope_kernel[(batch * seq, 2)](
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    tile = _rows_per_tile(q_rows, rows_per_tile)
+    q_tiles = triton.cdiv(q_rows, tile)
+    _qk_norm_rope_kernel[(q_tiles + triton.cdiv(k_rows, tile),)](
         query, key, q_weight, k_weight, cos, sin, q_out, k_out,
-        seq, q_heads, k_heads, half, eps,
+        q_tiles, q_rows, k_rows, seq, q_heads, k_heads, half, eps,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         **launch_options(
-            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_H=block_h,
-            BLOCK_D=next_power_of_2(half), num_warps=4 if block_h * half <= 2048 else 8,
+            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=tile,
+            BLOCK_D=next_power_of_2(half), num_warps=_warps(tile, half),
         ),
     )  # fmt: skip
     return q_out, k_out
+
+
+@triton.jit
+def _tiles_backward(
+    g_ptr, x_ptr, w_ptr, dx_ptr, cos_ptr, sin_ptr, partial_ptr, partial_row, first_tile, programs,
+    steps, n_rows, n_heads, seq_len, half_dim, eps, sg_b, sg_s, sg_h, sx_b, sx_s, sx_h, sc_b, sc_s,
+    ss_b, ss_s, INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program's tiles of one tensor (every ``programs``-th from ``first_tile``): writes dx and
+    stores the program's partial sum of the weight's gradient at ``partial_row``."""
+    # summed over the tile's rows once, after the last tile: no cross-warp reduction a step
+    dw1 = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < half_dim
+    for step in range(steps):
+        rows, b, s, head, first, second, _, mask, c1, c2, s1, s2 = _tile(
+            cos_ptr, sin_ptr, first_tile + step * programs, n_rows, n_heads, seq_len, half_dim,
+            sc_b, sc_s, ss_b, ss_s, INTERLEAVED, BLOCK_R, BLOCK_D,
+        )  # fmt: skip
+        x_row = b * sx_b + s * sx_s + head * sx_h
+        g_row = b * sg_b + s * sg_s + head * sg_h
+        x1 = tl.load(x_ptr + x_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        g1 = tl.load(g_ptr + g_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + g_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
+        w1, w2 = _weight_halves(w_ptr, first, second, d_mask, ZERO_CENTERED)
+        # the rotation's transpose: y1 = n1 c1 - n2 s1, y2 = n2 c2 + n1 s2
+        dn1 = g1 * c1 + g2 * s2
+        dn2 = g2 * c2 - g1 * s1
+        xhat1 = x1 * rstd[:, None]
+        xhat2 = x2 * rstd[:, None]
+        dxhat1 = dn1 * w1[None, :]
+        dxhat2 = dn2 * w2[None, :]
+        mean = (tl.sum(dxhat1 * xhat1, axis=1) + tl.sum(dxhat2 * xhat2, axis=1)) / (2 * half_dim)
+        dx1 = rstd[:, None] * (dxhat1 - xhat1 * mean[:, None])
+        dx2 = rstd[:, None] * (dxhat2 - xhat2 * mean[:, None])
+        dx_row = rows * (2 * half_dim)
+        out_dtype = dx_ptr.dtype.element_ty
+        tl.store(dx_ptr + dx_row[:, None] + first[None, :], dx1.to(out_dtype), mask=mask)
+        tl.store(dx_ptr + dx_row[:, None] + second[None, :], dx2.to(out_dtype), mask=mask)
+        dw1 += dn1 * xhat1  # masked rows load zeros: their xhat is zero
+        dw2 += dn2 * xhat2
+    row = partial_row.to(tl.int64) * (2 * half_dim)
+    if INTERLEAVED:
+        tl.store(partial_ptr + row + 2 * d, tl.sum(dw1, axis=0), mask=d_mask)
+        tl.store(partial_ptr + row + 2 * d + 1, tl.sum(dw2, axis=0), mask=d_mask)
+    else:
+        tl.store(partial_ptr + row + d, tl.sum(dw1, axis=0), mask=d_mask)
+        tl.store(partial_ptr + row + d + half_dim, tl.sum(dw2, axis=0), mask=d_mask)
+
+
+@triton.jit
+def _qk_norm_rope_backward_kernel(
+    gq_ptr, gk_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, partial_ptr,
+    q_rows, k_rows, q_steps, k_steps, seq_len, q_heads, k_heads, half_dim, eps,
+    sgq_b, sgq_s, sgq_h, sgk_b, sgk_s, sgk_h, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s,
+    INTERLEAVED: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Persistent programs, each over its share of the query tiles, then of the key tiles;
+    ``partial_ptr`` is ``(2, programs, head_dim)`` fp32, a partial row of each weight's gradient a
+    program."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    _tiles_backward(
+        gq_ptr, q_ptr, qw_ptr, dq_ptr, cos_ptr, sin_ptr, partial_ptr, pid, pid, programs, q_steps,
+        q_rows, q_heads, seq_len, half_dim, eps, sgq_b, sgq_s, sgq_h, sq_b, sq_s, sq_h, sc_b, sc_s,
+        ss_b, ss_s, INTERLEAVED, ZERO_CENTERED, BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+    _tiles_backward(
+        gk_ptr, k_ptr, kw_ptr, dk_ptr, cos_ptr, sin_ptr, partial_ptr, programs + pid, pid, programs,
+        k_steps, k_rows, k_heads, seq_len, half_dim, eps, sgk_b, sgk_s, sgk_h, sk_b, sk_s, sk_h,
+        sc_b, sc_s, ss_b, ss_s, INTERLEAVED, ZERO_CENTERED, BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+
+
+def qk_norm_rope_backward(
+    grad_query: torch.Tensor,
+    grad_key: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    interleaved: bool,
+    *,
+    programs_per_sm: int = BACKWARD_PROGRAMS_PER_SM,
+    rows_per_tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(d query, d key, d q_weight, d k_weight)`` of ``qk_norm_rope_kernel``'s outputs.
+
+    The norms' statistics are recomputed from the inputs; the weights' gradients are summed from
+    per-program fp32 partials in a fixed order. The gradient treats each norm's rounding to the
+    output dtype as the identity, as the separate ops' backward does. ``programs_per_sm`` and
+    ``rows_per_tile`` override the launch, for tests and benchmarks.
+    """
+    grad_query, grad_key = unit_last_stride(grad_query), unit_last_stride(grad_key)
+    query, key = unit_last_stride(query), unit_last_stride(key)
+    cos, sin = unit_last_stride(cos), unit_last_stride(sin)
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    batch, seq, q_heads, head_dim = query.shape
+    k_heads = key.shape[2]
+    dq = torch.empty((batch, seq, q_heads, head_dim), dtype=query.dtype, device=query.device)
+    dk = torch.empty((batch, seq, k_heads, head_dim), dtype=key.dtype, device=key.device)
+    if batch * seq == 0:
+        return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
+    half = head_dim // 2
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    tile = _rows_per_tile(q_rows, rows_per_tile)
+    q_tiles, k_tiles = triton.cdiv(q_rows, tile), triton.cdiv(k_rows, tile)
+    programs = min(q_tiles, multiprocessor_count(query.device) * programs_per_sm)
+    partials = torch.empty((2, programs, head_dim), dtype=torch.float32, device=query.device)
+    _qk_norm_rope_backward_kernel[(programs,)](
+        grad_query, grad_key, query, key, q_weight, k_weight, cos, sin, dq, dk, partials,
+        q_rows, k_rows, triton.cdiv(q_tiles, programs), triton.cdiv(k_tiles, programs),
+        seq, q_heads, k_heads, half, eps,
+        grad_query.stride(0), grad_query.stride(1), grad_query.stride(2),
+        grad_key.stride(0), grad_key.stride(1), grad_key.stride(2),
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        **launch_options(
+            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=tile,
+            BLOCK_D=next_power_of_2(half), num_warps=_warps(tile, half),
+        ),
+    )  # fmt: skip
+    dq_weight, dk_weight = sum_partials(partials, (q_weight.dtype, k_weight.dtype))
+    return dq, dk, dq_weight, dk_weight
