@@ -11,6 +11,9 @@ output dtype before it is rotated, as the separate ``rms_norm`` then ``apply_rop
 result is theirs up to the order of one fp32 sum.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -102,14 +105,58 @@ def _qk_norm_rope_kernel(
         )  # fmt: skip
 
 
-def _rows_per_tile(rows: int, rows_per_tile: int | None) -> int:
-    if rows_per_tile is not None:
-        return rows_per_tile
-    return min(next_power_of_2(rows), _TILE_ROWS)
+@dataclass(frozen=True)
+class _Operands:
+    """The operands as both launches read them (unit last strides), with their rows and tile."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_rows: int
+    k_rows: int
+    tile: int
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+        """The kernels' ``sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s``."""
+        q, k, c, s = self.query.stride(), self.key.stride(), self.cos.stride(), self.sin.stride()
+        return q[0], q[1], q[2], k[0], k[1], k[2], c[0], c[1], s[0], s[1]
+
+    def launch(self, interleaved: bool, zero_centered: bool) -> dict[str, Any]:
+        half = self.query.shape[-1] // 2
+        block_d = next_power_of_2(half)
+        return launch_options(
+            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=self.tile, BLOCK_D=block_d,
+            num_warps=8 if self.tile * block_d >= 2048 else 4,
+        )  # fmt: skip
+
+    def empty_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous tensors shaped as the query and the key."""
+        return (
+            torch.empty_like(self.query, memory_format=torch.contiguous_format),
+            torch.empty_like(self.key, memory_format=torch.contiguous_format),
+        )
 
 
-def _warps(rows_per_tile: int, half: int) -> int:
-    return 8 if rows_per_tile * next_power_of_2(half) >= 2048 else 4
+def _operands(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rows_per_tile: int | None,
+) -> _Operands:
+    batch, seq, q_heads, _ = query.shape
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * key.shape[2]
+    return _Operands(
+        unit_last_stride(query), unit_last_stride(key), q_weight.contiguous(), k_weight.contiguous(),
+        unit_last_stride(cos), unit_last_stride(sin), q_rows, k_rows,
+        rows_per_tile if rows_per_tile is not None else min(next_power_of_2(max(q_rows, 1)), _TILE_ROWS),
+    )  # fmt: skip
 
 
 def qk_norm_rope_kernel(
@@ -129,28 +176,15 @@ def qk_norm_rope_kernel(
 
     ``rows_per_tile`` (a power of two) overrides the tile's head rows, for tests and benchmarks.
     """
-    query, key = unit_last_stride(query), unit_last_stride(key)
-    cos, sin = unit_last_stride(cos), unit_last_stride(sin)
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
-    batch, seq, q_heads, head_dim = query.shape
-    k_heads = key.shape[2]
-    q_out = torch.empty((batch, seq, q_heads, head_dim), dtype=query.dtype, device=query.device)
-    k_out = torch.empty((batch, seq, k_heads, head_dim), dtype=key.dtype, device=key.device)
-    if batch * seq == 0:
+    ops = _operands(query, key, q_weight, k_weight, cos, sin, rows_per_tile)
+    q_out, k_out = ops.empty_outputs()
+    if ops.q_rows == 0:
         return q_out, k_out
-    half = head_dim // 2
-    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
-    tile = _rows_per_tile(q_rows, rows_per_tile)
-    q_tiles = triton.cdiv(q_rows, tile)
-    _qk_norm_rope_kernel[(q_tiles + triton.cdiv(k_rows, tile),)](
-        query, key, q_weight, k_weight, cos, sin, q_out, k_out,
-        q_tiles, q_rows, k_rows, seq, q_heads, k_heads, half, eps,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        **launch_options(
-            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=tile,
-            BLOCK_D=next_power_of_2(half), num_warps=_warps(tile, half),
-        ),
+    q_tiles = triton.cdiv(ops.q_rows, ops.tile)
+    _qk_norm_rope_kernel[(q_tiles + triton.cdiv(ops.k_rows, ops.tile),)](
+        ops.query, ops.key, ops.q_weight, ops.k_weight, ops.cos, ops.sin, q_out, k_out,
+        q_tiles, ops.q_rows, ops.k_rows, query.shape[1], query.shape[2], key.shape[2],
+        query.shape[3] // 2, eps, *ops.strides, **ops.launch(interleaved, zero_centered),
     )  # fmt: skip
     return q_out, k_out
 
@@ -255,33 +289,20 @@ def qk_norm_rope_backward(
     ``rows_per_tile`` override the launch, for tests and benchmarks.
     """
     grad_query, grad_key = unit_last_stride(grad_query), unit_last_stride(grad_key)
-    query, key = unit_last_stride(query), unit_last_stride(key)
-    cos, sin = unit_last_stride(cos), unit_last_stride(sin)
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
-    batch, seq, q_heads, head_dim = query.shape
-    k_heads = key.shape[2]
-    dq = torch.empty((batch, seq, q_heads, head_dim), dtype=query.dtype, device=query.device)
-    dk = torch.empty((batch, seq, k_heads, head_dim), dtype=key.dtype, device=key.device)
-    if batch * seq == 0:
+    ops = _operands(query, key, q_weight, k_weight, cos, sin, rows_per_tile)
+    dq, dk = ops.empty_outputs()
+    if ops.q_rows == 0:
         return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
-    half = head_dim // 2
-    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
-    tile = _rows_per_tile(q_rows, rows_per_tile)
-    q_tiles, k_tiles = triton.cdiv(q_rows, tile), triton.cdiv(k_rows, tile)
+    q_tiles, k_tiles = triton.cdiv(ops.q_rows, ops.tile), triton.cdiv(ops.k_rows, ops.tile)
     programs = min(q_tiles, multiprocessor_count(query.device) * programs_per_sm)
-    partials = torch.empty((2, programs, head_dim), dtype=torch.float32, device=query.device)
+    partials = torch.empty((2, programs, query.shape[3]), dtype=torch.float32, device=query.device)
     _qk_norm_rope_backward_kernel[(programs,)](
-        grad_query, grad_key, query, key, q_weight, k_weight, cos, sin, dq, dk, partials,
-        q_rows, k_rows, triton.cdiv(q_tiles, programs), triton.cdiv(k_tiles, programs),
-        seq, q_heads, k_heads, half, eps,
+        grad_query, grad_key, ops.query, ops.key, ops.q_weight, ops.k_weight, ops.cos, ops.sin, dq, dk,
+        partials, ops.q_rows, ops.k_rows, triton.cdiv(q_tiles, programs), triton.cdiv(k_tiles, programs),
+        query.shape[1], query.shape[2], key.shape[2], query.shape[3] // 2, eps,
         grad_query.stride(0), grad_query.stride(1), grad_query.stride(2),
-        grad_key.stride(0), grad_key.stride(1), grad_key.stride(2),
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        **launch_options(
-            INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=tile,
-            BLOCK_D=next_power_of_2(half), num_warps=_warps(tile, half),
-        ),
+        grad_key.stride(0), grad_key.stride(1), grad_key.stride(2), *ops.strides,
+        **ops.launch(interleaved, zero_centered),
     )  # fmt: skip
     dq_weight, dk_weight = sum_partials(partials, (q_weight.dtype, k_weight.dtype))
     return dq, dk, dq_weight, dk_weight
