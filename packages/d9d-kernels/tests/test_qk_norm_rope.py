@@ -169,6 +169,21 @@ def test_with_gradients_the_compiled_call_is_one_custom_op_each_way() -> None:
     for got, want in zip(torch.autograd.grad(compiled(*operands), operands[:4]), eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+    traced: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, _: list[torch.Tensor]):
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # pyright: ignore[reportPrivateImportUsage]
+    recorded = torch.compile(step, backend=record, fullgraph=True)
+    for got, want in zip(torch.autograd.grad(recorded(*operands), operands[:4]), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    targets = [str(node.target) for gm in traced for node in gm.graph.nodes if node.op == "call_function"]
+    # the traced graph calls the fused op once and no separate norm or rotation
+    assert targets.count("d9d_kernels.qk_norm_rope_forward.default") == 1, targets
+    assert not any("rsqrt" in target or "pow" in target for target in targets), targets
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
