@@ -58,6 +58,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def gpu_us(fn: Callable[[], object]) -> float:
+    """Microseconds per call of ``fn`` by ``triton.testing.do_bench``, after one call to compile."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=60) * 1000
+
+
+def outputs_close(got: tuple[torch.Tensor | None, ...], expected: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether each output is within 1% of the largest magnitude of its expected value (None skips)."""
+
+    def near(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1.0, b.float().abs().max().item())
+
+    return all(a is None or b is None or near(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def gpu_kernel_ms(
     fn: Callable[[], object],
     iters: int = 5,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from _harness import gpu_us, outputs_close
 
 from d9d.kernels._triton import norm_add_kernels, rms_norm_kernels
 from d9d.kernels._triton.launch import next_power_of_2
@@ -31,19 +32,6 @@ TOKENS = 16384
 VOCAB = 262144
 BF16 = torch.bfloat16
 Outputs = tuple[torch.Tensor | None, ...]
-
-
-def gpu_us(fn: Callable[[], object]) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=60) * 1000
-
-
-def close(got: tuple[torch.Tensor | None, ...], expected: tuple[torch.Tensor | None, ...]) -> bool:
-    def near(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1.0, b.float().abs().max().item())
-
-    return all(a is None or b is None or near(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def sweep_norm_backward(cols: int, grid: list[tuple[int, int, int]]) -> None:
@@ -102,7 +90,7 @@ def sweep_norm_backward(cols: int, grid: list[tuple[int, int, int]]) -> None:
         results = []
         for rows, warps, per_sm in grid:
             us, outputs = runner(rows, warps, per_sm)
-            results.append((us, rows, warps, per_sm, close(outputs, reference)))
+            results.append((us, rows, warps, per_sm, outputs_close(outputs, reference)))
         tb_s = moved * TOKENS * cols * 2 / 1e6
         print(
             f"{name}, hidden {cols}: now (rows, warps, per SM) {current}: "

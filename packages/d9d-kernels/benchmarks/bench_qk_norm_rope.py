@@ -18,8 +18,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
-import triton
-from _harness import gpu_kernel_ms
+from _harness import gpu_kernel_ms, gpu_us, outputs_close
 
 from d9d.kernels import KernelBackend, apply_rope, qk_norm_rope, rms_norm
 from d9d.kernels._triton.qk_norm_rope_kernels import qk_norm_rope_backward, qk_norm_rope_kernel
@@ -27,12 +26,6 @@ from d9d.kernels._triton.qk_norm_rope_kernels import qk_norm_rope_backward, qk_n
 POSITIONS = 16384
 SHAPES = {"gemma-3-1b": (4, 1, 256, True), "qwen3-0.6b": (16, 8, 128, False)}
 Tensors = tuple[torch.Tensor, ...]
-
-
-def gpu_us(fn: Callable[[], object]) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=60) * 1000
 
 
 def separate(
@@ -116,11 +109,7 @@ def compare(name: str, q_heads: int, k_heads: int, head_dim: int, zero_centered:
                 lambda t=tile, p=per_sm: qk_norm_rope_backward(*operands, rows_per_tile=t, programs_per_sm=p)
             )
             got = qk_norm_rope_backward(*operands, rows_per_tile=tile, programs_per_sm=per_sm)
-            near = all(
-                torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
-                for a, b in zip(got, expected, strict=True)
-            )
-            timed.append((us, tile, per_sm, near))
+            timed.append((us, tile, per_sm, outputs_close(got, expected)))
         now = gpu_us(lambda: qk_norm_rope_backward(*operands))
         print(f"backward now: {now:6.1f} us {1.5 * bytes_one_way / now / 1e6:5.2f} TB/s")
         for us, tile, per_sm, near in sorted(timed)[:8]:

@@ -157,25 +157,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(
-    n_cols: int,
+def _options(
+    block: int,
+    rows: int,
+    warps: int,
     zero_centered_weight: bool,
     next_zero_centered_weight: bool,
     scale: float,
     has_next: bool,
-    *,
-    backward: bool,
-) -> tuple[int, int, dict[str, Any]]:
-    """Rows per tile, persistent programs per multiprocessor (the backward's; 0 forward, which
-    launches a program per tile), and the constexprs and warps of a kernel of either direction."""
-    block = next_power_of_2(n_cols)
-    if backward:
-        launch = backward_launch("rms_norm_add_next" if has_next else "rms_norm_add", block)
-        rows, warps, programs_per_sm = launch.rows, launch.warps, launch.programs_per_sm
-    else:
-        rows = tile_rows(block)
-        warps, programs_per_sm = warps_for_block(rows * block), 0
-    options = launch_options(
+) -> dict[str, Any]:
+    """The constexprs and warps of a kernel of either direction over tiles of ``rows`` x ``block``."""
+    return launch_options(
         ZERO_CENTERED_BRANCH=zero_centered_weight,
         ZERO_CENTERED_NEXT=next_zero_centered_weight,
         SCALED=scale != 1.0,
@@ -184,7 +176,6 @@ def _launch(
         BLOCK=block,
         num_warps=warps,
     )
-    return rows, programs_per_sm, options
 
 
 def norm_add_forward(
@@ -210,8 +201,16 @@ def norm_add_forward(
     y = torch.empty_like(total) if has_next else total.new_empty((0,))
     rstd_branch = torch.empty((n_rows,), dtype=torch.float32, device=residual.device)
     rstd_total = torch.empty_like(rstd_branch) if has_next else rstd_branch.new_empty((0,))
-    rows, _, options = _launch(
-        n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=False
+    block = next_power_of_2(n_cols)
+    rows = tile_rows(block)
+    options = _options(
+        block,
+        rows,
+        warps_for_block(rows * block),
+        zero_centered_weight,
+        next_zero_centered_weight,
+        scale,
+        has_next,
     )
     if n_rows > 0:
         _norm_add_forward_kernel[(triton.cdiv(n_rows, rows),)](
@@ -267,11 +266,13 @@ def norm_add_backward(
         dy = torch.zeros_like(d2)
     dy2 = d2 if dy is None else dy.reshape(-1, n_cols).contiguous()
     t2 = total.reshape(-1, n_cols).contiguous()
-    rows, programs_per_sm, options = _launch(
-        n_cols, zero_centered_weight, next_zero_centered_weight, scale, has_next, backward=True
+    block = next_power_of_2(n_cols)
+    launch = backward_launch("rms_norm_add_next" if has_next else "rms_norm_add", block)
+    options = _options(
+        block, launch.rows, launch.warps, zero_centered_weight, next_zero_centered_weight, scale, has_next
     )
-    tiles = triton.cdiv(n_rows, rows)
-    programs = min(tiles, multiprocessor_count(d2.device) * programs_per_sm)
+    tiles = triton.cdiv(n_rows, launch.rows)
+    programs = min(tiles, multiprocessor_count(d2.device) * launch.programs_per_sm)
     # Every program stores its partials (zeros if it had no tile), so the buffers need no memset.
     partials = torch.empty((2 if has_next else 1, programs, n_cols), dtype=torch.float32, device=d2.device)
     _norm_add_backward_kernel[(programs,)](

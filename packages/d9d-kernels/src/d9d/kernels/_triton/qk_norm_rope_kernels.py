@@ -125,9 +125,14 @@ class _Operands:
         q, k, c, s = self.query.stride(), self.key.stride(), self.cos.stride(), self.sin.stride()
         return q[0], q[1], q[2], k[0], k[1], k[2], c[0], c[1], s[0], s[1]
 
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """The kernels' ``seq_len, q_heads, k_heads, half_dim``."""
+        _, seq, q_heads, head_dim = self.query.shape
+        return seq, q_heads, self.key.shape[2], head_dim // 2
+
     def launch(self, interleaved: bool, zero_centered: bool) -> dict[str, Any]:
-        half = self.query.shape[-1] // 2
-        block_d = next_power_of_2(half)
+        block_d = next_power_of_2(self.sizes[3])
         return launch_options(
             INTERLEAVED=interleaved, ZERO_CENTERED=zero_centered, BLOCK_R=self.tile, BLOCK_D=block_d,
             num_warps=8 if self.tile * block_d >= 2048 else 4,
@@ -183,8 +188,8 @@ def qk_norm_rope_kernel(
     q_tiles = triton.cdiv(ops.q_rows, ops.tile)
     _qk_norm_rope_kernel[(q_tiles + triton.cdiv(ops.k_rows, ops.tile),)](
         ops.query, ops.key, ops.q_weight, ops.k_weight, ops.cos, ops.sin, q_out, k_out,
-        q_tiles, ops.q_rows, ops.k_rows, query.shape[1], query.shape[2], key.shape[2],
-        query.shape[3] // 2, eps, *ops.strides, **ops.launch(interleaved, zero_centered),
+        q_tiles, ops.q_rows, ops.k_rows, *ops.sizes, eps, *ops.strides,
+        **ops.launch(interleaved, zero_centered),
     )  # fmt: skip
     return q_out, k_out
 
@@ -299,7 +304,7 @@ def qk_norm_rope_backward(
     _qk_norm_rope_backward_kernel[(programs,)](
         grad_query, grad_key, ops.query, ops.key, ops.q_weight, ops.k_weight, ops.cos, ops.sin, dq, dk,
         partials, ops.q_rows, ops.k_rows, triton.cdiv(q_tiles, programs), triton.cdiv(k_tiles, programs),
-        query.shape[1], query.shape[2], key.shape[2], query.shape[3] // 2, eps,
+        *ops.sizes, eps,
         grad_query.stride(0), grad_query.stride(1), grad_query.stride(2),
         grad_key.stride(0), grad_key.stride(1), grad_key.stride(2), *ops.strides,
         **ops.launch(interleaved, zero_centered),
