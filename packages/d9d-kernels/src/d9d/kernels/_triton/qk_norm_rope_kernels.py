@@ -24,6 +24,15 @@ from d9d.kernels._triton.rope_kernels import rotation_planes
 
 _TILE_ROWS = 16
 """Head rows a tile: the fastest both ways at Gemma-3-1B's and Qwen3-0.6B's heads on an H100."""
+_WIDE_HEAD_DIM = 256
+_WIDE_HEAD_PROGRAMS_PER_SM = 2
+"""The backward's persistent programs an SM from ``_WIDE_HEAD_DIM`` up: at Gemma-3-1B's heads (256)
+74.6 us against 81.1 at ``BACKWARD_PROGRAMS_PER_SM``; at Qwen3-0.6B's (128) 4 was the fastest (H100)."""
+
+
+def backward_programs_per_sm(head_dim: int) -> int:
+    """The backward's persistent programs an SM for heads ``head_dim`` wide."""
+    return _WIDE_HEAD_PROGRAMS_PER_SM if head_dim >= _WIDE_HEAD_DIM else BACKWARD_PROGRAMS_PER_SM
 
 
 @triton.jit
@@ -208,6 +217,11 @@ def _tiles_backward(
     dw2 = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half_dim
+    if INTERLEAVED:
+        w_first, w_second = 2 * d, 2 * d + 1
+    else:
+        w_first, w_second = d, d + half_dim
+    w1, w2 = _weight_halves(w_ptr, w_first, w_second, d_mask, ZERO_CENTERED)  # the same every tile
     for step in range(steps):
         rows, b, s, head, first, second, _, mask, c1, c2, s1, s2 = _tile(
             cos_ptr, sin_ptr, first_tile + step * programs, n_rows, n_heads, seq_len, half_dim,
@@ -220,7 +234,6 @@ def _tiles_backward(
         g1 = tl.load(g_ptr + g_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
         g2 = tl.load(g_ptr + g_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half_dim) + eps)
-        w1, w2 = _weight_halves(w_ptr, first, second, d_mask, ZERO_CENTERED)
         # the rotation's transpose: y1 = n1 c1 - n2 s1, y2 = n2 c2 + n1 s2
         dn1 = g1 * c1 + g2 * s2
         dn2 = g2 * c2 - g1 * s1
@@ -238,12 +251,8 @@ def _tiles_backward(
         dw1 += dn1 * xhat1  # masked rows load zeros: their xhat is zero
         dw2 += dn2 * xhat2
     row = partial_row.to(tl.int64) * (2 * half_dim)
-    if INTERLEAVED:
-        tl.store(partial_ptr + row + 2 * d, tl.sum(dw1, axis=0), mask=d_mask)
-        tl.store(partial_ptr + row + 2 * d + 1, tl.sum(dw2, axis=0), mask=d_mask)
-    else:
-        tl.store(partial_ptr + row + d, tl.sum(dw1, axis=0), mask=d_mask)
-        tl.store(partial_ptr + row + d + half_dim, tl.sum(dw2, axis=0), mask=d_mask)
+    tl.store(partial_ptr + row + w_first, tl.sum(dw1, axis=0), mask=d_mask)
+    tl.store(partial_ptr + row + w_second, tl.sum(dw2, axis=0), mask=d_mask)
 
 
 @triton.jit
@@ -283,15 +292,16 @@ def qk_norm_rope_backward(
     zero_centered: bool,
     interleaved: bool,
     *,
-    programs_per_sm: int = BACKWARD_PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
     rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(d query, d key, d q_weight, d k_weight)`` of ``qk_norm_rope_kernel``'s outputs.
 
     The norms' statistics are recomputed from the inputs; the weights' gradients are summed from
     per-program fp32 partials in a fixed order. The gradient treats each norm's rounding to the
-    output dtype as the identity, as the separate ops' backward does. ``programs_per_sm`` and
-    ``rows_per_tile`` override the launch, for tests and benchmarks.
+    output dtype as the identity, as the separate ops' backward does. ``programs_per_sm``
+    (``backward_programs_per_sm``'s by default) and ``rows_per_tile`` override the launch, for tests
+    and benchmarks.
     """
     grad_query, grad_key = unit_last_stride(grad_query), unit_last_stride(grad_key)
     ops = _operands(query, key, q_weight, k_weight, cos, sin, rows_per_tile)
@@ -299,7 +309,8 @@ def qk_norm_rope_backward(
     if ops.q_rows == 0:
         return dq, dk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
     q_tiles, k_tiles = triton.cdiv(ops.q_rows, ops.tile), triton.cdiv(ops.k_rows, ops.tile)
-    programs = min(q_tiles, multiprocessor_count(query.device) * programs_per_sm)
+    per_sm = programs_per_sm if programs_per_sm is not None else backward_programs_per_sm(query.shape[3])
+    programs = min(q_tiles, multiprocessor_count(query.device) * per_sm)
     partials = torch.empty((2, programs, query.shape[3]), dtype=torch.float32, device=query.device)
     _qk_norm_rope_backward_kernel[(programs,)](
         grad_query, grad_key, ops.query, ops.key, ops.q_weight, ops.k_weight, ops.cos, ops.sin, dq, dk,
