@@ -2,16 +2,18 @@
 # FlashAttention 4 (flash-attn-4 + nvidia-cutlass-dsl[cu13]) on a GPU machine without a package
 # registry: the wheels travel in two consecutive calls, since one call carries at most 64 MiB.
 #
-# Here (once): the wheels go into two ignored folders, .fa4a/ and .fa4b/ (listed in
-# .git/info/exclude), each under 50 MiB; the 88 MiB nvidia_cutlass_dsl_libs_cu13 wheel is cut with
-#   split -b 48M -a 2 <wheel> <wheel>.part-
-# and .fa4b/fa4-manifest.sha256 holds the sha256 of every part and every whole wheel.
+# Here (once per checkout): `bash scripts/fa4-pack.sh` downloads the pinned wheels into two ignored
+# folders, .fa4a/ and .fa4b/ (listed in .git/info/exclude), each under 50 MiB: the 88 MiB
+# nvidia_cutlass_dsl_libs_cu13 wheel is cut in two, and .fa4b/fa4-manifest.sha256 holds the sha256
+# of every part and every whole wheel.
 #
 # On the GPU machine, two calls in a row (its /tmp survives while it stays warm, about 30 s):
 #   source .device/setup.sh && bash scripts/fa4-gpu.sh stage-a           (carry .device, .fa4a)
 #   source .device/setup.sh && bash scripts/fa4-gpu.sh install-and-test  (carry .device, .fa4b)
 # While that machine is still warm, `test` (the GPU tests, plus the small-shape backend agreement
-# tests) and `bench` rerun one half on the installed wheels.
+# tests) and `bench` rerun one half on the installed wheels, and `gemma` times Gemma-3-1B's rows:
+# ROUNDS (default 1; about 4 minutes a round) alternating rounds of d9d with its default attention
+# (`flex_attention`), d9d with `flash_attention_4`, and transformers compiled, each its own process.
 # Logs go to "$OUT" when set, else ./fa4-gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +94,22 @@ run_bench() {
   return "${PIPESTATUS[0]}"
 }
 
+run_gemma() {
+  local round row rows=(
+    "--impl d9d_compile --d9d-state bfloat16 --attention-backend flex_attention"
+    "--impl d9d_compile --d9d-state bfloat16 --attention-backend flash_attention_4"
+    "--impl hf_compile"
+  )
+  for round in $(seq "${ROUNDS:-1}"); do
+    for row in "${rows[@]}"; do
+      echo "== round $round: $row"
+      # shellcheck disable=SC2086 # each row is a list of flags
+      timeout 240 python3 packages/d9d-hf/benchmarks/train_throughput.py --model gemma3_1b --warmup 3 \
+        --steps 5 --json "$out/gemma.jsonl" $row
+    done
+  done 2>&1 | tee "$out/gemma.log"
+}
+
 mkdir -p "$out"
 case "${1:-}" in
   stage-a)
@@ -116,7 +134,10 @@ case "${1:-}" in
   bench)
     use_site && run_bench
     ;;
+  gemma)
+    use_site && run_gemma
+    ;;
   *)
-    die "usage: bash scripts/fa4-gpu.sh stage-a | install-and-test | test | bench"
+    die "usage: bash scripts/fa4-gpu.sh stage-a | install-and-test | test | bench | gemma"
     ;;
 esac
