@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Packs FlashAttention 4's wheels for scripts/fa4-gpu.sh: run here (PyPI reachable), once per checkout.
 #
-# Downloads flash-attn-4 and the CuTe DSL for the GPU machine (CPython 3.12, x86-64 Linux, CUDA 13),
-# without torch, typing-extensions or cuda-bindings (the machine has them), cuts the CUDA 13 library
-# wheel in two and fills the two ignored folders that fa4-gpu.sh's calls carry, each small enough to
-# travel with the working tree in one call:
+# Downloads flash-attn-4 and the CuTe DSL (pinned below; their other dependencies the newest in
+# range) for the GPU machine (CPython 3.12, x86-64 Linux, CUDA 13), without torch,
+# typing-extensions or cuda-bindings (the machine has them), cuts the CUDA 13 library wheel in two
+# and fills the two ignored folders that fa4-gpu.sh's calls carry, each small enough to travel with
+# the working tree in one call:
 #   .fa4a/  the library wheel's first part
 #   .fa4b/  its second part, every other wheel, and fa4-manifest.sha256 (every part and whole wheel)
 # Versions can be overridden: FA4_VERSION=... CUTLASS_DSL_VERSION=... bash scripts/fa4-pack.sh
