@@ -172,6 +172,8 @@ class FlashAttention4Backend(_FlashAttentionBackend):
         self._document_offsets = DocumentOffsets()
         self._custom_ops = launchers_available()
         self._sdpa = SdpaAttentionBackend()
+        # Read once here, not per call: a compiled layer would otherwise trace the device query.
+        self._hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == _HOPPER
 
     def _attend_dense(
         self,
@@ -186,11 +188,7 @@ class FlashAttention4Backend(_FlashAttentionBackend):
         """Full causal rows with heads wider than 128 on Hopper go to SDPA (cuDNN); the rest to
         FlashAttention 4, through the custom ops where the installed version has their launchers."""
         wide_full_causal = causal and window == (None, None) and query.shape[-1] > _SDPA_ABOVE_HEAD_DIM
-        if (
-            wide_full_causal
-            and query.is_cuda
-            and torch.cuda.get_device_capability(query.device)[0] == _HOPPER
-        ):
+        if wide_full_causal and self._hopper and query.is_cuda:
             return self._sdpa.attend(query, key, value, causal=True, softmax_scale=softmax_scale)
         if self._custom_ops:
             return flash_attention_4(
