@@ -2,9 +2,8 @@
 # FlashAttention 4 (flash-attn-4 + nvidia-cutlass-dsl[cu13]) on a GPU machine without a package
 # registry: the wheels travel in two consecutive calls, since one call carries at most 64 MiB.
 #
-# Here (once per checkout): `bash scripts/fa4-pack.sh` downloads the wheels (flash-attn-4 and the
-# CuTe DSL pinned, their other dependencies the newest in range) into two ignored folders, .fa4a/
-# and .fa4b/ (listed in .git/info/exclude), each under 50 MiB: the 88 MiB
+# Here (once per checkout): `bash scripts/fa4-pack.sh` downloads the pinned wheels into two ignored
+# folders, .fa4a/ and .fa4b/ (listed in .git/info/exclude), each under 50 MiB: the 88 MiB
 # nvidia_cutlass_dsl_libs_cu13 wheel is cut in two, and .fa4b/fa4-manifest.sha256 holds the sha256
 # of every part and every whole wheel.
 #

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Packs FlashAttention 4's wheels for scripts/fa4-gpu.sh: run here (PyPI reachable), once per checkout.
 #
-# Downloads flash-attn-4 and the CuTe DSL (pinned below; their other dependencies the newest in
-# range) for the GPU machine (CPython 3.12, x86-64 Linux, CUDA 13), without torch,
-# typing-extensions or cuda-bindings (the machine has them), cuts the CUDA 13 library wheel in two
-# and fills the two ignored folders that fa4-gpu.sh's calls carry, each small enough to travel with
-# the working tree in one call:
+# Downloads flash-attn-4, the CuTe DSL and their other dependencies, each pinned to the set that
+# passed fa4-gpu.sh's tests on an H100 (2026-12-07), for the GPU machine (CPython 3.12, x86-64
+# Linux, CUDA 13), without torch, typing-extensions or cuda-bindings (the machine has them), cuts
+# the CUDA 13 library wheel in two and fills the two ignored folders that fa4-gpu.sh's calls carry,
+# each small enough to travel with the working tree in one call:
 #   .fa4a/  the library wheel's first part
 #   .fa4b/  its second part, every other wheel, and fa4-manifest.sha256 (every part and whole wheel)
 # Versions can be overridden: FA4_VERSION=... CUTLASS_DSL_VERSION=... bash scripts/fa4-pack.sh
@@ -35,7 +35,8 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation c
   "nvidia-cutlass-dsl-libs-base==$dsl_version" \
   "nvidia-cutlass-dsl-libs-core==$dsl_version" \
   "nvidia-cutlass-dsl-libs-cu13==$dsl_version" \
-  "apache-tvm-ffi>=0.1.11,<0.2" "quack-kernels>=0.5.3" torch-c-dlpack-ext einops "protobuf>=4.21.12"
+  "apache-tvm-ffi==0.1.15.post2" "quack-kernels==0.6.5" "torch-c-dlpack-ext==0.1.5" "einops==0.8.2" \
+  "protobuf==7.36.2"
 
 library=$(ls "$download"/"$big"*.whl)
 rm -rf .fa4a .fa4b
