@@ -10,10 +10,12 @@
 # On the GPU machine, two calls in a row (its /tmp survives while it stays warm, about 30 s):
 #   source .device/setup.sh && bash scripts/fa4-gpu.sh stage-a           (carry .device, .fa4a)
 #   source .device/setup.sh && bash scripts/fa4-gpu.sh install-and-test  (carry .device, .fa4b)
-# While that machine is still warm, `test` (the GPU tests, plus the small-shape backend agreement
-# tests) and `bench` rerun one half on the installed wheels, and `gemma` times Gemma-3-1B's rows:
-# ROUNDS (default 1; about 4 minutes a round) alternating rounds of d9d with its default attention
-# (`flex_attention`), d9d with `flash_attention_4`, and transformers compiled, each its own process.
+# `install` in place of install-and-test only installs, for a second call that goes straight to
+# `gemma`. While that machine is still warm, `test` (the GPU tests, plus the small-shape backend
+# agreement tests) and `bench` rerun one half on the installed wheels, and `gemma` times
+# Gemma-3-1B's rows: ROUNDS (default 1; 100 to 140 s a round on an H100) alternating rounds of d9d
+# with its default attention without the extra (`flex_attention`), d9d with `flash_attention_4`,
+# and transformers compiled, each its own process.
 # Logs go to "$OUT" when set, else ./fa4-gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -127,6 +129,12 @@ case "${1:-}" in
     echo "pytest exit $tests, bench exit $bench" | tee "$out/result.txt"
     [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
     ;;
+  install)
+    # install-and-test without the tests and the benchmark, for a call that times the model next.
+    install 2>&1 | tee "$out/install.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+    use_site
+    ;;
   test)
     # Also the small-shape agreement of every installed backend with eager (head_dim 64, MHA/GQA/MQA).
     use_site && run_tests "$gpu_tests" packages/d9d-kernels/tests/layers/test_attention_backends.py
@@ -138,6 +146,6 @@ case "${1:-}" in
     use_site && run_gemma
     ;;
   *)
-    die "usage: bash scripts/fa4-gpu.sh stage-a | install-and-test | test | bench | gemma"
+    die "usage: bash scripts/fa4-gpu.sh stage-a | install-and-test | install | test | bench | gemma"
     ;;
 esac
