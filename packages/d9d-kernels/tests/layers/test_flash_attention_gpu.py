@@ -180,8 +180,8 @@ def test_torch_flash_windows_and_documents_match_fp32_reference_like_sdpa(
 class _Compiled:
     """A backend whose ``attend`` runs under ``torch.compile``, as inside a compiled decoder layer."""
 
-    def __init__(self, backend: AttentionBackend) -> None:
-        self.attend = torch.compile(backend.attend)
+    def __init__(self, backend: AttentionBackend, *, fullgraph: bool = False) -> None:
+        self.attend = torch.compile(backend.attend, fullgraph=fullgraph)
 
 
 @pytest.mark.parametrize("torch_flash", [True, False], ids=["varlen", "flex-kernel"])
@@ -236,3 +236,31 @@ def test_flexattention_kernel_windows_and_documents_match_fp32_reference_like_sd
     sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
     got = _run(FlexAttentionBackend(torch_flash=False), inputs, upstream, **kw, dtype=torch.bfloat16)
     _assert_within_sdpa_bound("flex_attention kernel", got, sdpa, reference)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize(
+    ("causal", "window"),
+    [(True, None), (True, WINDOW), (False, None)],
+    ids=["causal", "causal-window", "bidirectional"],
+)
+def test_flash_attention_4_compiles_into_one_graph_and_matches_fp32_reference_like_sdpa(
+    head_dim: int, causal: bool, window: int | None
+) -> None:
+    """Rows without documents compile with ``fullgraph=True``: FlashAttention 4 through its custom
+    ops, and on Hopper full causal rows wider than 128 through SDPA, at Gemma-3-1B's heads (4 query
+    heads, 1 key/value head)."""
+    compiled = _Compiled(_flash_backend("flash_attention_4"), fullgraph=True)
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def sample(heads: int) -> torch.Tensor:
+        return torch.randn(2, 1024, heads, head_dim, device=device, generator=generator).to(torch.bfloat16)
+
+    inputs = (sample(4), sample(1), sample(1))
+    upstream = sample(4)
+    kw = {"causal": causal, "window": window, "documents": None}
+    reference = _run(EagerAttentionBackend(), inputs, upstream, **kw, dtype=torch.float32)
+    sdpa = _run(SdpaAttentionBackend(), inputs, upstream, **kw, dtype=torch.bfloat16)
+    got = _run(compiled, inputs, upstream, **kw, dtype=torch.bfloat16)
+    _assert_within_sdpa_bound(f"compiled flash_attention_4 {head_dim=}", got, sdpa, reference)
