@@ -83,6 +83,13 @@ print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), 'torch', torch.__ve
   [ "${PIPESTATUS[0]}" -eq 0 ] || die "import flash_attn.cute failed (see above)"
 }
 
+# install, logged, then use_site; ends the script if the install failed.
+install_and_use() {
+  install 2>&1 | tee "$out/install.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+  use_site
+}
+
 gpu_tests=packages/d9d-kernels/tests/layers/test_flash_attention_gpu.py
 
 run_tests() {
@@ -119,9 +126,7 @@ case "${1:-}" in
     ;;
   install-and-test)
     nvidia-smi -L 2>&1 | tee "$out/nvidia-smi.txt"
-    install 2>&1 | tee "$out/install.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
-    use_site
+    install_and_use
     run_tests "$gpu_tests"
     tests=$?
     run_bench
@@ -131,9 +136,7 @@ case "${1:-}" in
     ;;
   install)
     # install-and-test without the tests and the benchmark, for a call that times the model next.
-    install 2>&1 | tee "$out/install.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
-    use_site
+    install_and_use
     ;;
   test)
     # Also the small-shape agreement of every installed backend with eager (head_dim 64, MHA/GQA/MQA).
